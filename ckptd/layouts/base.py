@@ -1,0 +1,110 @@
+"""Types shared by every completion rule.
+
+A completion rule is a pure function of a listing snapshot and a clock value: it opens
+no file and reads no clock, so every framework's write order is a fast unit test.
+The scanner (``ckptd.sync.scanner``) does the I/O and builds the snapshot.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+#: Small files that live beside the checkpoints (not inside one) and name the newest
+#: complete one. The scanner reads their contents into ``CheckpointListing.trackers``.
+TRACKER_FILES: tuple[str, ...] = ("latest", "latest_checkpointed_iteration.txt")
+
+LAYOUT_NAMES: tuple[str, ...] = (
+    "auto",
+    "hf",
+    "dcp",
+    "deepspeed",
+    "megatron",
+    "lightning",
+    "orbax",
+    "marker",
+    "quiescent",
+)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One regular file of a checkpoint, as stat() saw it."""
+
+    path: str  # relative to the checkpoint root, '/'-separated; for a file checkpoint, its name
+    size: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class CheckpointListing:
+    """A snapshot of one direct child of a watch dir, plus what lies beside it."""
+
+    name: str  # the child's name: "checkpoint-500", "global_step10", "epoch=1-step=9.ckpt"
+    is_dir: bool
+    files: tuple[FileEntry, ...]
+    # Contents (stripped) of the TRACKER_FILES present in the watch dir.
+    trackers: Mapping[str, str] = field(default_factory=dict)
+    # Names of all direct children of the watch dir (to see siblings such as orbax tmp dirs).
+    siblings: frozenset[str] = frozenset()
+    # Relative paths of files that some process holds open for writing (from /proc/*/fd);
+    # None when that could not be determined.
+    open_for_write: frozenset[str] | None = None
+
+    def has(self, path: str) -> bool:
+        return any(f.path == path for f in self.files)
+
+    @property
+    def newest_mtime_ns(self) -> int:
+        return max((f.mtime_ns for f in self.files), default=0)
+
+
+@dataclass(frozen=True)
+class RuleSettings:
+    """Per-watch knobs that completion rules read."""
+
+    quiescence_seconds: float = 10.0
+    marker: str = "COMPLETE"
+    # hf: trainer_state.json is written last, but a short quiet window guards against
+    # a save that is still flushing other files (e.g. an async optimizer write).
+    settle_seconds: float = 2.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The verdict of a completion rule on one listing."""
+
+    complete: bool
+    layout: str
+    reason: str
+    # The files to ship when complete (a rule may leave out scratch files).
+    files: tuple[FileEntry, ...] = ()
+    # When not complete only for want of time: evaluate again after this many seconds.
+    recheck_after: float | None = None
+
+
+class CompletionRule(Protocol):
+    """One framework's notion of 'this checkpoint is complete'."""
+
+    name: str
+
+    def recognises(self, listing: CheckpointListing) -> bool:
+        """True when the listing looks like this framework's checkpoint."""
+        ...
+
+    def evaluate(
+        self, listing: CheckpointListing, now_ns: int, settings: RuleSettings
+    ) -> Completion:
+        """Decide completeness at wall-clock time ``now_ns`` (ns since the epoch)."""
+        ...
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint name carries: its last run of digits, or None."""
+    runs = _DIGITS.findall(name)
+    return int(runs[-1]) if runs else None

