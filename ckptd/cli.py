@@ -1,0 +1,314 @@
+"""Command-line parsing only: every command calls into the modules that do the work.
+
+Exit codes (DESIGN.md, "CLI"): 0 success; 1 the operation failed (mismatch, daemon
+unreachable, nothing committed); 2 bad usage or invalid config, with the key named.
+``--json`` prints one JSON document on stdout; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptd import __version__, logs
+from ckptd.config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    render_effective_config,
+    require_destination,
+    require_watch,
+)
+from ckptd.storage import StorageError, open_storage
+from ckptd.storage.retrying import RetryingStorage
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad command-line usage (exit 2)."""
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", type=Path, default=None, help="TOML config (default /etc/ckptd/ckptd.toml)"
+    )
+    parser.add_argument(
+        "--dest", default=None, help="destination URL (s3://bucket/prefix or file:///path)"
+    )
+    parser.add_argument(
+        "--endpoint-url", default=None, help="S3-compatible endpoint, e.g. http://127.0.0.1:8333"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckptd", description="Ship every complete checkpoint off the node, verified."
+    )
+    parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the daemon in the foreground")
+    _common(run)
+    run.add_argument("--watch", type=Path, default=None, help="local checkpoint dir (one run)")
+    run.add_argument(
+        "--run", dest="run_id", default=None, help="run id for --watch (default: its basename)"
+    )
+    run.add_argument("--layout", default=None, help="completion rule for --watch (default auto)")
+    run.add_argument("--state-dir", type=Path, default=None, help="journal directory")
+    run.add_argument(
+        "--once", action="store_true", help="ship what is complete now, then exit (1 if any failed)"
+    )
+    run.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to finish the upload in flight on SIGTERM",
+    )
+
+    lst = sub.add_parser("list", help="committed checkpoints, newest last")
+    _common(lst)
+    lst.add_argument("--run", dest="run_id", default=None)
+    lst.add_argument("--json", action="store_true")
+
+    ver = sub.add_parser(
+        "verify", help="re-read remote objects and check them against the manifest"
+    )
+    _common(ver)
+    ver.add_argument("--run", dest="run_id", required=True)
+    which = ver.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", default=None)
+    which.add_argument("--latest", action="store_true")
+    ver.add_argument("--json", action="store_true")
+
+    status = sub.add_parser("status", help="ask the running daemon")
+    _common(status)
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--url", default=None, help="daemon base URL (default from metrics.listen)")
+
+    config = sub.add_parser("config", help="configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate and print the effective config")
+    _common(check)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    dest: dict[str, Any] = {}
+    if getattr(args, "dest", None):
+        dest["url"] = args.dest
+    if getattr(args, "endpoint_url", None):
+        dest["endpoint_url"] = args.endpoint_url
+    if dest:
+        out["destination"] = dest
+    if getattr(args, "watch", None):
+        watch: dict[str, Any] = {"dir": str(args.watch)}
+        if args.run_id:
+            watch["run_id"] = args.run_id
+        if args.layout:
+            watch["layout"] = args.layout
+        out["watch"] = [watch]
+    elif getattr(args, "layout", None) or (args.command == "run" and getattr(args, "run_id", None)):
+        raise UsageError("--run and --layout apply to --watch; give --watch DIR too")
+    if getattr(args, "state_dir", None):
+        out["state"] = {"dir": str(args.state_dir)}
+    return out
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings(args.config, overrides=_overrides(args))
+
+
+def _storage(settings: Settings) -> RetryingStorage:
+    require_destination(settings)
+    d = settings.destination
+    return open_storage(
+        d.url,
+        endpoint_url=d.endpoint_url,
+        region=d.region,
+        concurrency=d.concurrency,
+        max_attempts=d.max_attempts,
+    )
+
+
+def _print_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ckptd.service import Service
+
+    settings = _settings(args)
+    require_destination(settings)
+    require_watch(settings)
+    return asyncio.run(
+        Service(settings, once=args.once, shutdown_timeout=args.shutdown_timeout).serve()
+    )
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from ckptd.remote import list_committed, list_runs
+
+    storage = _storage(_settings(args))
+    runs = [args.run_id] if args.run_id else list_runs(storage)
+    rows: list[dict[str, Any]] = []
+    for run_id in runs:
+        for c in list_committed(storage, run_id):
+            m = c.manifest
+            rows.append(
+                {
+                    "run": run_id,
+                    "checkpoint": m.checkpoint,
+                    "step": m.step,
+                    "total_bytes": m.total_bytes,
+                    "files": len(m.files),
+                    "layout": m.layout,
+                    "host": m.host,
+                    "committed_at": m.committed_at,
+                    "latest": c.is_latest,
+                }
+            )
+    if args.json:
+        _print_json({"destination": storage.url, "checkpoints": rows})
+        return EXIT_OK
+    if not rows:
+        print(f"no committed checkpoints under {storage.url}")
+        return EXIT_OK
+    header = f"{'RUN':<16} {'CHECKPOINT':<28} {'STEP':>8} {'SIZE':>12} {'COMMITTED':<21} LATEST"
+    print(header)
+    for r in rows:
+        step = "-" if r["step"] is None else str(r["step"])
+        print(
+            f"{r['run']:<16} {r['checkpoint']:<28} {step:>8} {_human(r['total_bytes']):>12} "
+            f"{r['committed_at']:<21} {'*' if r['latest'] else ''}"
+        )
+    return EXIT_OK
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ckptd.remote import resolve, verify_checkpoint
+
+    settings = _settings(args)
+    storage = _storage(settings)
+    manifest = resolve(storage, args.run_id, None if args.latest else args.checkpoint)
+    problems = verify_checkpoint(storage, manifest, concurrency=settings.destination.concurrency)
+    if args.json:
+        _print_json(
+            {
+                "run": manifest.run_id,
+                "checkpoint": manifest.checkpoint,
+                "ok": not problems,
+                "files": len(manifest.files),
+                "problems": [{"path": p.path, "problem": p.problem} for p in problems],
+            }
+        )
+    elif problems:
+        for p in problems:
+            print(f"BAD  {manifest.run_id}/{manifest.checkpoint}/{p.path}: {p.problem}")
+        print(f"{len(problems)} of {len(manifest.files)} files do not match the manifest")
+    else:
+        print(
+            f"OK   {manifest.run_id}/{manifest.checkpoint}: {len(manifest.files)} files, {_human(manifest.total_bytes)}"
+        )
+    return EXIT_FAILED if problems else EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    base = args.url or f"http://{_url_host(settings.metrics.host)}:{settings.metrics.port}"
+    request = urllib.request.Request(f"{base}/v1/status")
+    token = settings.http.token.get_secret_value()
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            doc = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"ckptd: daemon not reachable at {base}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK
+    print(
+        f"destination {doc.get('destination', {}).get('url', '?')}  ok={doc.get('destination', {}).get('ok')}"
+    )
+    for run_id, run in doc.get("runs", {}).items():
+        last = run.get("last_committed") or {}
+        up = run.get("uploading")
+        print(
+            f"{run_id:<16} pending={len(run.get('pending', []))} lag={run.get('sync_lag_seconds', 0):.0f}s "
+            f"last={last.get('checkpoint', '-')}"
+            + (
+                f" uploading={up['checkpoint']} {up['bytes_sent']}/{up['bytes_total']}"
+                if up
+                else ""
+            )
+        )
+    return EXIT_OK
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    sys.stdout.write(render_effective_config(settings))
+    return EXIT_OK
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "list": cmd_list,
+    "verify": cmd_verify,
+    "status": cmd_status,
+    "config": cmd_config,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on bad usage
+    logs.configure(args.log_level)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(f"ckptd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"ckptd: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except StorageError as exc:
+        print(f"ckptd: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Every Prometheus metric ckptd exports, with its help text. Names are a contract
+(DESIGN.md, "HTTP"); labelled by ``run`` where it applies.
+
+A ``Metrics`` owns its own registry so tests (and several daemons in one process)
+never share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Checkpoints run from MiB to TiB, and a commit takes from well under a second to hours.
+SIZE_BUCKETS = tuple(float(2**p) for p in range(20, 42, 2))  # 1 MiB .. 2 TiB
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
+
+
+class Metrics:
+    """The daemon's metrics on one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.committed = Counter(
+            "ckptd_checkpoints_committed",
+            "Checkpoints committed (manifest written).",
+            ["run"],
+            registry=r,
+        )
+        self.failed = Counter(
+            "ckptd_checkpoints_failed",
+            "Checkpoint uploads that failed (will be retried on the next scan).",
+            ["run", "reason"],
+            registry=r,
+        )
+        self.abandoned = Counter(
+            "ckptd_checkpoints_abandoned",
+            "Checkpoints changed or deleted locally while uploading; never committed.",
+            ["run"],
+            registry=r,
+        )
+        self.upload_bytes = Counter(
+            "ckptd_upload_bytes", "Bytes of checkpoint data sent to the store.", ["run"], registry=r
+        )
+        self.copied_bytes = Counter(
+            "ckptd_copied_bytes",
+            "Bytes of unchanged files copied server-side instead of uploaded.",
+            ["run"],
+            registry=r,
+        )
+        self.upload_duration = Histogram(
+            "ckptd_upload_duration_seconds",
+            "From checkpoint complete to committed.",
+            ["run"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.checkpoint_bytes = Histogram(
+            "ckptd_checkpoint_size_bytes",
+            "Size of committed checkpoints.",
+            ["run"],
+            buckets=SIZE_BUCKETS,
+            registry=r,
+        )
+        self.pending = Gauge(
+            "ckptd_pending_checkpoints",
+            "Complete checkpoints not yet committed.",
+            ["run"],
+            registry=r,
+        )
+        self.last_step = Gauge(
+            "ckptd_last_committed_step",
+            "Step of the newest committed checkpoint.",
+            ["run"],
+            registry=r,
+        )
+        self.last_commit_ts = Gauge(
+            "ckptd_last_commit_timestamp_seconds",
+            "Unix time of the last commit.",
+            ["run"],
+            registry=r,
+        )
+        self.sync_lag = Gauge(
+            "ckptd_sync_lag_seconds",
+            "Age of the oldest complete checkpoint not yet committed (0 when none).",
+            ["run"],
+            registry=r,
+        )
+        self.preemption_notice = Gauge(
+            "ckptd_preemption_notice", "1 while a preemption notice is active.", registry=r
+        )
+        self.retries = Counter(
+            "ckptd_retries",
+            "Storage operations retried after a transient error.",
+            ["operation"],
+            registry=r,
+        )
+        self.storage_errors = Counter(
+            "ckptd_storage_errors",
+            "Storage operations that failed for good (after retries, or permanent).",
+            ["operation", "code"],
+            registry=r,
+        )
+        self.destination_up = Gauge(
+            "ckptd_destination_up", "1 when the last destination check succeeded.", registry=r
+        )
+        self.journal_rows = Gauge(
+            "ckptd_journal_rows", "Rows in the resume journal, by table.", ["table"], registry=r
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return bytes(generate_latest(self.registry))

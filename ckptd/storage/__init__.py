@@ -1,0 +1,76 @@
+"""Where checkpoints go: one small interface, an S3 and a filesystem backend, and the
+wrappers (retry, bandwidth cap) stacked in ``open_storage``."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from ckptd.storage.base import (
+    NotFoundError,
+    ObjectInfo,
+    PartInfo,
+    PreconditionFailedError,
+    Storage,
+    StorageError,
+)
+from ckptd.storage.limited import LimitedStorage, RateLimiter
+from ckptd.storage.retrying import RetryHook, RetryingStorage
+
+__all__ = [
+    "LimitedStorage",
+    "NotFoundError",
+    "ObjectInfo",
+    "PartInfo",
+    "PreconditionFailedError",
+    "RateLimiter",
+    "RetryingStorage",
+    "Storage",
+    "StorageError",
+    "open_backend",
+    "open_storage",
+]
+
+
+def open_backend(
+    url: str, *, endpoint_url: str = "", region: str = "", max_connections: int = 10
+) -> Storage:
+    """The bare backend for ``s3://bucket/prefix`` or ``file:///path``."""
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        from ckptd.storage.s3 import S3Storage
+
+        return S3Storage(
+            parsed.netloc,
+            parsed.path.strip("/"),
+            endpoint_url=endpoint_url,
+            region=region,
+            max_connections=max_connections,
+        )
+    if parsed.scheme == "file":
+        from ckptd.storage.fs import FileStorage
+
+        return FileStorage(Path(unquote(parsed.path)))
+    raise ValueError(f"unsupported destination {url!r}: use s3://bucket/prefix or file:///path")
+
+
+def open_storage(
+    url: str,
+    *,
+    endpoint_url: str = "",
+    region: str = "",
+    concurrency: int = 8,
+    max_upload_bytes_per_s: float = 0,
+    max_attempts: int = 8,
+    on_retry: RetryHook | None = None,
+    stop: threading.Event | None = None,
+    limiter: RateLimiter | None = None,
+) -> RetryingStorage:
+    """The backend with the node-wide bandwidth cap inside and retries outside, so a
+    retried part pays for its bandwidth again."""
+    backend = open_backend(
+        url, endpoint_url=endpoint_url, region=region, max_connections=concurrency + 4
+    )
+    limited: Storage = LimitedStorage(backend, limiter or RateLimiter(max_upload_bytes_per_s))
+    return RetryingStorage(limited, max_attempts=max_attempts, on_retry=on_retry, stop=stop)

@@ -1,0 +1,145 @@
+"""The storage interface every backend implements, and the one error type it raises.
+
+Keys are '/'-separated and relative to the destination root (``s3://bucket/prefix`` or
+``file:///mnt/shared/ckpt``); backends add the root. Every method is blocking and
+thread-safe: the pipeline runs them in worker threads.
+
+Errors: a backend raises ``StorageError`` only, classified once, here in the backend
+that understands its own failures: ``transient=True`` for what a later attempt may fix
+(5xx, SlowDown/throttling, RequestTimeout, connection resets, timeouts) and
+``transient=False`` for what it never will (AccessDenied, NoSuchBucket, ENOSPC, EACCES).
+``storage.retrying.RetryingStorage`` retries the first kind; the second surfaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+class StorageError(Exception):
+    """A storage operation failed; ``transient`` says whether retrying may help."""
+
+    def __init__(self, message: str, *, transient: bool, code: str = "") -> None:
+        super().__init__(message)
+        self.transient = transient
+        self.code = code
+
+
+class NotFoundError(StorageError):
+    """The key (or multipart upload) does not exist."""
+
+    def __init__(self, message: str, code: str = "NotFound") -> None:
+        super().__init__(message, transient=False, code=code)
+
+
+class PreconditionFailedError(StorageError):
+    """A conditional write lost: the key already exists."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=False, code="PreconditionFailed")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the store reports about one object."""
+
+    key: str
+    size: int
+    # The store's own checksum, in S3's form: base64 CRC-32C, "<b64>-<parts>" for a
+    # composite multipart value; "" when the store reports none.
+    checksum: str = ""
+    etag: str = ""
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One finished part of a multipart upload."""
+
+    number: int
+    size: int
+    etag: str
+    crc32c: int  # of this part's bytes, as computed by ckptd and confirmed by the store
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A durable destination for checkpoint objects."""
+
+    url: str
+
+    def put_bytes(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
+        """Write ``data`` at ``key`` (replacing); the store checks it against ``crc32c``."""
+        ...
+
+    def put_if_absent(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
+        """Write only if ``key`` does not exist (If-None-Match: *); else PreconditionFailedError."""
+        ...
+
+    def get_bytes(self, key: str) -> bytes:
+        """The whole object; NotFoundError if absent."""
+        ...
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes from ``start``."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """Size and store checksum of ``key``, or None if absent."""
+        ...
+
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, recursively."""
+        ...
+
+    def list_children(self, prefix: str) -> list[str]:
+        """Names of the 'directories' directly under ``prefix`` (which ends with '/')."""
+        ...
+
+    def delete(self, keys: list[str]) -> None:
+        """Remove ``keys``; absent keys are not an error."""
+        ...
+
+    def copy(self, src_key: str, dst_key: str) -> ObjectInfo:
+        """Server-side copy: no object bytes pass through this node."""
+        ...
+
+    def check(self) -> None:
+        """Raise StorageError if the destination is unreachable or misconfigured."""
+        ...
+
+    # -- multipart: resumable uploads of large files -------------------------------
+
+    def create_upload(self, key: str) -> str:
+        """Start a multipart upload of ``key``; returns its id."""
+        ...
+
+    def upload_part(
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes, *, crc32c: int
+    ) -> PartInfo:
+        """Send part ``number`` (1-based; its bytes start at ``offset`` in the file)."""
+        ...
+
+    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
+        """Parts the store holds for an upload, number -> (size, etag); None if the
+        backend cannot tell (the journal is then the record). NotFoundError if the upload
+        no longer exists."""
+        ...
+
+    def complete_upload(self, key: str, upload_id: str, parts: list[PartInfo]) -> ObjectInfo:
+        """Assemble the parts into the object at ``key``."""
+        ...
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Discard an upload and its parts; an unknown upload is not an error."""
+        ...
+
+    def list_uploads(self, prefix: str) -> list[tuple[str, str]]:
+        """Unfinished uploads under ``prefix`` as (key, upload_id)."""
+        ...
+
+    def expected_checksum(self, parts: list[PartInfo], whole_crc32c: int) -> str:
+        """What ``head().checksum`` should say for an object sent as ``parts``
+        (an empty list: sent with put_bytes); "" if the store reports none."""
+        ...

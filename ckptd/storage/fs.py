@@ -1,0 +1,297 @@
+"""Shared-filesystem backend (NFS, Lustre, NVMe-oF mounts): ``file:///mnt/shared/ckpt``.
+
+Every object is written under a temporary name in its final directory, fsynced, renamed
+into place, and the directory fsynced, so a reader (or a node that crashes half-way)
+never sees a partial file under a real name. The conditional write uses ``link()``,
+which is atomic and fails on an existing name, NFS included. Multipart uploads are a
+temporary file written at part offsets; the journal is the record of finished parts.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ckptd.storage.base import (
+    NotFoundError,
+    ObjectInfo,
+    PartInfo,
+    PreconditionFailedError,
+    StorageError,
+)
+
+_TMP_MARK = ".ckptd-"
+_TMP_SUFFIX = ".tmp"
+_PERMANENT_ERRNOS = {
+    errno.ENOSPC,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.EDQUOT,
+    errno.ENOTDIR,
+}
+
+
+def _error(exc: OSError, what: str) -> StorageError:
+    if exc.errno == errno.ENOENT:
+        return NotFoundError(f"{what}: {exc.strerror}")
+    transient = exc.errno not in _PERMANENT_ERRNOS
+    return StorageError(
+        f"{what}: {exc.strerror or exc}",
+        transient=transient,
+        code=errno.errorcode.get(exc.errno or 0, "OSError"),
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and _TMP_MARK in name and name.endswith(_TMP_SUFFIX)
+
+
+class FileStorage:
+    """Objects as files under a root directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+        self.url = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        parts = key.split("/")
+        # Keys come from manifests and checkpoint listings; refuse any that could
+        # climb out of the root (the guarantee: nothing written outside the named dir).
+        if key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise StorageError(f"refusing unsafe key {key!r}", transient=False, code="InvalidKey")
+        return self.root.joinpath(*parts)
+
+    def _temp_for(self, target: Path, tag: str) -> Path:
+        return target.parent / f".{target.name}{_TMP_MARK}{tag}{_TMP_SUFFIX}"
+
+    def _write_new(self, target: Path, data: bytes) -> Path:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._temp_for(target, uuid.uuid4().hex)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return tmp
+
+    def put_bytes(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
+        target = self._path(key)
+        try:
+            tmp = self._write_new(target, data)
+            os.replace(tmp, target)
+            _fsync_dir(target.parent)
+        except OSError as exc:
+            raise _error(exc, f"put {key}") from exc
+        return ObjectInfo(key, len(data))
+
+    def put_if_absent(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
+        target = self._path(key)
+        try:
+            tmp = self._write_new(target, data)
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                raise PreconditionFailedError(f"conditional put {key}: exists") from None
+            finally:
+                tmp.unlink(missing_ok=True)
+            _fsync_dir(target.parent)
+        except OSError as exc:
+            raise _error(exc, f"conditional put {key}") from exc
+        return ObjectInfo(key, len(data))
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except OSError as exc:
+            raise _error(exc, f"get {key}") from exc
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as fh:
+                return os.pread(fh.fileno(), length, start)
+        except OSError as exc:
+            raise _error(exc, f"get {key}") from exc
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _error(exc, f"head {key}") from exc
+        return ObjectInfo(key, st.st_size)
+
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        base_key = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = self._path(base_key) if base_key else self.root
+        if not base.is_dir():
+            return
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if _is_temp(name):
+                    continue
+                full = Path(dirpath) / name
+                key = full.relative_to(self.root).as_posix()
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    size = full.stat().st_size
+                except FileNotFoundError:
+                    continue
+                yield ObjectInfo(key, size)
+
+    def list_children(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        try:
+            return sorted(
+                e.name for e in os.scandir(base) if e.is_dir() and not e.name.startswith(".")
+            )
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise _error(exc, f"list {prefix}") from exc
+
+    def delete(self, keys: list[str]) -> None:
+        parents: set[Path] = set()
+        for key in keys:
+            path = self._path(key)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                raise _error(exc, f"delete {key}") from exc
+            parents.add(path.parent)
+        # Tidy directories a deletion emptied, deepest first, never the root itself.
+        for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+            while parent != self.root and self.root in parent.parents:
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+                parent = parent.parent
+
+    def copy(self, src_key: str, dst_key: str) -> ObjectInfo:
+        src, target = self._path(src_key), self._path(dst_key)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._temp_for(target, uuid.uuid4().hex)
+            # copyfile uses copy_file_range/sendfile: the kernel (or an NFS 4.2 server)
+            # moves the bytes, not this process.
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+            _fsync_dir(target.parent)
+            return ObjectInfo(dst_key, target.stat().st_size)
+        except OSError as exc:
+            raise _error(exc, f"copy {src_key} -> {dst_key}") from exc
+
+    def check(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe{_TMP_MARK}{uuid.uuid4().hex}{_TMP_SUFFIX}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise _error(exc, f"destination {self.root}") from exc
+
+    # -- multipart ----------------------------------------------------------------
+
+    def _upload_path(self, key: str, upload_id: str) -> Path:
+        if not upload_id.isalnum():
+            raise StorageError(
+                f"bad upload id {upload_id!r}", transient=False, code="InvalidUpload"
+            )
+        return self._temp_for(self._path(key), upload_id)
+
+    def create_upload(self, key: str) -> str:
+        upload_id = uuid.uuid4().hex
+        path = self._upload_path(key, upload_id)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(exist_ok=False)
+        except OSError as exc:
+            raise _error(exc, f"create upload {key}") from exc
+        return upload_id
+
+    def upload_part(
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes, *, crc32c: int
+    ) -> PartInfo:
+        path = self._upload_path(key, upload_id)
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except FileNotFoundError:
+            raise NotFoundError(f"upload part {number} of {key}: upload {upload_id} gone") from None
+        except OSError as exc:
+            raise _error(exc, f"upload part {number} of {key}") from exc
+        try:
+            view = memoryview(data)
+            written = 0
+            while written < len(view):
+                written += os.pwrite(fd, view[written:], offset + written)
+            # The journal records this part as finished right after: it must be durable.
+            os.fsync(fd)
+        except OSError as exc:
+            raise _error(exc, f"upload part {number} of {key}") from exc
+        finally:
+            os.close(fd)
+        return PartInfo(number, len(data), "", crc32c)
+
+    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
+        if not self._upload_path(key, upload_id).exists():
+            raise NotFoundError(f"upload {upload_id} of {key} gone", code="NoSuchUpload")
+        return None
+
+    def complete_upload(self, key: str, upload_id: str, parts: list[PartInfo]) -> ObjectInfo:
+        path, target = self._upload_path(key, upload_id), self._path(key)
+        size = sum(p.size for p in parts)
+        try:
+            with open(path, "rb+") as fh:
+                fh.truncate(size)
+                os.fsync(fh.fileno())
+            os.replace(path, target)
+            _fsync_dir(target.parent)
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"complete {key}: upload {upload_id} gone", code="NoSuchUpload"
+            ) from None
+        except OSError as exc:
+            raise _error(exc, f"complete {key}") from exc
+        return ObjectInfo(key, size)
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        try:
+            self._upload_path(key, upload_id).unlink(missing_ok=True)
+        except OSError as exc:
+            raise _error(exc, f"abort upload {key}") from exc
+
+    def list_uploads(self, prefix: str) -> list[tuple[str, str]]:
+        found = []
+        base_key = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = self._path(base_key) if base_key else self.root
+        if not base.is_dir():
+            return []
+        for dirpath, _dirs, filenames in os.walk(base):
+            for name in filenames:
+                if not _is_temp(name):
+                    continue
+                stem, _, tag = name[1 : -len(_TMP_SUFFIX)].rpartition(_TMP_MARK)
+                key = (Path(dirpath) / stem).relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    found.append((key, tag))
+        return found
+
+    def expected_checksum(self, parts: list[PartInfo], whole_crc32c: int) -> str:
+        return ""  # a filesystem reports no checksum; size is what it can confirm

@@ -1,0 +1,393 @@
+"""S3 (and S3-compatible) backend on boto3's low-level client.
+
+Multipart is driven here part by part, not through ``upload_file``, because ckptd needs
+what s3transfer does not offer: each part's CRC-32C computed from the bytes it already
+read (so each byte is read from disk once), and uploads that resume after a restart
+from a journal of finished parts. boto3's own retries are off: ``RetryingStorage``
+retries, so every retry is counted and logged in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    ReadTimeoutError,
+)
+
+from ckptd import checksum
+from ckptd.storage.base import (
+    NotFoundError,
+    ObjectInfo,
+    PartInfo,
+    PreconditionFailedError,
+    StorageError,
+)
+
+# S3 error codes a later attempt may fix (AWS S3 error responses; throttling from
+# botocore's retry handler list).
+_TRANSIENT_CODES = {
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "RequestLimitExceeded",
+    "BandwidthLimitExceeded",
+    "OperationAborted",
+    "500",
+    "502",
+    "503",
+    "504",
+}
+_NOT_FOUND_CODES = {"NoSuchKey", "NoSuchUpload", "404", "NotFound"}
+
+
+def classify(exc: Exception, what: str) -> StorageError:
+    """Turn a botocore failure into a StorageError that says whether to retry."""
+    if isinstance(exc, StorageError):
+        return exc
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        message = f"{what}: {code or status} {err.get('Message', '')}".strip()
+        if code in ("PreconditionFailed", "412") or status == 412:
+            return PreconditionFailedError(message)
+        if code == "NoSuchBucket":
+            return StorageError(message, transient=False, code=code)
+        if code in _NOT_FOUND_CODES or (status == 404 and not code):
+            return NotFoundError(message, code=code or "404")
+        transient = code in _TRANSIENT_CODES or status >= 500 or status == 429
+        return StorageError(message, transient=transient, code=code or str(status))
+    if isinstance(
+        exc,
+        EndpointConnectionError | ConnectionClosedError | ReadTimeoutError | ConnectTimeoutError,
+    ):
+        return StorageError(f"{what}: {exc}", transient=True, code=type(exc).__name__)
+    if isinstance(exc, NoCredentialsError):
+        return StorageError(
+            f"{what}: no S3 credentials found", transient=False, code="NoCredentials"
+        )
+    if isinstance(exc, BotoCoreError | ConnectionError | TimeoutError | OSError):
+        # Resets and broken pipes below botocore's own wrappers.
+        return StorageError(f"{what}: {exc}", transient=True, code=type(exc).__name__)
+    return StorageError(f"{what}: {exc!r}", transient=False, code=type(exc).__name__)
+
+
+class S3Storage:
+    """Objects under ``s3://bucket/prefix``."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str = "",
+        region: str = "",
+        max_connections: int = 10,
+        timeout_seconds: float = 60.0,
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        config = Config(
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            max_pool_connections=max_connections,
+            connect_timeout=10,
+            read_timeout=timeout_seconds,
+            # ckptd sends its own CRC-32C; without these botocore would checksum every
+            # body a second time (CRC32) and validate every download a second time.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            s3={"addressing_style": "path"} if endpoint_url else None,
+        )
+        session = boto3.session.Session()
+        self._client: Any = session.client(
+            "s3",
+            endpoint_url=endpoint_url or None,
+            region_name=region or None,
+            config=config,
+        )
+        self._lock = threading.Lock()
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix) + 1 :] if self.prefix else full
+
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(**kwargs)
+        except Exception as exc:
+            raise classify(exc, what) from exc
+
+    # -- objects ------------------------------------------------------------------
+
+    def put_bytes(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
+        resp = self._call(
+            f"put {key}",
+            self._client.put_object,
+            Bucket=self.bucket,
+            Key=self._key(key),
+            Body=data,
+            ChecksumCRC32C=checksum.to_base64(crc32c),
+        )
+        return ObjectInfo(key, len(data), resp.get("ChecksumCRC32C", ""), resp.get("ETag", ""))
+
+    def put_if_absent(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
+        resp = self._call(
+            f"conditional put {key}",
+            self._client.put_object,
+            Bucket=self.bucket,
+            Key=self._key(key),
+            Body=data,
+            ChecksumCRC32C=checksum.to_base64(crc32c),
+            IfNoneMatch="*",
+        )
+        return ObjectInfo(key, len(data), resp.get("ChecksumCRC32C", ""), resp.get("ETag", ""))
+
+    def get_bytes(self, key: str) -> bytes:
+        resp = self._call(
+            f"get {key}", self._client.get_object, Bucket=self.bucket, Key=self._key(key)
+        )
+        try:
+            return bytes(resp["Body"].read())
+        except Exception as exc:
+            raise classify(exc, f"get {key}") from exc
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        resp = self._call(
+            f"get {key}",
+            self._client.get_object,
+            Bucket=self.bucket,
+            Key=self._key(key),
+            Range=f"bytes={start}-{start + length - 1}",
+        )
+        try:
+            return bytes(resp["Body"].read())
+        except Exception as exc:
+            raise classify(exc, f"get {key}") from exc
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            resp = self._call(
+                f"head {key}",
+                self._client.head_object,
+                Bucket=self.bucket,
+                Key=self._key(key),
+                ChecksumMode="ENABLED",
+            )
+        except NotFoundError:
+            return None
+        return ObjectInfo(
+            key, int(resp["ContentLength"]), resp.get("ChecksumCRC32C", ""), resp.get("ETag", "")
+        )
+
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
+                for item in page.get("Contents", []):
+                    yield ObjectInfo(
+                        self._rel(item["Key"]), int(item["Size"]), "", item.get("ETag", "")
+                    )
+        except Exception as exc:
+            raise classify(exc, f"list {prefix}") from exc
+
+    def list_children(self, prefix: str) -> list[str]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        full = self._key(prefix)
+        names: list[str] = []
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full, Delimiter="/"):
+                for cp in page.get("CommonPrefixes", []):
+                    names.append(cp["Prefix"][len(full) :].rstrip("/"))
+        except Exception as exc:
+            raise classify(exc, f"list {prefix}") from exc
+        return names
+
+    def delete(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = keys[start : start + 1000]
+            resp = self._call(
+                "delete",
+                self._client.delete_objects,
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": self._key(k)} for k in batch], "Quiet": True},
+            )
+            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"delete {first.get('Key')}: {first.get('Code')} {first.get('Message', '')}",
+                    transient=first.get("Code") in _TRANSIENT_CODES,
+                    code=str(first.get("Code", "")),
+                )
+
+    def copy(self, src_key: str, dst_key: str) -> ObjectInfo:
+        # copy_object handles up to 5 GiB in one request; larger sources need part copies.
+        info = self.head(src_key)
+        if info is None:
+            raise NotFoundError(f"copy {src_key}: source missing")
+        if info.size <= 5 * 1024**3:
+            self._call(
+                f"copy {src_key} -> {dst_key}",
+                self._client.copy_object,
+                Bucket=self.bucket,
+                Key=self._key(dst_key),
+                CopySource={"Bucket": self.bucket, "Key": self._key(src_key)},
+            )
+        else:
+            self._copy_multipart(src_key, dst_key, info.size)
+        copied = self.head(dst_key)
+        if copied is None:
+            raise StorageError(
+                f"copy {src_key} -> {dst_key}: target missing after copy", transient=True
+            )
+        return copied
+
+    def _copy_multipart(self, src_key: str, dst_key: str, size: int) -> None:
+        part = 1024**3
+        upload_id = self.create_upload(dst_key)
+        try:
+            parts = []
+            for number, start in enumerate(range(0, size, part), start=1):
+                end = min(size, start + part) - 1
+                resp = self._call(
+                    f"copy part {number} of {dst_key}",
+                    self._client.upload_part_copy,
+                    Bucket=self.bucket,
+                    Key=self._key(dst_key),
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource={"Bucket": self.bucket, "Key": self._key(src_key)},
+                    CopySourceRange=f"bytes={start}-{end}",
+                )
+                parts.append({"PartNumber": number, "ETag": resp["CopyPartResult"]["ETag"]})
+            self._call(
+                f"complete {dst_key}",
+                self._client.complete_multipart_upload,
+                Bucket=self.bucket,
+                Key=self._key(dst_key),
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            self.abort_upload(dst_key, upload_id)
+            raise
+
+    def check(self) -> None:
+        self._call(f"bucket {self.bucket}", self._client.head_bucket, Bucket=self.bucket)
+
+    # -- multipart ----------------------------------------------------------------
+
+    def create_upload(self, key: str) -> str:
+        resp = self._call(
+            f"create upload {key}",
+            self._client.create_multipart_upload,
+            Bucket=self.bucket,
+            Key=self._key(key),
+            ChecksumAlgorithm="CRC32C",
+        )
+        return str(resp["UploadId"])
+
+    def upload_part(
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes, *, crc32c: int
+    ) -> PartInfo:
+        resp = self._call(
+            f"upload part {number} of {key}",
+            self._client.upload_part,
+            Bucket=self.bucket,
+            Key=self._key(key),
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=data,
+            ChecksumCRC32C=checksum.to_base64(crc32c),
+        )
+        echoed = resp.get("ChecksumCRC32C")
+        if echoed and checksum.from_base64(echoed) != crc32c:
+            raise StorageError(
+                f"upload part {number} of {key}: store computed CRC-32C {echoed}, "
+                f"ckptd {checksum.to_base64(crc32c)}",
+                transient=True,
+                code="BadDigest",
+            )
+        return PartInfo(number, len(data), str(resp.get("ETag", "")), crc32c)
+
+    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
+        paginator = self._client.get_paginator("list_parts")
+        found: dict[int, tuple[int, str]] = {}
+        try:
+            for page in paginator.paginate(
+                Bucket=self.bucket, Key=self._key(key), UploadId=upload_id
+            ):
+                for p in page.get("Parts", []):
+                    found[int(p["PartNumber"])] = (int(p["Size"]), str(p.get("ETag", "")))
+        except Exception as exc:
+            raise classify(exc, f"list parts of {key}") from exc
+        return found
+
+    def complete_upload(self, key: str, upload_id: str, parts: list[PartInfo]) -> ObjectInfo:
+        resp = self._call(
+            f"complete {key}",
+            self._client.complete_multipart_upload,
+            Bucket=self.bucket,
+            Key=self._key(key),
+            UploadId=upload_id,
+            MultipartUpload={
+                "Parts": [
+                    {
+                        "PartNumber": p.number,
+                        "ETag": p.etag,
+                        "ChecksumCRC32C": checksum.to_base64(p.crc32c),
+                    }
+                    for p in sorted(parts, key=lambda p: p.number)
+                ]
+            },
+        )
+        return ObjectInfo(
+            key, sum(p.size for p in parts), resp.get("ChecksumCRC32C", ""), resp.get("ETag", "")
+        )
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        with contextlib.suppress(NotFoundError):
+            self._call(
+                f"abort upload {key}",
+                self._client.abort_multipart_upload,
+                Bucket=self.bucket,
+                Key=self._key(key),
+                UploadId=upload_id,
+            )
+
+    def list_uploads(self, prefix: str) -> list[tuple[str, str]]:
+        paginator = self._client.get_paginator("list_multipart_uploads")
+        found: list[tuple[str, str]] = []
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
+                for u in page.get("Uploads", []):
+                    found.append((self._rel(u["Key"]), str(u["UploadId"])))
+        except Exception as exc:
+            raise classify(exc, f"list uploads {prefix}") from exc
+        return found
+
+    def expected_checksum(self, parts: list[PartInfo], whole_crc32c: int) -> str:
+        if not parts:
+            return checksum.to_base64(whole_crc32c)
+        return checksum.s3_composite(p.crc32c for p in sorted(parts, key=lambda p: p.number))

@@ -1,0 +1,232 @@
+"""The durable journal under ``state.dir``: what is in flight, so a restart resumes it.
+
+sqlite in WAL mode with ``synchronous=FULL``: a row written before a crash (``kill -9``
+or power loss) is there after it. Rows are written *after* the fact they record is
+durable in the store (a part acknowledged, an object verified), so the journal may
+under-state progress after a crash, never over-state it.
+
+An intended multipart upload is journalled *before* it is created, so an upload
+created just before a crash (and not yet recorded) is still found and aborted.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd.storage.base import PartInfo
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS uploads (
+    key TEXT PRIMARY KEY,
+    upload_id TEXT,            -- NULL: intended, maybe created, not yet recorded
+    run TEXT NOT NULL,
+    checkpoint TEXT NOT NULL,
+    path TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    part_size INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS parts (
+    key TEXT NOT NULL,
+    upload_id TEXT NOT NULL,
+    number INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    etag TEXT NOT NULL,
+    crc32c INTEGER NOT NULL,
+    PRIMARY KEY (upload_id, number)
+);
+CREATE TABLE IF NOT EXISTS objects (
+    key TEXT PRIMARY KEY,
+    run TEXT NOT NULL,
+    checkpoint TEXT NOT NULL,
+    path TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    crc32c INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS committed (
+    run TEXT NOT NULL,
+    checkpoint TEXT NOT NULL,
+    step INTEGER,
+    committed_at REAL NOT NULL,
+    PRIMARY KEY (run, checkpoint)
+);
+"""
+
+
+@dataclass(frozen=True)
+class UploadRecord:
+    key: str
+    upload_id: str | None
+    run: str
+    checkpoint: str
+    path: str
+    size: int
+    mtime_ns: int
+    part_size: int
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    key: str
+    path: str
+    size: int
+    mtime_ns: int
+    crc32c: int
+
+
+class Journal:
+    """Thread-safe access to the journal database."""
+
+    def __init__(self, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = state_dir / "journal.sqlite3"
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _exec(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # -- multipart uploads ----------------------------------------------------------
+
+    def intend_upload(self, rec: UploadRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO uploads VALUES (?, NULL, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                rec.key,
+                rec.run,
+                rec.checkpoint,
+                rec.path,
+                rec.size,
+                rec.mtime_ns,
+                rec.part_size,
+                time.time(),
+            ),
+        )
+
+    def record_upload_id(self, key: str, upload_id: str) -> None:
+        self._exec("UPDATE uploads SET upload_id = ? WHERE key = ?", (upload_id, key))
+
+    def upload_for(self, key: str) -> UploadRecord | None:
+        rows = self._exec(
+            "SELECT key, upload_id, run, checkpoint, path, size, mtime_ns, part_size FROM uploads WHERE key = ?",
+            (key,),
+        )
+        return UploadRecord(*rows[0]) if rows else None  # type: ignore[arg-type]
+
+    def all_uploads(self) -> list[UploadRecord]:
+        rows = self._exec(
+            "SELECT key, upload_id, run, checkpoint, path, size, mtime_ns, part_size FROM uploads"
+        )
+        return [UploadRecord(*r) for r in rows]  # type: ignore[arg-type]
+
+    def record_part(self, key: str, upload_id: str, part: PartInfo) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO parts VALUES (?, ?, ?, ?, ?, ?)",
+            (key, upload_id, part.number, part.size, part.etag, part.crc32c),
+        )
+
+    def parts_for(self, upload_id: str) -> dict[int, PartInfo]:
+        rows = self._exec(
+            "SELECT number, size, etag, crc32c FROM parts WHERE upload_id = ? ORDER BY number",
+            (upload_id,),
+        )
+        return {int(r[0]): PartInfo(int(r[0]), int(r[1]), str(r[2]), int(r[3])) for r in rows}  # type: ignore[call-overload]
+
+    def forget_upload(self, key: str) -> None:
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "DELETE FROM parts WHERE upload_id IN (SELECT upload_id FROM uploads WHERE key = ?)",
+                (key,),
+            )
+            self._db.execute("DELETE FROM parts WHERE key = ?", (key,))
+            self._db.execute("DELETE FROM uploads WHERE key = ?", (key,))
+            self._db.execute("COMMIT")
+
+    # -- finished objects -----------------------------------------------------------
+
+    def record_object(self, run: str, checkpoint: str, rec: ObjectRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (rec.key, run, checkpoint, rec.path, rec.size, rec.mtime_ns, rec.crc32c),
+        )
+
+    def objects_for(self, run: str, checkpoint: str) -> dict[str, ObjectRecord]:
+        rows = self._exec(
+            "SELECT key, path, size, mtime_ns, crc32c FROM objects WHERE run = ? AND checkpoint = ?",
+            (run, checkpoint),
+        )
+        return {str(r[1]): ObjectRecord(*r) for r in rows}  # type: ignore[arg-type]
+
+    def forget_checkpoint(self, run: str, checkpoint: str) -> None:
+        """Drop the in-flight records of a checkpoint (committed or abandoned)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "DELETE FROM parts WHERE upload_id IN "
+                "(SELECT upload_id FROM uploads WHERE run = ? AND checkpoint = ?)",
+                (run, checkpoint),
+            )
+            self._db.execute(
+                "DELETE FROM uploads WHERE run = ? AND checkpoint = ?", (run, checkpoint)
+            )
+            self._db.execute(
+                "DELETE FROM objects WHERE run = ? AND checkpoint = ?", (run, checkpoint)
+            )
+            self._db.execute("COMMIT")
+
+    # -- commits --------------------------------------------------------------------
+
+    def mark_committed(self, run: str, checkpoint: str, step: int | None) -> None:
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT OR REPLACE INTO committed VALUES (?, ?, ?, ?)",
+                (run, checkpoint, step, time.time()),
+            )
+            self._db.execute(
+                "DELETE FROM parts WHERE upload_id IN "
+                "(SELECT upload_id FROM uploads WHERE run = ? AND checkpoint = ?)",
+                (run, checkpoint),
+            )
+            self._db.execute(
+                "DELETE FROM uploads WHERE run = ? AND checkpoint = ?", (run, checkpoint)
+            )
+            self._db.execute(
+                "DELETE FROM objects WHERE run = ? AND checkpoint = ?", (run, checkpoint)
+            )
+            self._db.execute("COMMIT")
+
+    def is_committed(self, run: str, checkpoint: str) -> bool:
+        return bool(
+            self._exec(
+                "SELECT 1 FROM committed WHERE run = ? AND checkpoint = ?", (run, checkpoint)
+            )
+        )
+
+    def committed(self, run: str) -> list[tuple[str, int | None]]:
+        rows = self._exec(
+            "SELECT checkpoint, step FROM committed WHERE run = ? ORDER BY committed_at", (run,)
+        )
+        return [(str(r[0]), r[1] if r[1] is None else int(r[1])) for r in rows]  # type: ignore[call-overload]
+
+    def stats(self) -> dict[str, int]:
+        """Row counts, for metrics."""
+        out = {}
+        for table in ("uploads", "parts", "objects", "committed"):
+            out[table] = int(self._exec(f"SELECT COUNT(*) FROM {table}")[0][0])  # type: ignore[call-overload]
+        return out

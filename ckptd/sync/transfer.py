@@ -1,0 +1,301 @@
+"""Moving one file's bytes to the store: checksummed as read, resumable, verified.
+
+Each byte is read from disk once, with ``pread`` at its part's offset, inside the worker
+that sends it; the part's CRC-32C is computed from that same buffer, sent for the store
+to check, and folded (``crc32c_combine``) into the whole-file value. At most
+``concurrency`` parts are in memory at once, whatever the checkpoint size.
+
+File-level logic runs as coroutines; only leaf operations (read+send one part, one
+request) run in the thread pool, so a file never waits on a pool slot it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from ckptd import checksum
+from ckptd.layouts.base import FileEntry
+from ckptd.storage.base import NotFoundError, PartInfo, Storage, StorageError
+from ckptd.sync.journal import Journal, ObjectRecord, UploadRecord
+
+T = TypeVar("T")
+
+_HASH_CHUNK = 8 * 1024 * 1024
+
+
+class CheckpointChangedError(Exception):
+    """The local checkpoint changed or vanished while it was being shipped."""
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """A file that is now in the store, verified."""
+
+    path: str
+    size: int
+    crc32c: int
+    how: str  # "uploaded" | "resumed" | "copied" | "skipped"
+    bytes_sent: int = 0
+    parts: list[PartInfo] = field(default_factory=list)
+
+
+@dataclass
+class TransferContext:
+    """Who a file belongs to, and how to tell a caller that it should stop."""
+
+    run: str
+    checkpoint: str
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def _same_file(st: os.stat_result, entry: FileEntry) -> bool:
+    return st.st_size == entry.size and st.st_mtime_ns == entry.mtime_ns
+
+
+class Transfers:
+    """Uploads, server-side copies and hashing, bounded by one pool of workers."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        journal: Journal,
+        *,
+        part_size: int,
+        concurrency: int,
+        on_bytes: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.storage = storage
+        self.journal = journal
+        self.part_size = part_size
+        self.concurrency = concurrency
+        self.on_bytes = on_bytes or (lambda run, n: None)
+        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ckptd-io")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    async def _in_pool(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.pool.submit(fn))
+
+    # -- hashing (copy candidates) -------------------------------------------------
+
+    async def crc_of(self, local: Path, entry: FileEntry, ctx: TransferContext) -> int:
+        """CRC-32C of a local file, which must still match ``entry``."""
+
+        def work() -> int:
+            with open(local, "rb", buffering=0) as fh:
+                if not _same_file(os.fstat(fh.fileno()), entry):
+                    raise CheckpointChangedError(f"{entry.path} changed")
+                value, total = 0, 0
+                buf = bytearray(_HASH_CHUNK)
+                view = memoryview(buf)
+                while n := fh.readinto(buf):
+                    if ctx.cancel.is_set():
+                        raise CheckpointChangedError("cancelled")
+                    value = checksum.crc32c(view[:n], value)
+                    total += n
+                if total != entry.size:
+                    raise CheckpointChangedError(f"{entry.path} changed size while read")
+                return value
+
+        try:
+            return await self._in_pool(work)
+        except FileNotFoundError as exc:
+            raise CheckpointChangedError(f"{entry.path} vanished") from exc
+
+    # -- server-side copy ------------------------------------------------------------
+
+    async def copy(
+        self, src_key: str, dst_key: str, entry: FileEntry, crc: int, ctx: TransferContext
+    ) -> FileResult:
+        def work() -> FileResult:
+            source = self.storage.head(src_key)
+            copied = self.storage.copy(src_key, dst_key)
+            if copied.size != entry.size or (
+                source is not None
+                and source.checksum
+                and copied.checksum
+                and copied.checksum != source.checksum
+            ):
+                raise StorageError(
+                    f"copy {src_key} -> {dst_key} verified wrong: size {copied.size} checksum {copied.checksum!r}",
+                    transient=True,
+                    code="VerifyFailed",
+                )
+            self.journal.record_object(
+                ctx.run,
+                ctx.checkpoint,
+                ObjectRecord(dst_key, entry.path, entry.size, entry.mtime_ns, crc),
+            )
+            return FileResult(entry.path, entry.size, crc, "copied")
+
+        return await self._in_pool(work)
+
+    # -- uploads ---------------------------------------------------------------------
+
+    async def upload(
+        self, key: str, local: Path, entry: FileEntry, ctx: TransferContext
+    ) -> FileResult:
+        """Ship ``local`` to ``key``, resuming a journalled multipart upload if any."""
+        if ctx.cancel.is_set():
+            raise CheckpointChangedError("cancelled")
+        try:
+            if entry.size <= self.part_size:
+                return await self._in_pool(lambda: self._put_small(key, local, entry, ctx))
+            return await self._upload_multipart(key, local, entry, ctx)
+        except FileNotFoundError as exc:
+            raise CheckpointChangedError(f"{entry.path} vanished") from exc
+
+    def _put_small(
+        self, key: str, local: Path, entry: FileEntry, ctx: TransferContext
+    ) -> FileResult:
+        if ctx.cancel.is_set():
+            raise CheckpointChangedError("cancelled")
+        with open(local, "rb", buffering=0) as fh:
+            if not _same_file(os.fstat(fh.fileno()), entry):
+                raise CheckpointChangedError(f"{entry.path} changed")
+            data = fh.read(entry.size + 1)
+        if len(data) != entry.size:
+            raise CheckpointChangedError(f"{entry.path} changed size while read")
+        crc = checksum.crc32c(data)
+        self.storage.put_bytes(key, data, crc32c=crc)
+        self.on_bytes(ctx.run, len(data))
+        self._verify(key, entry.size, [], crc)
+        self.journal.record_object(
+            ctx.run, ctx.checkpoint, ObjectRecord(key, entry.path, entry.size, entry.mtime_ns, crc)
+        )
+        return FileResult(entry.path, entry.size, crc, "uploaded", bytes_sent=len(data))
+
+    def _verify(self, key: str, size: int, parts: list[PartInfo], whole_crc: int) -> None:
+        """Compare what the store reports with what ckptd read and sent."""
+        info = self.storage.head(key)
+        if info is None:
+            raise StorageError(
+                f"verify {key}: object missing after upload", transient=True, code="VerifyFailed"
+            )
+        expected = self.storage.expected_checksum(parts, whole_crc)
+        if info.size != size or (expected and info.checksum and info.checksum != expected):
+            raise StorageError(
+                f"verify {key}: store reports size {info.size} checksum {info.checksum!r}, "
+                f"expected {size} {expected!r}",
+                transient=True,
+                code="VerifyFailed",
+            )
+
+    async def _upload_multipart(
+        self, key: str, local: Path, entry: FileEntry, ctx: TransferContext
+    ) -> FileResult:
+        upload_id, done = await self._in_pool(lambda: self._resume_or_start(key, entry, ctx))
+        resumed = bool(done)
+        fd = os.open(local, os.O_RDONLY)
+        try:
+            if not _same_file(os.fstat(fd), entry):
+                raise CheckpointChangedError(f"{entry.path} changed")
+            numbers = range(1, (entry.size + self.part_size - 1) // self.part_size + 1)
+            todo = [n for n in numbers if n not in done]
+            failed = threading.Event()
+
+            def send(number: int) -> PartInfo:
+                if ctx.cancel.is_set() or failed.is_set():
+                    raise CheckpointChangedError("cancelled")
+                offset = (number - 1) * self.part_size
+                length = min(self.part_size, entry.size - offset)
+                data = os.pread(fd, length, offset)
+                if len(data) != length:
+                    raise CheckpointChangedError(f"{entry.path} shrank while read")
+                crc = checksum.crc32c(data)
+                part = self.storage.upload_part(key, upload_id, number, offset, data, crc32c=crc)
+                self.journal.record_part(key, upload_id, part)
+                self.on_bytes(ctx.run, length)
+                return part
+
+            futures = [asyncio.wrap_future(self.pool.submit(send, n)) for n in todo]
+            try:
+                sent = await asyncio.gather(*futures)
+            except BaseException:
+                failed.set()  # parts not yet started give up at once
+                await asyncio.gather(*futures, return_exceptions=True)
+                raise
+            if not _same_file(os.fstat(fd), entry):
+                raise CheckpointChangedError(f"{entry.path} changed while uploaded")
+        finally:
+            os.close(fd)
+        parts = sorted([*done.values(), *sent], key=lambda p: p.number)
+        whole = checksum.combine_parts((p.crc32c, p.size) for p in parts)
+
+        def finish() -> None:
+            self.storage.complete_upload(key, upload_id, parts)
+            self._verify(key, entry.size, parts, whole)
+            self.journal.record_object(
+                ctx.run,
+                ctx.checkpoint,
+                ObjectRecord(key, entry.path, entry.size, entry.mtime_ns, whole),
+            )
+            self.journal.forget_upload(key)
+
+        await self._in_pool(finish)
+        sent_bytes = sum(p.size for p in sent)
+        return FileResult(
+            entry.path, entry.size, whole, "resumed" if resumed else "uploaded", sent_bytes, parts
+        )
+
+    def _resume_or_start(
+        self, key: str, entry: FileEntry, ctx: TransferContext
+    ) -> tuple[str, dict[int, PartInfo]]:
+        """The journalled upload of this very file with its finished parts, or a new one."""
+        rec = self.journal.upload_for(key)
+        if rec is not None and rec.upload_id is not None:
+            if (rec.size, rec.mtime_ns, rec.part_size) == (
+                entry.size,
+                entry.mtime_ns,
+                self.part_size,
+            ):
+                done = self.journal.parts_for(rec.upload_id)
+                try:
+                    held = self.storage.list_parts(key, rec.upload_id)
+                except NotFoundError:
+                    held = {}
+                    done = {}
+                if held is not None:
+                    # The store is the truth: keep only parts it holds with the same size.
+                    done = {n: p for n, p in done.items() if n in held and held[n][0] == p.size}
+                if held is None or held or done:
+                    return rec.upload_id, done
+            self.storage.abort_upload(key, rec.upload_id)
+            self.journal.forget_upload(key)
+        elif rec is not None:
+            # Intended before a crash, maybe created: abort whatever exists for this key.
+            abort_unrecorded_uploads(self.storage, key, keep=set())
+            self.journal.forget_upload(key)
+        self.journal.intend_upload(
+            UploadRecord(
+                key,
+                None,
+                ctx.run,
+                ctx.checkpoint,
+                entry.path,
+                entry.size,
+                entry.mtime_ns,
+                self.part_size,
+            )
+        )
+        upload_id = self.storage.create_upload(key)
+        self.journal.record_upload_id(key, upload_id)
+        return upload_id, {}
+
+
+def abort_unrecorded_uploads(storage: Storage, key: str, keep: set[str]) -> int:
+    """Abort multipart uploads of exactly ``key`` whose ids are not in ``keep``."""
+    aborted = 0
+    for found_key, upload_id in storage.list_uploads(key):
+        if found_key == key and upload_id not in keep:
+            storage.abort_upload(found_key, upload_id)
+            aborted += 1
+    return aborted

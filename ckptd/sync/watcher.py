@@ -1,0 +1,92 @@
+"""File events from watchdog, turned into hints for the pipeline.
+
+Events are only hints: they are lost on NFS and overlay filesystems, and across a
+restart, which is why the pipeline also rescans periodically and at start-up. The
+watchdog thread never touches pipeline state; it hands each hint to the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from ckptd.layouts import is_checkpoint_candidate
+from ckptd.layouts.base import TRACKER_FILES
+
+Hint = Callable[[str, str | None], None]  # (run_id, checkpoint name or None for "all")
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(
+        self, root: Path, run_id: str, loop: asyncio.AbstractEventLoop, hint: Hint
+    ) -> None:
+        self.root = root
+        self.run_id = run_id
+        self.loop = loop
+        self.hint = hint
+
+    def _child(self, path: str | bytes) -> str | None:
+        text = path.decode() if isinstance(path, bytes) else path
+        try:
+            rel = Path(text).relative_to(self.root)
+        except ValueError:
+            return None
+        return rel.parts[0] if rel.parts else None
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.event_type in ("opened", "closed_no_write"):
+            return
+        for path in (event.src_path, getattr(event, "dest_path", "")):
+            if not path:
+                continue
+            child = self._child(path)
+            if child is None:
+                continue
+            if child in TRACKER_FILES:
+                # A tracker (DeepSpeed's `latest`, Megatron's iteration file) completes a sibling.
+                self.loop.call_soon_threadsafe(self.hint, self.run_id, None)
+            elif is_checkpoint_candidate(child, True) or is_checkpoint_candidate(child, False):
+                self.loop.call_soon_threadsafe(self.hint, self.run_id, child)
+
+
+class Watcher:
+    """One watchdog observer over every watch dir that exists."""
+
+    def __init__(self, dirs: dict[str, Path], hint: Hint) -> None:
+        self.dirs = dirs
+        self.hint = hint
+        self._observer: Observer | None = None  # type: ignore[valid-type]
+        self._watching: set[str] = set()
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._observer = Observer()
+        self._observer.daemon = True
+        self.refresh()
+        self._observer.start()
+
+    def refresh(self) -> list[str]:
+        """Start watching dirs that have appeared since; returns the runs now watched."""
+        if self._observer is None:
+            return []
+        for run_id, root in self.dirs.items():
+            if run_id in self._watching or not root.is_dir():
+                continue
+            try:
+                self._observer.schedule(
+                    _Handler(root, run_id, self._loop, self.hint), str(root), recursive=True
+                )
+                self._watching.add(run_id)
+            except OSError:
+                continue  # vanished or unwatchable: the periodic rescan still covers it
+        return sorted(self._watching)
+
+    def stop(self) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+            self._observer = None
