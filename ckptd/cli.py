@@ -113,7 +113,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     if dest:
         out["destination"] = dest
     if getattr(args, "watch", None):
-        watch: dict[str, Any] = {"dir": str(args.watch)}
+        watch: dict[str, Any] = {"dir": str(args.watch.expanduser().absolute())}
         if args.run_id:
             watch["run_id"] = args.run_id
         if args.layout:
@@ -122,7 +122,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     elif getattr(args, "layout", None) or (args.command == "run" and getattr(args, "run_id", None)):
         raise UsageError("--run and --layout apply to --watch; give --watch DIR too")
     if getattr(args, "state_dir", None):
-        out["state"] = {"dir": str(args.state_dir)}
+        out["state"] = {"dir": str(args.state_dir.expanduser().absolute())}
     return out
 
 

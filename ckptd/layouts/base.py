@@ -108,3 +108,64 @@ def step_of(name: str) -> int | None:
     """The step a checkpoint name carries: its last run of digits, or None."""
     runs = _DIGITS.findall(name)
     return int(runs[-1]) if runs else None
+
+
+# --- Helpers shared by the rules (pure) -------------------------------------------------
+
+#: Scratch files a framework writes while saving and never means to keep; no rule ships
+#: them. torch.distributed.checkpoint's coordinator writes ``.metadata.tmp`` then renames it
+#: (FileSystemWriter.finish); the HF/Kubeflow JIT-checkpoint callback creates
+#: ``checkpoint-is-incomplete.txt`` before ``Trainer._save_checkpoint`` and removes it after.
+SCRATCH_FILES: frozenset[str] = frozenset({".metadata.tmp", "checkpoint-is-incomplete.txt"})
+
+
+def basename(path: str) -> str:
+    """The last '/'-separated component of a relative path."""
+    return path.rsplit("/", 1)[-1]
+
+
+def shippable(listing: CheckpointListing) -> tuple[FileEntry, ...]:
+    """The listing's files less the scratch files, in path order."""
+    return tuple(
+        sorted(
+            (f for f in listing.files if basename(f.path) not in SCRATCH_FILES),
+            key=lambda f: f.path,
+        )
+    )
+
+
+def not_complete(layout: str, reason: str, recheck_after: float | None = None) -> Completion:
+    """An 'incomplete' verdict."""
+    return Completion(complete=False, layout=layout, reason=reason, recheck_after=recheck_after)
+
+
+def settled(
+    layout: str,
+    listing: CheckpointListing,
+    now_ns: int,
+    window_seconds: float,
+    reason: str,
+) -> Completion:
+    """Complete with ``reason`` once no file is held open for writing and none changed for
+    ``window_seconds``; otherwise incomplete with a ``recheck_after`` hint."""
+    if not listing.files:
+        return not_complete(layout, "no files yet")
+    # Closing a file is not a clock event, but the quiet window has to pass after it
+    # anyway, so one window is the natural time to look again (never 0: no busy loop).
+    window_hint = window_seconds if window_seconds > 0 else None
+    writers = sorted(listing.open_for_write or ())
+    if writers:
+        return not_complete(
+            layout, f"{len(writers)} file(s) being written, e.g. {writers[0]}", window_hint
+        )
+    age = (now_ns - listing.newest_mtime_ns) / 1e9
+    if age < 0:
+        # An mtime in the future (clock stepped back): wait a whole window, no more.
+        return not_complete(layout, "newest file has an mtime in the future", window_hint)
+    if age < window_seconds:
+        return not_complete(
+            layout,
+            f"changed {age:.1f}s ago, waiting for {window_seconds:g}s of quiet",
+            recheck_after=window_seconds - age,
+        )
+    return Completion(complete=True, layout=layout, reason=reason, files=shippable(listing))

@@ -123,6 +123,7 @@ class S3Storage:
             config=config,
         )
         self._lock = threading.Lock()
+        self._endpoint = endpoint_url or "AWS S3"
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -294,7 +295,23 @@ class S3Storage:
             raise
 
     def check(self) -> None:
-        self._call(f"bucket {self.bucket}", self._client.head_bucket, Bucket=self.bucket)
+        try:
+            self._call(f"bucket {self.bucket}", self._client.head_bucket, Bucket=self.bucket)
+        except StorageError as exc:
+            # HEAD responses carry no error body: name the two common causes plainly.
+            if exc.code in ("404", "NotFound", "NoSuchBucket"):
+                raise StorageError(
+                    f"bucket {self.bucket!r} does not exist (at {self._endpoint})",
+                    transient=False,
+                    code="NoSuchBucket",
+                ) from exc
+            if exc.code in ("403", "AccessDenied", "Forbidden"):
+                raise StorageError(
+                    f"access to bucket {self.bucket!r} denied: check the credentials boto3 found",
+                    transient=False,
+                    code="AccessDenied",
+                ) from exc
+            raise
 
     # -- multipart ----------------------------------------------------------------
 

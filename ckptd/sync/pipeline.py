@@ -85,6 +85,10 @@ class RunState:
     previous_loaded: bool = False
     last_committed: dict[str, Any] | None = None
     current: Progress | None = None
+    # The checkpoint being shipped: its files as listed when it started, and how to
+    # tell its transfers to stop if a file event shows it changed or vanished.
+    current_files: list[tuple[str, int, int]] | None = None
+    current_ctx: TransferContext | None = None
 
     @property
     def dir(self) -> Path:
@@ -217,6 +221,15 @@ class SyncPipeline:
         if name in state.committed or name in state.failed_for_good:
             return None
         listing = await asyncio.to_thread(snapshot, state.dir, name)
+        if (
+            state.current_ctx is not None
+            and state.current is not None
+            and state.current.name == name
+        ):
+            if listing is None or _fingerprint(listing.files) != state.current_files:
+                # Deleted (save_total_limit rotation) or rewritten mid-upload: stop
+                # sending now rather than at the final check.
+                state.current_ctx.cancel.set()
         if listing is None:
             if state.pending.pop(name, None) is not None:
                 self.log.info("checkpoint_vanished", run=run_id, checkpoint=name)
@@ -369,6 +382,8 @@ class SyncPipeline:
             return False
         finally:
             state.current = None
+            state.current_ctx = None
+            state.current_files = None
         self._mark_committed(state, pending, manifest, log, already=result.already_committed)
         seconds = time.monotonic() - started
         self.metrics.upload_duration.labels(run=run).observe(
@@ -382,7 +397,8 @@ class SyncPipeline:
             bytes=manifest.total_bytes,
             bytes_sent=sent,
             copied=sum(1 for r in results if r.how == "copied"),
-            resumed=sum(1 for r in results if r.how in ("resumed", "skipped")),
+            resumed=sum(1 for r in results if r.how == "resumed"),
+            skipped=sum(1 for r in results if r.how == "skipped"),
             seconds=round(seconds, 3),
             latest_moved=result.latest_moved,
             manifest_crc32c=result.manifest_crc32c,
@@ -412,6 +428,8 @@ class SyncPipeline:
             already_done=len(plan.done),
         )
         ctx = TransferContext(run, name)
+        state.current_files = _fingerprint(listing.files)
+        state.current_ctx = ctx
 
         def local_path(f: FileEntry) -> Path:
             return state.dir / name / f.path if listing.is_dir else state.dir / name

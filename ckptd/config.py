@@ -1,0 +1,932 @@
+"""ckptd's settings: the models, how they are loaded, and errors that name the key.
+
+Layers, lowest priority first: defaults < TOML file < ``CKPTD_*`` environment < overrides
+(command-line flags). ``load_settings`` is the one way in: it reads each layer, merges them
+and validates once, so every problem is reported together, each under the key it concerns.
+``Settings()`` on its own reads nothing and gives the defaults.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import json
+import os
+import re
+import tomllib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from signal import Signals
+from typing import Any, Literal, get_args, get_origin
+from urllib.parse import unquote, urlsplit
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "ENV_PREFIX",
+    "ConfigError",
+    "ConfigProblem",
+    "DestinationConfig",
+    "HttpConfig",
+    "Layout",
+    "MetricsConfig",
+    "PreemptionConfig",
+    "Provider",
+    "RetentionConfig",
+    "Settings",
+    "StateConfig",
+    "TrainerConfig",
+    "WatchConfig",
+    "load_settings",
+    "render_effective_config",
+    "require_destination",
+    "require_watch",
+]
+
+DEFAULT_CONFIG_PATH = Path("/etc/ckptd/ckptd.toml")
+ENV_PREFIX = "CKPTD_"
+ENV_NESTED_DELIMITER = "__"
+
+Layout = Literal[
+    "auto", "hf", "dcp", "deepspeed", "megatron", "lightning", "orbax", "marker", "quiescent"
+]
+Provider = Literal["auto", "aws", "gcp", "azure", "none"]
+DestinationKind = Literal["s3", "file"]
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with the configuration, under the key it concerns."""
+
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
+
+
+class ConfigError(Exception):
+    """The configuration is invalid.
+
+    ``key`` is the first offending key (a dotted path such as ``destination.part_size_mib``
+    or ``watch[0].dir``, an environment variable, or a config file path); ``problems`` holds
+    every problem found, and ``str()`` gives one line per problem.
+    """
+
+    def __init__(self, key: str, message: str, *, more: Sequence[ConfigProblem] = ()) -> None:
+        super().__init__(key, message)
+        self.key = key
+        self.message = message
+        self.problems: tuple[ConfigProblem, ...] = (ConfigProblem(key, message), *more)
+
+    @classmethod
+    def from_problems(cls, problems: Sequence[ConfigProblem]) -> ConfigError:
+        """One error carrying all ``problems`` (at least one)."""
+        first, *rest = problems
+        return cls(first.key, first.message, more=rest)
+
+    def __str__(self) -> str:
+        return "\n".join(f"invalid config: {problem}" for problem in self.problems)
+
+
+# A validator that knows a more precise key than the one pydantic reports (a model-level
+# check about one field, a list-level check about one entry) raises this error type with
+# ``loc_suffix`` in its context; the error translation appends it to the location.
+_KEYED_ERROR = "ckptd_config"
+
+
+def _keyed_error(loc_suffix: tuple[str | int, ...], message: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        _KEYED_ERROR, "{reason}", {"reason": message, "loc_suffix": loc_suffix}
+    )
+
+
+# --- value checks shared by the models (each raises ValueError with what is wrong) ---------
+
+_RUN_ID_CHARS = re.compile(r"[A-Za-z0-9._=-]+")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"{_HOST_LABEL}(?:\.{_HOST_LABEL})*")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def _run_id_problem(run_id: str) -> str | None:
+    """Why ``run_id`` cannot name a remote namespace, or None when it can."""
+    # The run id becomes one path segment of every remote key (and, for file://, of a real
+    # path), so it must not be able to climb out of or collapse into its parent.
+    if not run_id:
+        return "must not be empty"
+    if not _RUN_ID_CHARS.fullmatch(run_id):
+        return "may contain only letters, digits and . _ = -"
+    if run_id == "." or ".." in run_id:
+        return "must not be '.' or contain '..'"
+    return None
+
+
+def _absolute(path: Path) -> Path:
+    try:
+        expanded = path.expanduser()
+    except RuntimeError as exc:  # "~user" with no such user, or no HOME
+        raise ValueError(f"cannot expand '~': {exc}") from None
+    if not expanded.is_absolute():
+        raise ValueError("must be an absolute path")
+    return expanded
+
+
+def _parse_destination(url: str) -> tuple[DestinationKind, str, str, Path | None]:
+    """(kind, bucket, prefix, root path) of a destination URL; ValueError if malformed."""
+    if url.startswith("s3://"):
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        if not _BUCKET.fullmatch(bucket):
+            raise ValueError(
+                "must be s3://bucket[/prefix] with a bucket name of 3-63 characters "
+                "a-z 0-9 . -, starting and ending with a letter or digit"
+            )
+        if ".." in bucket:
+            raise ValueError("bucket name must not contain '..'")
+        try:
+            ipaddress.IPv4Address(bucket)
+        except ValueError:
+            pass
+        else:
+            raise ValueError("bucket name must not be an IP address")
+        if any(c in prefix for c in "?#\\") or any(ord(c) < 0x20 for c in prefix):
+            raise ValueError("prefix must not contain '?', '#', '\\' or control characters")
+        prefix = prefix.strip("/")
+        # Some S3-compatible servers normalise '.', '..' and '//' in request paths, so such
+        # a prefix could address different keys than the ones listed back.
+        if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+            raise ValueError("prefix must not contain empty, '.' or '..' segments")
+        return "s3", bucket, prefix, None
+    if url.startswith("file://"):
+        path = url[len("file://") :]
+        if not path.startswith("/"):
+            raise ValueError("must be file:///absolute/path (three slashes, no host)")
+        # Percent-decoded like ckptd.storage.open_backend does, so both agree on the root.
+        return "file", "", "", Path(unquote(path))
+    raise ValueError("must be s3://bucket[/prefix] or file:///absolute/path")
+
+
+def _check_http_url(url: str, *, allow_path: bool) -> None:
+    shape = "http(s)://host[:port]" + ("[/path]" if allow_path else "")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"must be {shape} with a port 1..65535") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be {shape}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not hold credentials (they come from the AWS credential chain)")
+    if port == 0:
+        raise ValueError(f"must be {shape} with a port 1..65535")
+    if parts.query or parts.fragment:
+        raise ValueError(f"must be {shape}, without query or fragment")
+    if not allow_path and parts.path not in ("", "/"):
+        raise ValueError(f"must be {shape}, without a path")
+
+
+def _parse_listen(listen: str) -> tuple[str, int]:
+    """(host, port) of a ``host:port`` / ``[ipv6]:port`` listen address; ValueError if bad."""
+    if listen.startswith("["):
+        host, sep, port = listen[1:].partition("]:")
+        if not sep:
+            raise ValueError("must be [ipv6]:port, e.g. [::1]:9464")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv6 address") from None
+    else:
+        host, sep, port = listen.rpartition(":")
+        if not sep or not host:
+            raise ValueError("must be host:port, e.g. 127.0.0.1:9464")
+        if ":" in host:
+            raise ValueError("must put an IPv6 address in brackets, e.g. [::1]:9464")
+        if not _HOSTNAME.fullmatch(host):
+            raise ValueError(f"host {host!r} is not a hostname or IPv4 address")
+    if not _PORT.fullmatch(port) or int(port) > 65535:
+        raise ValueError("port must be a number 0..65535")
+    return host, int(port)
+
+
+# --- models ------------------------------------------------------------------------------
+
+
+class _Section(BaseModel):
+    # Frozen: one validated Settings is shared by every task of the daemon; a change of
+    # configuration goes through load_settings (overrides), never through assignment.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WatchConfig(_Section):
+    """One local checkpoint root; each direct child is one checkpoint."""
+
+    dir: Path
+    run_id: str | None = None
+    layout: Layout = "auto"
+    quiescence_seconds: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    # Quiet window for layouts without a marker file (hf, lightning).
+    settle_seconds: float = Field(default=2.0, ge=0, allow_inf_nan=False)
+    marker: str = "COMPLETE"
+    # Periodic full rescan: file events get lost (NFS, overflowing inotify queues).
+    rescan_seconds: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_is_absolute(cls, value: Path) -> Path:
+        return _absolute(value)
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_is_a_segment(cls, value: str | None) -> str | None:
+        problem = None if value is None else _run_id_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("marker")
+    @classmethod
+    def _marker_is_a_file_name(cls, value: str) -> str:
+        if value in ("", ".", "..") or "/" in value or "\0" in value:
+            raise ValueError("must be a file name (not empty, no '/')")
+        return value
+
+    @model_validator(mode="after")
+    def _default_run_id_is_usable(self) -> WatchConfig:
+        if self.run_id is None:
+            problem = _run_id_problem(self.dir.name)
+            if problem:
+                raise _keyed_error(
+                    ("run_id",),
+                    f"is unset, and the basename of dir, {self.dir.name!r}, cannot stand in "
+                    f"for it: it {problem}; set run_id",
+                )
+        return self
+
+    @property
+    def effective_run_id(self) -> str:
+        """The remote namespace: ``run_id``, or the basename of ``dir`` when unset."""
+        return self.run_id if self.run_id is not None else self.dir.name
+
+
+class DestinationConfig(_Section):
+    """Where checkpoints go: ``s3://bucket[/prefix]`` or ``file:///abs/path``."""
+
+    url: str = ""
+    endpoint_url: str = ""
+    region: str = ""
+    # S3 multipart limits: parts are 5 MiB..5 GiB (the last part may be smaller).
+    part_size_mib: int = Field(default=64, ge=5, le=5120)
+    concurrency: int = Field(default=8, ge=1, le=64)
+    # Node-wide cap so training I/O is not starved; 0 = unlimited.
+    max_upload_mib_per_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    max_attempts: int = Field(default=8, ge=1, le=100)
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_supported(cls, value: str) -> str:
+        # Empty is allowed here: only the commands that ship or read checkpoints need a
+        # destination, and they call require_destination().
+        if value:
+            _parse_destination(value)
+        return value
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_is_http(cls, value: str) -> str:
+        if value:
+            _check_http_url(value, allow_path=False)
+        return value
+
+    def _parsed(self) -> tuple[DestinationKind, str, str, Path | None]:
+        if not self.url:
+            raise _unset_destination()
+        return _parse_destination(self.url)
+
+    @property
+    def kind(self) -> DestinationKind:
+        """The scheme, "s3" or "file"; ConfigError (destination.url) when none is set."""
+        return self._parsed()[0]
+
+    @property
+    def bucket(self) -> str:
+        """The S3 bucket; ValueError for a file:// destination."""
+        kind, bucket, _, _ = self._parsed()
+        if kind != "s3":
+            raise ValueError(f"destination {self.url!r} is not s3://: it has no bucket")
+        return bucket
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix under the bucket, without leading or trailing '/' ("" for none)."""
+        kind, _, prefix, _ = self._parsed()
+        if kind != "s3":
+            raise ValueError(f"destination {self.url!r} is not s3://: it has no prefix")
+        return prefix
+
+    @property
+    def root_path(self) -> Path:
+        """The root directory of a file:// destination; ValueError for s3://."""
+        _, _, _, root = self._parsed()
+        if root is None:
+            raise ValueError(f"destination {self.url!r} is not file://: it has no root path")
+        return root
+
+
+class RetentionConfig(_Section):
+    """What to keep: remotely (0 = all) and locally (0 = never delete, opt-in)."""
+
+    keep_last: int = Field(default=5, ge=0)
+    keep_every_steps: int = Field(default=0, ge=0)
+    local_keep_last: int = Field(default=0, ge=0)
+
+
+class PreemptionConfig(_Section):
+    """Where preemption notices come from and how often to ask."""
+
+    provider: Provider = "auto"
+    # Override of the metadata service base URL (tests, proxies); "" = the provider's own.
+    endpoint: str = ""
+    poll_interval_seconds: float = Field(default=1.0, gt=0, le=60, allow_inf_nan=False)
+    imdsv1_fallback: bool = False
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_is_http(cls, value: str) -> str:
+        if value:
+            _check_http_url(value, allow_path=True)
+        return value
+
+
+class TrainerConfig(_Section):
+    """How to find the trainer process and which signal tells it to save."""
+
+    pidfile: str = ""
+    match: str = ""
+    signal: str = "SIGUSR1"
+
+    @field_validator("pidfile")
+    @classmethod
+    def _pidfile_is_absolute(cls, value: str) -> str:
+        # The daemon's working directory is whatever systemd or Docker gave it, so a
+        # relative pidfile would silently point somewhere else.
+        return str(_absolute(Path(value))) if value else value
+
+    @field_validator("signal")
+    @classmethod
+    def _signal_is_catchable(cls, value: str) -> str:
+        name = value.strip().upper()
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if name not in Signals.__members__:
+            raise ValueError("must be a signal name such as SIGUSR1, SIGTERM or SIGINT")
+        # The signal asks the trainer to save; one it cannot catch would just stop it.
+        if name in ("SIGKILL", "SIGSTOP"):
+            raise ValueError("must be a signal the trainer can catch (not SIGKILL or SIGSTOP)")
+        return name
+
+    @model_validator(mode="after")
+    def _one_way_to_find_the_trainer(self) -> TrainerConfig:
+        if self.pidfile and self.match:
+            raise _keyed_error(("match",), "set trainer.pidfile or trainer.match, not both")
+        return self
+
+    @property
+    def signal_number(self) -> Signals:
+        """``signal`` as a ``signal.Signals`` member."""
+        return Signals[self.signal]
+
+
+class MetricsConfig(_Section):
+    """The HTTP listener for /metrics, /healthz and /v1/*."""
+
+    listen: str = "127.0.0.1:9464"
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_is_host_port(cls, value: str) -> str:
+        _parse_listen(value)
+        return value
+
+    @property
+    def host(self) -> str:
+        """The host part of ``listen`` (an IPv6 address without brackets)."""
+        return _parse_listen(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        """The port part of ``listen`` (0 = any free port)."""
+        return _parse_listen(self.listen)[1]
+
+
+class HttpConfig(_Section):
+    """Access control for the /v1/* endpoints."""
+
+    # Optional bearer token; a secret, so it is never printed (SecretStr masks it).
+    token: SecretStr = SecretStr("")
+
+
+class StateConfig(_Section):
+    """Local state: the journal that makes work resumable after a restart."""
+
+    dir: Path = Path("/var/lib/ckptd")
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_is_absolute(cls, value: Path) -> Path:
+        return _absolute(value)
+
+
+class Settings(BaseSettings):
+    """The whole configuration; build it with ``load_settings``."""
+
+    # env_prefix and the nested delimiter define the CKPTD_SECTION__KEY variables that
+    # load_settings reads through pydantic-settings' EnvSettingsSource.
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED_DELIMITER,
+        extra="forbid",
+        frozen=True,
+    )
+
+    watch: list[WatchConfig] = Field(default_factory=list)
+    destination: DestinationConfig = Field(default_factory=DestinationConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
+
+    @field_validator("watch")
+    @classmethod
+    def _watches_are_distinct(cls, watches: list[WatchConfig]) -> list[WatchConfig]:
+        dirs: dict[Path, int] = {}
+        run_ids: dict[str, int] = {}
+        for index, entry in enumerate(watches):
+            if entry.dir in dirs:
+                raise _keyed_error(
+                    (index, "dir"),
+                    f"{str(entry.dir)!r} is already watched by watch[{dirs[entry.dir]}]",
+                )
+            run_id = entry.effective_run_id
+            if run_id in run_ids:
+                # Two watches in one namespace would overwrite each other's LATEST.
+                source = "" if entry.run_id is not None else " (the basename of dir)"
+                raise _keyed_error(
+                    (index, "run_id"),
+                    f"run id {run_id!r}{source} is already used by watch[{run_ids[run_id]}]; "
+                    "each watch needs its own run_id",
+                )
+            dirs[entry.dir] = index
+            run_ids[run_id] = index
+        return watches
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # load_settings reads the file and the environment itself (it must name the file or
+        # variable behind each problem) and passes the merged result in; Settings reads
+        # nothing on its own, so constructing one never depends on the process environment.
+        return (init_settings,)
+
+
+# --- loading -----------------------------------------------------------------------------
+
+
+def load_settings(
+    config_file: Path | str | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Load and validate the configuration; raise ConfigError listing every problem.
+
+    ``config_file`` None means DEFAULT_CONFIG_PATH if it exists, else defaults only.
+    Priority: ``overrides`` (nested dicts from CLI flags; a None value means "not given")
+    > ``environ`` (default ``os.environ``) > the TOML file > defaults.
+    """
+    if config_file is not None:
+        file_layer = _read_config_file(Path(config_file).expanduser())
+    elif DEFAULT_CONFIG_PATH.exists():
+        file_layer = _read_config_file(DEFAULT_CONFIG_PATH)
+    else:
+        file_layer = {}
+    env = _read_environment(os.environ if environ is None else environ)
+    override_layer = _without_none(overrides or {})
+    merged = _merge(_merge(file_layer, env.layer), override_layer)
+
+    problems = list(env.problems)
+    # BaseSettings.__init__ takes underscore-prefixed keyword options (_env_file,
+    # _cli_parse_args, ...), so a stray top-level key must never reach it as a keyword.
+    fields = {name: value for name, value in merged.items() if name in Settings.model_fields}
+    problems += [
+        ConfigProblem(name, "unknown key" + _suggest(name, Settings.model_fields))
+        for name in merged
+        if name not in fields
+    ]
+    settings: Settings | None = None
+    try:
+        settings = Settings(**fields)
+    except ValidationError as exc:
+        problems += _translate(exc, env, override_layer)
+    if problems or settings is None:
+        raise ConfigError.from_problems(problems)
+    return settings
+
+
+def require_destination(settings: Settings) -> None:
+    """Raise ConfigError (key ``destination.url``) when no destination is configured."""
+    if not settings.destination.url:
+        raise _unset_destination()
+
+
+def require_watch(settings: Settings) -> None:
+    """Raise ConfigError (key ``watch``) when there is nothing to watch."""
+    if not settings.watch:
+        raise ConfigError(
+            "watch",
+            "no directory to watch; add a [[watch]] entry with dir, or give --watch DIR",
+        )
+
+
+def _unset_destination() -> ConfigError:
+    return ConfigError(
+        "destination.url",
+        "is not set; give --dest URL, CKPTD_DESTINATION__URL or [destination] url "
+        "(s3://bucket[/prefix] or file:///absolute/path)",
+    )
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(str(path), "config file does not exist")
+    if not path.is_file():
+        raise ConfigError(str(path), "config file is not a regular file")
+    try:
+        source = TomlConfigSettingsSource(Settings, toml_file=path)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), _toml_syntax_message(exc, path)) from None
+    except UnicodeDecodeError as exc:
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise ConfigError(str(path), f"line {line}: not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(str(path), f"config file cannot be read: {exc.strerror}") from None
+    # The raw table, not source(): the source folds key case (case-insensitive matching
+    # is for environment variables), and a TOML key must match exactly to be known.
+    return dict(source.toml_data)
+
+
+_TOML_POSITION = re.compile(r"^(?P<what>.*) \(at line (?P<line>\d+), column (?P<column>\d+)\)$")
+_AT_END = " (at end of document)"
+
+
+def _toml_syntax_message(exc: tomllib.TOMLDecodeError, path: Path) -> str:
+    # Python 3.11's TOMLDecodeError has the position only in its message, and says "at end
+    # of document" for errors it finds there (an unclosed string): name the last line then.
+    text = str(exc)
+    match = _TOML_POSITION.match(text)
+    if match:
+        where = f"line {match['line']}, column {match['column']}"
+        text = match["what"]
+    elif text.endswith(_AT_END):
+        where = f"line {len(path.read_bytes().splitlines()) or 1} (end of file)"
+        text = text.removesuffix(_AT_END)
+    else:
+        return f"TOML syntax error: {text}"
+    return f"{where}: TOML syntax error: {text}"
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping instead of os.environ."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(Settings)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # Settings is case-insensitive (the default), so names are matched lower-cased.
+        return {name.lower(): value for name, value in self._environ.items()}
+
+
+@dataclass
+class _EnvironmentLayer:
+    layer: dict[str, Any]
+    # Settings path ("destination",) or ("destination", "url") -> the variable that set it.
+    variables: dict[tuple[str, ...], str]
+    problems: list[ConfigProblem]
+
+
+def _env_variable_paths() -> dict[str, tuple[str, ...]]:
+    """Every accepted variable name (upper case) and the settings path it sets."""
+    paths: dict[str, tuple[str, ...]] = {}
+    for name, field in Settings.model_fields.items():
+        paths[f"{ENV_PREFIX}{name.upper()}"] = (name,)
+        section = field.annotation
+        # A section's keys can be set one by one; a list (watch) only as a whole, in JSON.
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            for key in section.model_fields:
+                paths[f"{ENV_PREFIX}{name.upper()}{ENV_NESTED_DELIMITER}{key.upper()}"] = (
+                    name,
+                    key,
+                )
+    return paths
+
+
+def _read_environment(environ: Mapping[str, str]) -> _EnvironmentLayer:
+    # pydantic-settings ignores a CKPTD_ variable that names no field (CKPTD_DESTINATON__URL
+    # is dropped without a word) and reports an unknown key inside a section without naming
+    # the variable. So every CKPTD_ variable is checked here first, and only known ones are
+    # handed to EnvSettingsSource, which does the nesting and JSON decoding.
+    paths = _env_variable_paths()
+    accepted: dict[str, str] = {}
+    variables: dict[tuple[str, ...], str] = {}
+    problems: list[ConfigProblem] = []
+    for name, value in environ.items():
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX):
+            continue
+        path = paths.get(upper)
+        if path is None:
+            problems.append(ConfigProblem(name, _unknown_variable_message(upper, paths)))
+            continue
+        if len(path) == 1:
+            # Sections and the watch list are JSON; decoding here lets the error name the
+            # variable (the value itself is not echoed: it may hold the HTTP token).
+            try:
+                json.loads(value)
+            except ValueError as exc:
+                problems.append(ConfigProblem(name, f"must be JSON ({exc})"))
+                continue
+        accepted[name] = value
+        variables[path] = name
+    try:
+        layer = _MappingEnvSource(accepted)()
+    except SettingsError as exc:  # not expected after the checks above; still name the cause
+        problems.append(ConfigProblem("environment", str(exc)))
+        layer = {}
+    return _EnvironmentLayer(layer, variables, problems)
+
+
+def _unknown_variable_message(upper: str, paths: Mapping[str, tuple[str, ...]]) -> str:
+    watch_var = f"{ENV_PREFIX}WATCH"
+    if upper.startswith(watch_var + ENV_NESTED_DELIMITER):
+        return (
+            f"watch entries cannot be set key by key; set {watch_var} to a JSON list, "
+            f'e.g. {watch_var}=\'[{{"dir": "/data/ckpt/run1"}}]\''
+        )
+    key = upper[len(ENV_PREFIX) :].lower().replace(ENV_NESTED_DELIMITER, ".")
+    return f"unknown setting: no config key {key!r}" + _suggest(upper, paths)
+
+
+def _suggest(name: str, known: Iterable[str]) -> str:
+    candidates = list(known)
+    close = difflib.get_close_matches(name, candidates, n=1)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return "; known: " + ", ".join(candidates) if candidates else ""
+
+
+def _without_none(data: Mapping[str, Any]) -> dict[str, Any]:
+    # CLI code passes every flag, None when not given; a missing flag must not mask the
+    # environment or the file.
+    return {
+        key: _without_none(value) if isinstance(value, Mapping) else value
+        for key, value in data.items()
+        if value is not None
+    }
+
+
+def _merge(lower: Mapping[str, Any], higher: Mapping[str, Any]) -> dict[str, Any]:
+    """``higher`` over ``lower``: tables merge key by key; anything else (lists) replaces."""
+    merged = dict(lower)
+    for key, value in higher.items():
+        below = merged.get(key)
+        if isinstance(value, Mapping) and isinstance(below, Mapping):
+            merged[key] = _merge(below, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+# --- turning pydantic's errors into ConfigProblems ---------------------------------------
+
+_BOUNDS = {
+    "greater_than_equal": (">=", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"),
+    "less_than": ("<", "lt"),
+}
+
+
+def _translate(
+    exc: ValidationError, env: _EnvironmentLayer, overrides: Mapping[str, Any]
+) -> Iterator[ConfigProblem]:
+    for error in exc.errors(include_url=False):
+        ctx = error.get("ctx") or {}
+        loc = tuple(error["loc"]) + tuple(ctx.get("loc_suffix", ()))
+        message = _describe(error, loc) + _got(error, loc)
+        # A missing key is reported on the key; where it was missing from is its table.
+        origin = tuple(error["loc"])[:-1] if error["type"] == "missing" else tuple(error["loc"])
+        yield ConfigProblem(_dotted(loc), message + _env_hint(origin, loc, env, overrides))
+
+
+def _dotted(loc: tuple[str | int, ...]) -> str:
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    return key or "(top level)"
+
+
+def _describe(error: ErrorDetails, loc: tuple[str | int, ...]) -> str:
+    kind = error["type"]
+    ctx = error.get("ctx") or {}
+    if kind == "missing":
+        return "is required"
+    if kind == "extra_forbidden":
+        return "unknown key" + _suggest(str(loc[-1]), _keys_at(loc[:-1]))
+    if kind in _BOUNDS:
+        op, name = _BOUNDS[kind]
+        bound = ctx[name]
+        # Float fields carry float bounds; "> 0" reads better than "> 0.0".
+        if isinstance(bound, float) and bound.is_integer():
+            bound = int(bound)
+        return f"must be {op} {bound}"
+    if kind == "value_error":
+        return str(ctx["error"])
+    if kind == _KEYED_ERROR:
+        return error["msg"]
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return "must be a table"
+    if kind == "list_type":
+        return f"must be a list of tables: write [[{loc[-1]}]], not [{loc[-1]}]"
+    if kind == "finite_number":
+        return "must be a finite number"
+    if kind.startswith("path_"):
+        return "must be a path (a string)"
+    text = error["msg"]
+    if text.startswith("Input should be"):
+        return "must be" + text.removeprefix("Input should be")
+    return text[:1].lower() + text[1:]
+
+
+_URL_CREDENTIALS = re.compile(r"//[^/@\s]*@")
+
+
+def _got(error: ErrorDetails, loc: tuple[str | int, ...]) -> str:
+    value = error["input"]
+    if error["type"] in ("missing", "extra_forbidden", _KEYED_ERROR):
+        return ""
+    if not isinstance(value, str | int | float | Path) or _holds_secret(_annotation_at(loc)):
+        return ""  # tables and lists are not echoed, secrets never
+    text = repr(str(value)) if isinstance(value, str | Path) else repr(value)
+    text = _URL_CREDENTIALS.sub("//***@", text)
+    return f" (got {text if len(text) <= 80 else text[:77] + '...'})"
+
+
+def _env_hint(
+    origin: tuple[str | int, ...],
+    loc: tuple[str | int, ...],
+    env: _EnvironmentLayer,
+    overrides: Mapping[str, Any],
+) -> str:
+    if _has_path(overrides, origin) or not _has_path(env.layer, origin):
+        return ""
+    names = tuple(part for part in loc[:2] if isinstance(part, str))
+    variable = env.variables.get(names) or env.variables.get(names[:1])
+    return f" [from {variable}]" if variable else ""
+
+
+def _has_path(data: Any, loc: tuple[str | int, ...]) -> bool:
+    for part in loc:
+        if isinstance(part, str):
+            found = isinstance(data, Mapping) and part in data
+        else:
+            found = isinstance(data, list | tuple) and part < len(data)
+        if not found:
+            return False
+        data = data[part]
+    return True
+
+
+def _annotation_at(loc: tuple[str | int, ...]) -> Any:
+    """The type annotation of the settings key at ``loc`` (None if there is none)."""
+    annotation: Any = Settings
+    for part in loc:
+        if isinstance(part, int):
+            continue  # a list index: the element type was taken with the list's field
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        field = annotation.model_fields.get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        if get_origin(annotation) is list:
+            (annotation,) = get_args(annotation)
+    return annotation
+
+
+def _keys_at(loc: tuple[str | int, ...]) -> list[str]:
+    model = _annotation_at(loc)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return list(model.model_fields)
+    return []
+
+
+def _holds_secret(annotation: Any) -> bool:
+    if annotation is SecretStr:
+        return True
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return any(_holds_secret(field.annotation) for field in annotation.model_fields.values())
+    return any(_holds_secret(arg) for arg in get_args(annotation))
+
+
+# --- rendering ---------------------------------------------------------------------------
+
+
+def render_effective_config(settings: Settings) -> str:
+    """The effective configuration as TOML; loading it back gives the same settings,
+    except that a set http.token reads back as its mask "***"."""
+    lines = [
+        "# ckptd effective configuration: defaults, config file, CKPTD_* environment and",
+        '# command-line flags merged. Secrets are shown as "***".',
+        "",
+    ]
+    for name in Settings.model_fields:
+        value = getattr(settings, name)
+        if isinstance(value, list):
+            if not value:
+                lines += [f"# no [[{name}]] entries", ""]
+            for entry in value:
+                lines += [f"[[{name}]]", *_render_table(entry)]
+                if isinstance(entry, WatchConfig) and entry.run_id is None:
+                    run_id = _toml_string(entry.effective_run_id)
+                    lines.append(f"# run_id unset: defaults to {run_id} (basename of dir)")
+                lines.append("")
+        else:
+            lines += [f"[{name}]", *_render_table(value), ""]
+    return "\n".join(lines)
+
+
+def _render_table(model: BaseModel) -> list[str]:
+    lines = []
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if value is None:  # TOML has no null: leaving the key out means the same
+            continue
+        line = f"{name} = {_toml_value(value)}"
+        if isinstance(value, SecretStr) and value.get_secret_value():
+            line += "  # redacted"
+        lines.append(line)
+    return lines
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)  # finite: the models reject inf and nan
+    if isinstance(value, SecretStr):
+        return _toml_string("***" if value.get_secret_value() else "")
+    if isinstance(value, str | Path):
+        return _toml_string(str(value))
+    raise TypeError(f"cannot render {type(value).__name__} as TOML")
+
+
+def _toml_string(text: str) -> str:
+    escaped = []
+    for char in text:
+        if char in '"\\':
+            escaped.append("\\" + char)
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            escaped.append(f"\\u{ord(char):04x}")
+        else:
+            escaped.append(char)
+    return '"' + "".join(escaped) + '"'

@@ -1,0 +1,74 @@
+"""Hugging Face ``transformers.Trainer`` checkpoints: ``checkpoint-<N>/``.
+
+Write order, from ``Trainer._save_checkpoint`` (src/transformers/trainer.py): ``save_model``
+(weights, config, tokenizer, ``training_args.bin``), then ``_save_optimizer_and_scheduler``,
+``_save_scaler`` and ``_save_rng_state`` (one ``rng_state_<rank>.pth`` per process), and
+``trainer_state.json`` last, by the main process only (``args.should_save``); then
+``_rotate_checkpoints`` may delete older ``checkpoint-*`` dirs. Everything is written in
+place: the tmp-dir + rename was reverted (PR #36112).
+
+So ``trainer_state.json`` says the main process is done, not that every rank is: other
+ranks may still be writing their RNG state or optimizer shards (FSDP, DeepSpeed ZeRO under
+the Trainer). Hence a short quiet window (``settle_seconds``) and no writers on top. The
+JIT-checkpoint callback (Kubeflow trainer / transformers) brackets the save with
+``checkpoint-is-incomplete.txt``; while it exists the save is in progress.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ckptd.layouts.base import (
+    CheckpointListing,
+    Completion,
+    RuleSettings,
+    not_complete,
+    settled,
+)
+
+NAME = re.compile(r"checkpoint-\d+")
+TRAINER_STATE = "trainer_state.json"
+INCOMPLETE_SENTINEL = "checkpoint-is-incomplete.txt"
+
+# Files only the Trainer writes at a checkpoint's root. Recognising by these, and not by the
+# name alone, leaves a custom trainer's "checkpoint-<N>" dirs to the quiescent fallback
+# instead of waiting forever for a trainer_state.json that never comes; recognising by more
+# than trainer_state.json keeps a half-written Trainer checkpoint under this rule.
+_TRAINER_FILES = re.compile(
+    r"trainer_state\.json|training_args\.bin|checkpoint-is-incomplete\.txt"
+    r"|optimizer\.(pt|bin)|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth"
+)
+
+
+class HfRule:
+    """``checkpoint-<N>/`` from ``transformers.Trainer``."""
+
+    name = "hf"
+
+    def recognises(self, listing: CheckpointListing) -> bool:
+        """A ``checkpoint-<N>`` dir holding a file only the Trainer writes."""
+        return (
+            listing.is_dir
+            and NAME.fullmatch(listing.name) is not None
+            and any(_TRAINER_FILES.fullmatch(f.path) for f in listing.files)
+        )
+
+    def evaluate(
+        self, listing: CheckpointListing, now_ns: int, settings: RuleSettings
+    ) -> Completion:
+        """Complete when trainer_state.json is there, the sentinel is gone, and all is quiet."""
+        if not listing.is_dir or NAME.fullmatch(listing.name) is None:
+            return not_complete(self.name, "not a checkpoint-<N> directory")
+        if not listing.files:
+            return not_complete(self.name, "empty directory")
+        if listing.has(INCOMPLETE_SENTINEL):
+            return not_complete(self.name, f"{INCOMPLETE_SENTINEL} present: save in progress")
+        if not listing.has(TRAINER_STATE):
+            return not_complete(self.name, f"no {TRAINER_STATE} yet (it is written last)")
+        return settled(
+            self.name,
+            listing,
+            now_ns,
+            settings.settle_seconds,
+            f"{TRAINER_STATE} written and quiet for {settings.settle_seconds:g}s",
+        )

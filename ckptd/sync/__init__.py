@@ -1,0 +1,1 @@
+"""The pipeline: scanning, queueing, transfers, verification, commit, journal."""

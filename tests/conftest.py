@@ -1,0 +1,74 @@
+"""Shared fixtures: a real SeaweedFS S3 server on loopback, per-test destinations,
+and a driver for the daemon as a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
+from tests.faultproxy import FaultProxy
+
+BUCKET = "ckpt"
+
+
+@pytest.fixture(scope="session")
+def local_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
+    """One SeaweedFS for the whole session; tests use distinct prefixes."""
+    server = LocalS3(tmp_path_factory.mktemp("seaweedfs"), buckets=(BUCKET,)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def s3_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """boto3's normal chain finds the loopback server's identity in the environment."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CA_BUNDLE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def s3_prefix(request: pytest.FixtureRequest) -> str:
+    return f"{request.node.name[:40].replace('[', '-').replace(']', '')}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def s3_dest(s3_prefix: str) -> str:
+    return f"s3://{BUCKET}/{s3_prefix}"
+
+
+@pytest.fixture
+def s3_client(local_s3: LocalS3) -> object:
+    return boto3.client(
+        "s3",
+        endpoint_url=local_s3.endpoint_url,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        region_name="us-east-1",
+    )
+
+
+@pytest.fixture
+def fault_proxy(local_s3: LocalS3) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(local_s3.endpoint_url).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests never reach a real cloud or a developer's AWS config.
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    os.environ["AWS_CONFIG_FILE"] = str(Path(os.devnull))
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(Path(os.devnull))

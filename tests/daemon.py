@@ -1,0 +1,164 @@
+"""Drive ``ckptd run`` as a real subprocess: config, start, wait, kill, read state."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ckptd.locals3 import free_port
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def write_config(
+    path: Path,
+    *,
+    watch: list[dict[str, Any]],
+    dest: str,
+    endpoint_url: str = "",
+    state_dir: Path,
+    port: int,
+    **destination: Any,
+) -> Path:
+    lines = []
+    for w in watch:
+        lines.append("[[watch]]")
+        lines += [f"{k} = {json.dumps(str(v) if isinstance(v, Path) else v)}" for k, v in w.items()]
+    lines.append("[destination]")
+    lines.append(f"url = {json.dumps(dest)}")
+    lines.append(f"endpoint_url = {json.dumps(endpoint_url)}")
+    lines += [f"{k} = {json.dumps(v)}" for k, v in destination.items()]
+    lines += ["[preemption]", 'provider = "none"']
+    lines += ["[metrics]", f'listen = "127.0.0.1:{port}"']
+    lines += ["[state]", f"dir = {json.dumps(str(state_dir))}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@dataclass
+class Daemon:
+    """One ``ckptd run`` process; logs go to ``log_path`` as JSON lines."""
+
+    config: Path
+    log_path: Path
+    port: int
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def configured(cls, tmp: Path, *, name: str = "daemon", **config: Any) -> Daemon:
+        port = free_port()
+        cfg = write_config(tmp / f"{name}.toml", port=port, **config)
+        return cls(cfg, tmp / f"{name}.log", port)
+
+    def start(self) -> Daemon:
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptd", "run", "--config", str(self.config), *self.extra_args],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        log.close()
+        wait_until(lambda: self.alive() and self._http_ok(), 30, "daemon HTTP up")
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _http_ok(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(
+                    f"daemon exited {self.proc.returncode}:\n{self.log_text()}"
+                ) from None
+            return False
+
+    def get_json(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+    def events_named(self, event: str, **match: Any) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.events()
+            if e.get("event") == event and all(e.get(k) == v for k, v in match.items())
+        ]
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("daemon did not stop on SIGTERM") from None
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

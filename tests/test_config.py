@@ -1,0 +1,623 @@
+"""Configuration: defaults, layering, and errors that name the offending key."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd import config
+from ckptd.config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    render_effective_config,
+    require_destination,
+    require_watch,
+)
+
+
+def write(tmp_path: Path, text: str, name: str = "ckptd.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def load(tmp_path: Path, text: str = "", **kwargs: Any) -> Settings:
+    """Load ``text`` as the config file, with an empty environment unless one is given."""
+    kwargs.setdefault("environ", {})
+    return load_settings(write(tmp_path, text), **kwargs)
+
+
+def error_of(tmp_path: Path, text: str = "", **kwargs: Any) -> ConfigError:
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, text, **kwargs)
+    return caught.value
+
+
+# --- defaults ----------------------------------------------------------------------------
+
+
+def test_defaults_match_design_md(tmp_path: Path) -> None:
+    settings = load(tmp_path)
+    assert settings == Settings()
+    assert settings.watch == []
+    d = settings.destination
+    assert (d.url, d.endpoint_url, d.region) == ("", "", "")
+    assert (d.part_size_mib, d.concurrency, d.max_upload_mib_per_s, d.max_attempts) == (
+        64,
+        8,
+        0,
+        8,
+    )
+    r = settings.retention
+    assert (r.keep_last, r.keep_every_steps, r.local_keep_last) == (5, 0, 0)
+    p = settings.preemption
+    assert (p.provider, p.endpoint, p.poll_interval_seconds, p.imdsv1_fallback) == (
+        "auto",
+        "",
+        1.0,
+        False,
+    )
+    t = settings.trainer
+    assert (t.pidfile, t.match, t.signal) == ("", "", "SIGUSR1")
+    assert settings.metrics.listen == "127.0.0.1:9464"
+    assert settings.http.token.get_secret_value() == ""
+    assert settings.state.dir == Path("/var/lib/ckptd")
+    assert str(config.DEFAULT_CONFIG_PATH) == "/etc/ckptd/ckptd.toml"
+
+
+def test_watch_entry_defaults_match_design_md(tmp_path: Path) -> None:
+    (watch,) = load(tmp_path, '[[watch]]\ndir = "/data/ckpt/run1"\n').watch
+    assert watch.dir == Path("/data/ckpt/run1")
+    assert watch.run_id is None
+    assert watch.effective_run_id == "run1"
+    assert (watch.layout, watch.quiescence_seconds, watch.settle_seconds) == ("auto", 10, 2)
+    assert (watch.marker, watch.rescan_seconds) == ("COMPLETE", 30)
+
+
+def test_design_md_example_config_loads(tmp_path: Path) -> None:
+    settings = load(
+        tmp_path,
+        """
+        [[watch]]
+        dir = "/data/ckpt/run1"
+        run_id = "run1"
+        layout = "auto"
+        quiescence_seconds = 10
+
+        [destination]
+        url = "s3://bucket/prefix"
+        endpoint_url = ""
+        region = ""
+        part_size_mib = 64
+        concurrency = 8
+        max_upload_mib_per_s = 0
+
+        [retention]
+        keep_last = 5
+        keep_every_steps = 0
+        local_keep_last = 0
+
+        [preemption]
+        provider = "auto"
+        endpoint = ""
+        poll_interval_seconds = 1.0
+
+        [trainer]
+        pidfile = ""
+        match = ""
+        signal = "SIGUSR1"
+
+        [metrics]
+        listen = "127.0.0.1:9464"
+
+        [state]
+        dir = "/var/lib/ckptd"
+        """,
+    )
+    assert settings.watch[0].effective_run_id == "run1"
+    assert settings.destination.url == "s3://bucket/prefix"
+
+
+def test_settings_alone_reads_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTD_DESTINATION__URL", "s3://from-env")
+    assert Settings().destination.url == ""
+
+
+def test_default_config_path_is_read_when_present(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, '[destination]\nurl = "s3://default-file"\n')
+    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", path)
+    assert load_settings(environ={}).destination.url == "s3://default-file"
+
+
+def test_absent_default_config_path_means_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
+    assert load_settings(environ={}) == Settings()
+
+
+# --- every key's bad value is reported under that key ------------------------------------
+
+BAD_VALUES = [
+    # (TOML, key)
+    ('[[watch]]\ndir = "relative/dir"', "watch[0].dir"),
+    ("[[watch]]\ndir = 5", "watch[0].dir"),
+    ('[[watch]]\ndir = "/d/r"\nrun_id = "has space"', "watch[0].run_id"),
+    ('[[watch]]\ndir = "/d/r"\nrun_id = "a..b"', "watch[0].run_id"),
+    ('[[watch]]\ndir = "/d/r"\nrun_id = ""', "watch[0].run_id"),
+    ('[[watch]]\ndir = "/d/r"\nrun_id = "a/b"', "watch[0].run_id"),
+    ('[[watch]]\ndir = "/d/r"\nlayout = "keras"', "watch[0].layout"),
+    ('[[watch]]\ndir = "/d/r"\nquiescence_seconds = 0', "watch[0].quiescence_seconds"),
+    ('[[watch]]\ndir = "/d/r"\nquiescence_seconds = inf', "watch[0].quiescence_seconds"),
+    ('[[watch]]\ndir = "/d/r"\nsettle_seconds = -1', "watch[0].settle_seconds"),
+    ('[[watch]]\ndir = "/d/r"\nmarker = "a/b"', "watch[0].marker"),
+    ('[[watch]]\ndir = "/d/r"\nmarker = ""', "watch[0].marker"),
+    ('[[watch]]\ndir = "/d/r"\nrescan_seconds = 0', "watch[0].rescan_seconds"),
+    ('[destination]\nurl = "gs://bucket"', "destination.url"),
+    ('[destination]\nurl = "s3://Upper_Case"', "destination.url"),
+    ('[destination]\nurl = "s3://ab"', "destination.url"),
+    ('[destination]\nurl = "s3://192.168.1.1"', "destination.url"),
+    ('[destination]\nurl = "s3://bucket/a/../b"', "destination.url"),
+    ('[destination]\nurl = "s3://bucket/a//b"', "destination.url"),
+    ('[destination]\nurl = "file://relative/path"', "destination.url"),
+    ('[destination]\nendpoint_url = "ftp://host"', "destination.endpoint_url"),
+    ('[destination]\nendpoint_url = "http://host/path"', "destination.endpoint_url"),
+    ('[destination]\nendpoint_url = "http://host:99999"', "destination.endpoint_url"),
+    ("[destination]\nregion = 5", "destination.region"),
+    ("[destination]\npart_size_mib = 4", "destination.part_size_mib"),
+    ("[destination]\npart_size_mib = 5121", "destination.part_size_mib"),
+    ("[destination]\npart_size_mib = 6.5", "destination.part_size_mib"),
+    ("[destination]\nconcurrency = 0", "destination.concurrency"),
+    ("[destination]\nconcurrency = 65", "destination.concurrency"),
+    ("[destination]\nmax_upload_mib_per_s = -1", "destination.max_upload_mib_per_s"),
+    ("[destination]\nmax_attempts = 0", "destination.max_attempts"),
+    ("[destination]\nmax_attempts = 101", "destination.max_attempts"),
+    ("[retention]\nkeep_last = -1", "retention.keep_last"),
+    ("[retention]\nkeep_every_steps = -1", "retention.keep_every_steps"),
+    ("[retention]\nlocal_keep_last = -1", "retention.local_keep_last"),
+    ('[preemption]\nprovider = "oracle"', "preemption.provider"),
+    ('[preemption]\nendpoint = "169.254.169.254"', "preemption.endpoint"),
+    ("[preemption]\npoll_interval_seconds = 0", "preemption.poll_interval_seconds"),
+    ("[preemption]\npoll_interval_seconds = 61", "preemption.poll_interval_seconds"),
+    ('[preemption]\nimdsv1_fallback = "maybe"', "preemption.imdsv1_fallback"),
+    ('[trainer]\npidfile = "train.pid"', "trainer.pidfile"),
+    ("[trainer]\nmatch = 5", "trainer.match"),
+    ('[trainer]\nsignal = "SIGNOPE"', "trainer.signal"),
+    ('[trainer]\nsignal = "SIGKILL"', "trainer.signal"),
+    ('[trainer]\npidfile = "/run/t.pid"\nmatch = "train.py"', "trainer.match"),
+    ('[metrics]\nlisten = "9464"', "metrics.listen"),
+    ('[metrics]\nlisten = "127.0.0.1:65536"', "metrics.listen"),
+    ('[metrics]\nlisten = "::1:9464"', "metrics.listen"),
+    ('[metrics]\nlisten = "[nope]:9464"', "metrics.listen"),
+    ("[http]\ntoken = 5", "http.token"),
+    ('[state]\ndir = "relative"', "state.dir"),
+    ('destination = "s3://bucket"', "destination"),
+    ('[[watch]]\ndir = "/d/r"\n[[watch]]\ndir = "/e/r"', "watch[1].run_id"),
+]
+
+
+@pytest.mark.parametrize(("toml", "key"), BAD_VALUES, ids=[key for _, key in BAD_VALUES])
+def test_bad_value_is_reported_under_its_key(tmp_path: Path, toml: str, key: str) -> None:
+    err = error_of(tmp_path, toml)
+    assert err.key == key
+    assert str(err).startswith(f"invalid config: {key}: ")
+
+
+def test_every_key_has_a_bad_value_case() -> None:
+    covered = {key.split("].")[-1] if "]." in key else key for _, key in BAD_VALUES}
+    for section, field in Settings.model_fields.items():
+        model = field.annotation if section != "watch" else config.WatchConfig
+        assert isinstance(model, type)
+        for name in model.model_fields:
+            wanted = name if section == "watch" else f"{section}.{name}"
+            assert wanted in covered, f"no bad-value test for {wanted}"
+
+
+def test_message_says_what_is_wrong_and_what_was_given(tmp_path: Path) -> None:
+    err = error_of(tmp_path, "[destination]\npart_size_mib = 1\n")
+    assert str(err) == "invalid config: destination.part_size_mib: must be >= 5 (got 1)"
+    assert err.key == "destination.part_size_mib"
+
+
+def test_every_problem_is_reported_and_the_first_is_the_key(tmp_path: Path) -> None:
+    err = error_of(
+        tmp_path,
+        """
+        [destination]
+        concurrency = 0
+        max_attempts = 0
+        [metrics]
+        listen = "nope"
+        """,
+    )
+    assert err.key == "destination.concurrency"
+    assert [p.key for p in err.problems] == [
+        "destination.concurrency",
+        "destination.max_attempts",
+        "metrics.listen",
+    ]
+    assert len(str(err).splitlines()) == 3
+
+
+def test_duplicate_run_id_is_reported_on_the_second_entry(tmp_path: Path) -> None:
+    err = error_of(
+        tmp_path,
+        """
+        [[watch]]
+        dir = "/data/a"
+        run_id = "run1"
+        [[watch]]
+        dir = "/data/b"
+        run_id = "run1"
+        """,
+    )
+    assert err.key == "watch[1].run_id"
+    assert "'run1'" in err.message and "watch[0]" in err.message
+
+
+def test_same_dir_watched_twice_is_an_error(tmp_path: Path) -> None:
+    err = error_of(
+        tmp_path,
+        '[[watch]]\ndir = "/data/a"\nrun_id = "x"\n[[watch]]\ndir = "/data/a/"\nrun_id = "y"\n',
+    )
+    assert err.key == "watch[1].dir"
+
+
+def test_unusable_basename_as_default_run_id_is_reported_on_run_id(tmp_path: Path) -> None:
+    err = error_of(tmp_path, '[[watch]]\ndir = "/data/my run"\n')
+    assert err.key == "watch[0].run_id"
+    assert "'my run'" in err.message
+
+
+def test_explicit_run_id_rescues_an_unusable_basename(tmp_path: Path) -> None:
+    (watch,) = load(tmp_path, '[[watch]]\ndir = "/data/my run"\nrun_id = "my-run"\n').watch
+    assert watch.effective_run_id == "my-run"
+
+
+# --- unknown keys ------------------------------------------------------------------------
+
+
+def test_unknown_key_in_a_section_is_an_error(tmp_path: Path) -> None:
+    err = error_of(tmp_path, "[destination]\npart_size = 64\n")
+    assert err.key == "destination.part_size"
+    assert "unknown key" in err.message and "part_size_mib" in err.message
+
+
+def test_unknown_key_in_a_watch_entry_is_an_error(tmp_path: Path) -> None:
+    err = error_of(tmp_path, '[[watch]]\ndir = "/d/r"\nlayuot = "hf"\n')
+    assert err.key == "watch[0].layuot"
+
+
+def test_unknown_top_level_section_is_an_error(tmp_path: Path) -> None:
+    err = error_of(tmp_path, '[destinaton]\nurl = "s3://bucket"\n')
+    assert err.key == "destinaton"
+    assert "did you mean 'destination'" in err.message
+
+
+def test_unknown_top_level_key_never_reaches_basesettings_options(tmp_path: Path) -> None:
+    # BaseSettings.__init__ treats _-prefixed keywords as options (_cli_parse_args would
+    # parse sys.argv); from a config file such a key is just unknown.
+    err = error_of(tmp_path, "_cli_parse_args = true\n")
+    assert err.key == "_cli_parse_args"
+
+
+def test_top_level_keys_are_case_sensitive(tmp_path: Path) -> None:
+    assert error_of(tmp_path, '[DESTINATION]\nurl = "s3://bucket"\n').key == "DESTINATION"
+
+
+def test_unknown_ckptd_env_var_is_an_error_naming_it(tmp_path: Path) -> None:
+    err = error_of(tmp_path, environ={"CKPTD_DESTINATION__ULR": "s3://bucket"})
+    assert err.key == "CKPTD_DESTINATION__ULR"
+    assert "CKPTD_DESTINATION__URL" in err.message
+
+
+def test_unknown_top_level_ckptd_env_var_is_an_error(tmp_path: Path) -> None:
+    assert error_of(tmp_path, environ={"CKPTD_BOGUS": "1"}).key == "CKPTD_BOGUS"
+
+
+def test_watch_cannot_be_set_key_by_key_from_env(tmp_path: Path) -> None:
+    err = error_of(tmp_path, environ={"CKPTD_WATCH__0__DIR": "/data"})
+    assert err.key == "CKPTD_WATCH__0__DIR"
+    assert "JSON list" in err.message
+
+
+def test_other_env_vars_are_ignored(tmp_path: Path) -> None:
+    assert load(tmp_path, environ={"PATH": "/bin", "CKPT_X": "1"}) == Settings()
+
+
+# --- layering ----------------------------------------------------------------------------
+
+
+def test_env_overrides_toml_and_keeps_the_rest_of_the_section(tmp_path: Path) -> None:
+    settings = load(
+        tmp_path,
+        '[destination]\nurl = "s3://from-file"\nconcurrency = 3\n',
+        environ={"CKPTD_DESTINATION__URL": "s3://from-env"},
+    )
+    assert settings.destination.url == "s3://from-env"
+    assert settings.destination.concurrency == 3
+
+
+def test_env_var_names_are_case_insensitive(tmp_path: Path) -> None:
+    settings = load(tmp_path, environ={"ckptd_destination__url": "s3://lower"})
+    assert settings.destination.url == "s3://lower"
+
+
+def test_overrides_beat_env_and_toml(tmp_path: Path) -> None:
+    settings = load(
+        tmp_path,
+        '[destination]\nurl = "s3://from-file"\nregion = "eu-west-1"\n',
+        environ={"CKPTD_DESTINATION__URL": "s3://from-env"},
+        overrides={"destination": {"url": "s3://from-flag"}},
+    )
+    assert settings.destination.url == "s3://from-flag"
+    assert settings.destination.region == "eu-west-1"
+
+
+def test_none_in_overrides_means_flag_not_given(tmp_path: Path) -> None:
+    settings = load(
+        tmp_path,
+        environ={"CKPTD_DESTINATION__URL": "s3://from-env"},
+        overrides={"destination": {"url": None, "endpoint_url": None}, "watch": None},
+    )
+    assert settings.destination.url == "s3://from-env"
+
+
+def test_watch_override_replaces_the_file_list(tmp_path: Path) -> None:
+    settings = load(
+        tmp_path,
+        '[[watch]]\ndir = "/a/one"\n[[watch]]\ndir = "/a/two"\n',
+        overrides={"watch": [{"dir": "/b/three"}]},
+    )
+    assert [w.effective_run_id for w in settings.watch] == ["three"]
+
+
+def test_watch_list_from_env_json(tmp_path: Path) -> None:
+    settings = load(tmp_path, environ={"CKPTD_WATCH": '[{"dir": "/x/run9", "layout": "hf"}]'})
+    assert settings.watch[0].dir == Path("/x/run9")
+    assert settings.watch[0].layout == "hf"
+
+
+def test_section_from_env_json(tmp_path: Path) -> None:
+    settings = load(tmp_path, environ={"CKPTD_RETENTION": '{"keep_last": 2}'})
+    assert settings.retention.keep_last == 2
+
+
+def test_bad_json_in_env_names_the_variable(tmp_path: Path) -> None:
+    err = error_of(tmp_path, environ={"CKPTD_WATCH": "/data/ckpt"})
+    assert err.key == "CKPTD_WATCH"
+    assert "JSON" in err.message
+
+
+def test_bad_env_value_names_key_and_variable(tmp_path: Path) -> None:
+    err = error_of(tmp_path, environ={"CKPTD_DESTINATION__PART_SIZE_MIB": "1"})
+    assert err.key == "destination.part_size_mib"
+    assert "CKPTD_DESTINATION__PART_SIZE_MIB" in str(err)
+
+
+def test_bad_file_value_is_not_blamed_on_env(tmp_path: Path) -> None:
+    err = error_of(
+        tmp_path,
+        "[destination]\npart_size_mib = 1\n",
+        environ={"CKPTD_DESTINATION__URL": "s3://bucket"},
+    )
+    assert "CKPTD_" not in str(err)
+
+
+def test_environ_defaults_to_process_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CKPTD_DESTINATION__REGION", "ap-south-1")
+    settings = load_settings(write(tmp_path, ""))
+    assert settings.destination.region == "ap-south-1"
+
+
+def test_unknown_override_key_is_an_error(tmp_path: Path) -> None:
+    err = error_of(tmp_path, overrides={"destination": {"dst": "s3://bucket"}})
+    assert err.key == "destination.dst"
+
+
+# --- the config file itself --------------------------------------------------------------
+
+
+def test_toml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, '[destination]\nurl = "s3://bucket"\nconcurrency = = 3\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path, environ={})
+    assert caught.value.key == str(path)
+    assert f"{path}: line 3" in str(caught.value)
+    assert "TOML syntax error" in str(caught.value)
+
+
+def test_toml_error_at_end_of_file_still_names_a_line(tmp_path: Path) -> None:
+    path = write(tmp_path, '[destination]\nurl = "s3://bucket\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path, environ={})
+    assert caught.value.key == str(path)
+    assert ": line " in str(caught.value)
+
+
+def test_missing_explicit_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(tmp_path / "nope.toml", environ={})
+    assert caught.value.key == str(tmp_path / "nope.toml")
+    assert "does not exist" in str(caught.value)
+
+
+def test_directory_as_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(tmp_path, environ={})
+    assert caught.value.key == str(tmp_path)
+
+
+def test_non_utf8_config_file_is_an_error_with_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b'[destination]\nregion = "\xff"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path, environ={})
+    assert caught.value.key == str(path)
+    assert "line 2" in str(caught.value)
+
+
+# --- derived values ----------------------------------------------------------------------
+
+
+def test_watch_dir_expands_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", "/home/trainer")
+    (watch,) = load(tmp_path, '[[watch]]\ndir = "~/ckpt/run7"\n').watch
+    assert watch.dir == Path("/home/trainer/ckpt/run7")
+    assert watch.effective_run_id == "run7"
+
+
+def test_s3_destination_parts(tmp_path: Path) -> None:
+    dest = load(tmp_path, '[destination]\nurl = "s3://my-bucket/team/ckpt/"\n').destination
+    assert (dest.kind, dest.bucket, dest.prefix) == ("s3", "my-bucket", "team/ckpt")
+    with pytest.raises(ValueError):
+        _ = dest.root_path
+
+
+def test_s3_destination_without_prefix(tmp_path: Path) -> None:
+    dest = load(tmp_path, '[destination]\nurl = "s3://my-bucket"\n').destination
+    assert (dest.bucket, dest.prefix) == ("my-bucket", "")
+
+
+def test_file_destination_parts(tmp_path: Path) -> None:
+    dest = load(tmp_path, '[destination]\nurl = "file:///mnt/shared/ckpt"\n').destination
+    assert (dest.kind, dest.root_path) == ("file", Path("/mnt/shared/ckpt"))
+    with pytest.raises(ValueError):
+        _ = dest.bucket
+
+
+def test_unset_destination_is_an_error_only_where_needed() -> None:
+    settings = Settings()
+    with pytest.raises(ConfigError) as caught:
+        require_destination(settings)
+    assert caught.value.key == "destination.url"
+    with pytest.raises(ConfigError):
+        _ = settings.destination.kind
+
+
+def test_require_destination_accepts_a_set_url(tmp_path: Path) -> None:
+    require_destination(load(tmp_path, environ={"CKPTD_DESTINATION__URL": "file:///srv"}))
+
+
+def test_require_watch_names_watch() -> None:
+    with pytest.raises(ConfigError) as caught:
+        require_watch(Settings())
+    assert caught.value.key == "watch"
+
+
+@pytest.mark.parametrize(
+    ("listen", "host", "port"),
+    [("127.0.0.1:9464", "127.0.0.1", 9464), ("[::1]:0", "::1", 0), ("node-1:80", "node-1", 80)],
+)
+def test_metrics_listen_parts(tmp_path: Path, listen: str, host: str, port: int) -> None:
+    metrics = load(tmp_path, f'[metrics]\nlisten = "{listen}"\n').metrics
+    assert (metrics.host, metrics.port) == (host, port)
+
+
+def test_signal_name_is_normalised(tmp_path: Path) -> None:
+    trainer = load(tmp_path, '[trainer]\nsignal = "usr2"\n').trainer
+    assert trainer.signal == "SIGUSR2"
+    assert trainer.signal_number.name == "SIGUSR2"
+
+
+def test_endpoint_url_accepts_host_and_port(tmp_path: Path) -> None:
+    settings = load(tmp_path, '[destination]\nendpoint_url = "http://[::1]:8333"\n')
+    assert settings.destination.endpoint_url == "http://[::1]:8333"
+
+
+# --- secrets -----------------------------------------------------------------------------
+
+
+def test_credentials_in_a_url_are_not_echoed(tmp_path: Path) -> None:
+    err = error_of(tmp_path, '[destination]\nendpoint_url = "http://AKIA:hunter2@host:9000"\n')
+    assert err.key == "destination.endpoint_url"
+    assert "hunter2" not in str(err)
+
+
+def test_bad_token_value_is_not_echoed(tmp_path: Path) -> None:
+    err = error_of(tmp_path, environ={"CKPTD_HTTP": '{"token": 123456789}'})
+    assert err.key == "http.token"
+    assert "123456789" not in str(err)
+
+
+def test_secret_is_not_in_rendered_text_or_repr(tmp_path: Path) -> None:
+    settings = load(tmp_path, environ={"CKPTD_HTTP__TOKEN": "s3cr3t-t0ken"})
+    assert settings.http.token.get_secret_value() == "s3cr3t-t0ken"
+    rendered = render_effective_config(settings)
+    assert "s3cr3t-t0ken" not in rendered
+    assert 'token = "***"' in rendered
+    assert "s3cr3t-t0ken" not in repr(settings)
+
+
+def test_unset_token_renders_empty_not_masked() -> None:
+    assert 'token = ""' in render_effective_config(Settings())
+
+
+# --- rendering ---------------------------------------------------------------------------
+
+
+def test_rendered_config_loads_back_to_the_same_settings(tmp_path: Path) -> None:
+    settings = load(
+        tmp_path,
+        r"""
+        [[watch]]
+        dir = "/data/ckpt/run1"
+        layout = "hf"
+        settle_seconds = 0.5
+        [[watch]]
+        dir = "/data/ckpt/other"
+        run_id = "exp=3.b"
+        marker = "DONE ✓"
+        quiescence_seconds = 1e-3
+
+        [destination]
+        url = "s3://bucket/a/b"
+        endpoint_url = "http://127.0.0.1:8333"
+        region = "us-east-1"
+        part_size_mib = 128
+        concurrency = 16
+        max_upload_mib_per_s = 250.5
+        max_attempts = 3
+
+        [retention]
+        keep_last = 0
+        keep_every_steps = 1000
+        local_keep_last = 2
+
+        [preemption]
+        provider = "gcp"
+        endpoint = "http://127.0.0.1:8080/base"
+        poll_interval_seconds = 0.25
+        imdsv1_fallback = true
+
+        [trainer]
+        match = "train.py --name \"x\\y\"\ttab"
+
+        [metrics]
+        listen = "[::1]:9000"
+
+        [state]
+        dir = "/tmp/ckptd state"
+        """,
+    )
+    rendered = render_effective_config(settings)
+    again = load_settings(write(tmp_path, rendered, "rendered.toml"), environ={})
+    assert again == settings
+
+
+def test_rendered_defaults_load_back_to_defaults(tmp_path: Path) -> None:
+    rendered = render_effective_config(Settings())
+    assert load_settings(write(tmp_path, rendered, "rendered.toml"), environ={}) == Settings()
+
+
+def test_rendered_config_says_where_the_run_id_comes_from(tmp_path: Path) -> None:
+    settings = load(tmp_path, environ={"CKPTD_WATCH": '[{"dir": "/d/run5"}]'})
+    assert '# run_id unset: defaults to "run5"' in render_effective_config(settings)
