@@ -1,0 +1,151 @@
+"""In-process helpers for trainers: save a checkpoint now when the node is being preempted.
+
+A plain training loop::
+
+    import ckptd.trainer
+
+    ckptd.trainer.install("/data/ckpt/run1")   # at start-up, before the daemon may signal
+    for step, batch in enumerate(loader):
+        train_step(batch)
+        if ckptd.trainer.preempted():
+            save_checkpoint(f"/data/ckpt/run1/step-{step}")
+            break
+
+Call :func:`install` (or build a callback) early: until a handler is installed, the
+daemon's signal (SIGUSR1 by default) kills the process, as it does any program that does
+not expect it. :func:`preempted` alone installs lazily, on its first call.
+
+Framework callbacks live in their own modules so that this package imports without them:
+``ckptd.trainer.hf.CkptdCallback`` (Hugging Face ``Trainer``) and
+``ckptd.trainer.lightning.CkptdLightningCallback`` (PyTorch Lightning); both names are also
+reachable here, imported on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptd.trainer.listener import (
+    DEFAULT_SIGNAL,
+    DEFAULT_URL,
+    NOTICE_RELPATH,
+    PreemptionListener,
+    notice_path,
+    parse_notice,
+    parse_signal,
+)
+
+if TYPE_CHECKING:
+    from ckptd.trainer.hf import CkptdCallback
+    from ckptd.trainer.lightning import CkptdLightningCallback
+
+__all__ = [
+    "DEFAULT_SIGNAL",
+    "DEFAULT_URL",
+    "NOTICE_RELPATH",
+    "CkptdCallback",
+    "CkptdLightningCallback",
+    "PreemptionListener",
+    "get_listener",
+    "install",
+    "notice",
+    "notice_path",
+    "parse_notice",
+    "parse_signal",
+    "preempted",
+    "uninstall",
+]
+
+_lock = threading.Lock()
+_listener: PreemptionListener | None = None
+# The watch_dir argument preempted() last applied, compared as given (str or path) per call.
+_last_watch_dir: str | os.PathLike[str] | None = None
+
+
+def install(
+    watch_dir: str | os.PathLike[str] | None = None,
+    *,
+    signum: int | str | None = None,
+    url: str | None = None,
+    token: str | None = None,
+    file_poll_interval: float = 0.5,
+    http_poll_interval: float = 1.0,
+) -> PreemptionListener:
+    """Create the process-wide listener, replacing any earlier one; call it at start-up.
+
+    Arguments left as None come from ``CKPTD_WATCH_DIR``, ``CKPTD_SIGNAL``, ``CKPTD_URL``
+    and ``CKPTD_TOKEN`` (see :class:`PreemptionListener`). Call from the main thread.
+    """
+    global _listener, _last_watch_dir
+    with _lock:
+        if _listener is not None:
+            _listener.close()
+        _last_watch_dir = None
+        _listener = PreemptionListener(
+            watch_dir,
+            signum=signum,
+            url=url,
+            token=token,
+            file_poll_interval=file_poll_interval,
+            http_poll_interval=http_poll_interval,
+        )
+        return _listener
+
+
+def get_listener(watch_dir: str | os.PathLike[str] | None = None) -> PreemptionListener:
+    """Return the process-wide listener, installing it with defaults if there is none.
+
+    ``watch_dir``, when given, becomes the dir whose notice file is watched.
+    """
+    global _listener, _last_watch_dir
+    with _lock:
+        if _listener is None:
+            _listener = PreemptionListener(watch_dir)
+        elif watch_dir is not None and _listener.watch_dir != Path(watch_dir):
+            _listener.watch_dir = watch_dir
+            _last_watch_dir = None
+        return _listener
+
+
+def preempted(watch_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Return True once the daemon has announced a preemption; cheap enough for every step."""
+    global _last_watch_dir
+    current = _listener
+    # Fast path without the lock or a Path(): the common call passes the same dir every step.
+    if current is not None and (watch_dir is None or watch_dir == _last_watch_dir):
+        return current.preempted()
+    current = get_listener(watch_dir)
+    _last_watch_dir = watch_dir
+    return current.preempted()
+
+
+def notice() -> dict[str, Any] | None:
+    """Return the current notice's JSON, or None (see :meth:`PreemptionListener.notice`)."""
+    current = _listener
+    return current.notice() if current is not None else None
+
+
+def uninstall() -> None:
+    """Close the process-wide listener and put the previous signal handler back."""
+    global _listener, _last_watch_dir
+    with _lock:
+        if _listener is not None:
+            _listener.close()
+            _listener = None
+        _last_watch_dir = None
+
+
+def __getattr__(name: str) -> Any:
+    # The callbacks import transformers / lightning, so load them only when asked for.
+    if name == "CkptdCallback":
+        from ckptd.trainer.hf import CkptdCallback
+
+        return CkptdCallback
+    if name == "CkptdLightningCallback":
+        from ckptd.trainer.lightning import CkptdLightningCallback
+
+        return CkptdLightningCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,119 @@
+"""PyTorch Lightning callback: on a preemption notice, save a checkpoint now and stop.
+
+::
+
+    from ckptd.trainer.lightning import CkptdLightningCallback
+
+    trainer = L.Trainer(..., callbacks=[CkptdLightningCallback()])
+
+The checkpoint is ``preempt-step=<global_step>.ckpt`` in the ``ModelCheckpoint`` dirpath
+(else ``trainer.default_root_dir``), written by ``trainer.save_checkpoint``, which saves
+through an fsspec transaction (temporary file, then rename): the daemon never sees half.
+
+Built on ``lightning.pytorch`` when installed, else ``pytorch_lightning``; Lightning calls
+callbacks by hook name, so the one class serves a Trainer of either package.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ckptd.trainer
+from ckptd.trainer.listener import PreemptionListener
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+else:
+    try:
+        from lightning.pytorch import Callback, LightningModule, Trainer
+    except ImportError:
+        from pytorch_lightning import Callback, LightningModule, Trainer
+
+__all__ = ["CkptdLightningCallback"]
+
+log = logging.getLogger("ckptd.trainer")
+
+
+class CkptdLightningCallback(Callback):
+    """Saves ``preempt-step=<step>.ckpt`` after the current batch and stops, on a notice.
+
+    The process-wide listener (:func:`ckptd.trainer.get_listener`) is installed when the
+    callback is built, before ``Trainer.fit`` registers Lightning's own signal handlers.
+    Lightning installs its SLURM auto-requeue handler on SIGUSR1 only when no handler is
+    there, so ckptd's wins; a warning says so when that requeue was wanted.
+
+    ``dirpath`` overrides where the checkpoint goes; the notice file is looked for under
+    ``watch_dir``, else ``CKPTD_WATCH_DIR``, else that checkpoint dir. As with any
+    ``save_checkpoint``, every rank must take the decision at the same batch.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        watch_dir: str | os.PathLike[str] | None = None,
+        listener: PreemptionListener | None = None,
+        filename: str = "preempt-step={step}.ckpt",
+    ) -> None:
+        super().__init__()
+        self.listener = listener if listener is not None else ckptd.trainer.get_listener(watch_dir)
+        if watch_dir is not None and listener is not None:
+            self.listener.watch_dir = watch_dir
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.filename = filename
+        self.saved_path: Path | None = None
+
+    def checkpoint_dir(self, trainer: Trainer) -> Path:
+        """Where the preemption checkpoint goes: ``dirpath``, ModelCheckpoint's, or the root."""
+        if self.dirpath is not None:
+            return self.dirpath
+        checkpoint_callback = trainer.checkpoint_callback
+        dirpath = getattr(checkpoint_callback, "dirpath", None)
+        return Path(dirpath) if dirpath else Path(trainer.default_root_dir)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Settle the watch dir (ModelCheckpoint resolves its dirpath during setup)."""
+        if self.listener.watch_dir is None:
+            self.listener.watch_dir = self.checkpoint_dir(trainer)
+        self._warn_if_slurm_requeue_displaced(trainer)
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Save now and ask the trainer to stop, once, when a notice has arrived."""
+        if self.saved_path is not None or not self.listener.preempted():
+            return
+        path = self.checkpoint_dir(trainer) / self.filename.format(step=trainer.global_step)
+        log.warning(
+            "ckptd: preemption notice %s; saving %s and stopping",
+            self.listener.notice() or "(by signal)",
+            path,
+        )
+        trainer.save_checkpoint(path)
+        self.saved_path = path
+        trainer.should_stop = True
+
+    def _warn_if_slurm_requeue_displaced(self, trainer: Trainer) -> None:
+        # Single-device strategies do not expose the cluster environment; the connector does.
+        environment = getattr(trainer.strategy, "cluster_environment", None) or getattr(
+            getattr(trainer, "_accelerator_connector", None), "cluster_environment", None
+        )
+        if not getattr(environment, "auto_requeue", False):
+            return
+        requeue_signal = getattr(environment, "requeue_signal", None)
+        if requeue_signal is not None and requeue_signal == self.listener.signum:
+            log.warning(
+                "ckptd: %s now means 'save and stop'; Lightning's SLURM auto-requeue on it "
+                "is off. Set CKPTD_SIGNAL (and the daemon's trainer.signal) to another signal "
+                "to keep both.",
+                signal.Signals(requeue_signal).name,
+            )

@@ -1,0 +1,69 @@
+"""CkptdCallback in a real Hugging Face Trainer run (tiny GPT-2 on CPU, in a child process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.trainers.procs import Script, script_env
+
+pytest.importorskip("transformers")
+
+MAX_STEPS = 100_000
+
+
+def test_sigusr1_makes_the_trainer_save_checkpoint_at_current_step_and_exit_0(
+    tmp_path: Path,
+) -> None:
+    output_dir = tmp_path / "out"
+    script = Script(
+        tmp_path,
+        "hf_train",
+        "--output-dir",
+        str(output_dir),
+        "--max-steps",
+        str(MAX_STEPS),
+        "--save-steps",
+        str(MAX_STEPS),  # no regular save: any checkpoint is the preemption one
+        env=script_env(tmp_path),
+    )
+    try:
+        script.wait_for_step(3, timeout=60)
+        os.kill(script.proc.pid, signal.SIGUSR1)
+        assert script.wait_exit(timeout=30) == 0, script.log_tail()
+    finally:
+        script.kill()
+
+    result = script.result_json()
+    step = result["global_step"]
+    assert 3 <= step < MAX_STEPS
+    assert result["fired_at_step"] == step
+    checkpoints = sorted(p.name for p in output_dir.glob("checkpoint-*"))
+    assert checkpoints == [f"checkpoint-{step}"]
+    state = json.loads((output_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    assert state["global_step"] == step
+    assert not (output_dir / f"checkpoint-{step}" / "checkpoint-is-incomplete.txt").exists()
+
+
+def test_notice_file_in_output_dir_stops_the_trainer(tmp_path: Path) -> None:
+    # No watch dir configured: the callback watches args.output_dir.
+    output_dir = tmp_path / "out"
+    script = Script(tmp_path, "hf_train", "--output-dir", str(output_dir), env=script_env(tmp_path))
+    try:
+        script.wait_for_step(3, timeout=60)
+        notice = output_dir / ".ckptd" / "preemption.json"
+        notice.parent.mkdir(parents=True, exist_ok=True)
+        notice.write_text(json.dumps({"source": "gcp", "kind": "preempted", "deadline": None}))
+        assert script.wait_exit(timeout=30) == 0, script.log_tail()
+    finally:
+        script.kill()
+
+    result = script.result_json()
+    step = result["global_step"]
+    assert step < MAX_STEPS
+    assert (output_dir / f"checkpoint-{step}" / "trainer_state.json").exists()
+    assert result["notice"]["source"] == "gcp"

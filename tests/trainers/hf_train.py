@@ -1,0 +1,104 @@
+"""A tiny Hugging Face Trainer run on CPU with ckptd's callback, for the tests.
+
+GPT-2 built from a one-layer config on random tokens: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from ckptd.trainer.hf import CkptdCallback
+from tests.trainers.procs import write_atomically
+
+
+class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, size: int, length: int, vocab: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, vocab, (size, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+
+
+class Progress(TrainerCallback):
+    """Reports the last finished step, so the test knows training is under way."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        write_atomically(self.path, str(state.global_step))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--progress", type=Path, required=True)
+    parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--max-steps", type=int, default=100_000)
+    parser.add_argument("--save-steps", type=int, default=100_000)
+    options = parser.parse_args()
+
+    # Built first, at start-up: from here on the daemon's SIGUSR1 is caught.
+    ckptd_callback = CkptdCallback()
+
+    config = GPT2Config(
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    args = TrainingArguments(
+        output_dir=options.output_dir,
+        max_steps=options.max_steps,
+        save_strategy="steps",
+        save_steps=options.save_steps,
+        per_device_train_batch_size=4,
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=RandomTokens(size=256, length=16, vocab=config.vocab_size),
+        callbacks=[ckptd_callback, Progress(options.progress)],
+    )
+    trainer.train()
+    write_atomically(
+        options.result,
+        json.dumps(
+            {
+                "global_step": trainer.state.global_step,
+                "fired_at_step": ckptd_callback.fired_at_step,
+                "notice": ckptd_callback.listener.notice(),
+            }
+        ),
+    )
+
+
+if __name__ == "__main__":
+    main()
