@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from ckptd import checksum
 from ckptd.storage.base import (
     NotFoundError,
     ObjectInfo,
@@ -45,6 +46,14 @@ def _error(exc: OSError, what: str) -> StorageError:
         transient=transient,
         code=errno.errorcode.get(exc.errno or 0, "OSError"),
     )
+
+
+def _check_crc(data: bytes, crc32c: int, what: str) -> None:
+    # The S3 backend has the store check each body against the CRC-32C ckptd computed;
+    # a filesystem cannot, so this backend checks before writing, with the same result:
+    # a body that does not match is refused and nothing is written.
+    if checksum.crc32c(data) != crc32c:
+        raise StorageError(f"{what}: CRC-32C mismatch", transient=True, code="BadDigest")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -88,6 +97,7 @@ class FileStorage:
 
     def put_bytes(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
         target = self._path(key)
+        _check_crc(data, crc32c, f"put {key}")
         try:
             tmp = self._write_new(target, data)
             os.replace(tmp, target)
@@ -98,6 +108,7 @@ class FileStorage:
 
     def put_if_absent(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
         target = self._path(key)
+        _check_crc(data, crc32c, f"conditional put {key}")
         try:
             tmp = self._write_new(target, data)
             try:
@@ -230,6 +241,7 @@ class FileStorage:
         self, key: str, upload_id: str, number: int, offset: int, data: bytes, *, crc32c: int
     ) -> PartInfo:
         path = self._upload_path(key, upload_id)
+        _check_crc(data, crc32c, f"upload part {number} of {key}")
         try:
             fd = os.open(path, os.O_WRONLY)
         except FileNotFoundError:

@@ -48,6 +48,11 @@ _TRANSIENT_CODES = {
     "RequestLimitExceeded",
     "BandwidthLimitExceeded",
     "OperationAborted",
+    # The store computed a different checksum of the body than ckptd did from the same
+    # buffer: the bytes were damaged in transit, so sending them again is the fix.
+    "BadDigest",
+    "InvalidDigest",
+    "XAmzContentSHA256Mismatch",
     "500",
     "502",
     "503",

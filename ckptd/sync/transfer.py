@@ -181,7 +181,9 @@ class Transfers:
                 f"verify {key}: object missing after upload", transient=True, code="VerifyFailed"
             )
         expected = self.storage.expected_checksum(parts, whole_crc)
-        if info.size != size or (expected and info.checksum and info.checksum != expected):
+        if info.size != size or (
+            expected and info.checksum and not checksum.s3_checksums_match(info.checksum, expected)
+        ):
             raise StorageError(
                 f"verify {key}: store reports size {info.size} checksum {info.checksum!r}, "
                 f"expected {size} {expected!r}",

@@ -1,0 +1,182 @@
+"""One contract, every backend: SeaweedFS S3, moto's S3 server (a second dialect), and
+a real directory (file://). What one backend promises, all keep."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from ckptd import checksum
+from ckptd.locals3 import LocalS3, free_port
+from ckptd.storage import (
+    NotFoundError,
+    PreconditionFailedError,
+    Storage,
+    StorageError,
+    open_backend,
+)
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+        region_name="us-east-1",
+    ).create_bucket(Bucket="ckpt")
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["seaweedfs", "moto", "file"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    prefix = f"contract-{uuid.uuid4().hex[:8]}"
+    if request.param == "seaweedfs":
+        local_s3: LocalS3 = request.getfixturevalue("local_s3")
+        return open_backend(f"s3://ckpt/{prefix}", endpoint_url=local_s3.endpoint_url)
+    if request.param == "moto":
+        return open_backend(
+            f"s3://ckpt/{prefix}", endpoint_url=request.getfixturevalue("moto_endpoint")
+        )
+    return open_backend(f"file://{tmp_path / 'dest'}")
+
+
+def _put(storage: Storage, key: str, data: bytes) -> None:
+    storage.put_bytes(key, data, crc32c=checksum.crc32c(data))
+
+
+def test_put_get_head_roundtrip(storage: Storage) -> None:
+    data = os.urandom(1000)
+    _put(storage, "run/ckpt-1/a.bin", data)
+    assert storage.get_bytes("run/ckpt-1/a.bin") == data
+    info = storage.head("run/ckpt-1/a.bin")
+    assert info is not None and info.size == 1000
+    assert storage.get_range("run/ckpt-1/a.bin", 10, 20) == data[10:30]
+
+
+def test_missing_key_is_none_on_head_and_not_found_on_get(storage: Storage) -> None:
+    assert storage.head("run/none") is None
+    with pytest.raises(NotFoundError):
+        storage.get_bytes("run/none")
+
+
+def test_conditional_write_loses_to_an_existing_key_and_keeps_it(storage: Storage) -> None:
+    first, second = b"first", b"second"
+    storage.put_if_absent("run/ckpt/m.json", first, crc32c=checksum.crc32c(first))
+    with pytest.raises(PreconditionFailedError):
+        storage.put_if_absent("run/ckpt/m.json", second, crc32c=checksum.crc32c(second))
+    assert storage.get_bytes("run/ckpt/m.json") == first
+
+
+def test_listing_is_recursive_and_children_are_direct(storage: Storage) -> None:
+    for key in ("run/c-1/a", "run/c-1/sub/b", "run/c-2/a", "other/c-9/a"):
+        _put(storage, key, b"x")
+    keys = sorted(o.key for o in storage.list_objects("run/"))
+    assert keys == ["run/c-1/a", "run/c-1/sub/b", "run/c-2/a"]
+    assert sorted(storage.list_children("run/")) == ["c-1", "c-2"]
+    assert sorted(storage.list_children("")) == ["other", "run"]
+
+
+def test_delete_removes_keys_and_ignores_missing_ones(storage: Storage) -> None:
+    _put(storage, "run/c/a", b"1")
+    _put(storage, "run/c/b", b"2")
+    storage.delete(["run/c/a", "run/c/missing"])
+    assert [o.key for o in storage.list_objects("run/")] == ["run/c/b"]
+
+
+def test_server_side_copy_is_identical(storage: Storage) -> None:
+    data = os.urandom(3 * MiB)
+    _put(storage, "run/c-1/base.bin", data)
+    copied = storage.copy("run/c-1/base.bin", "run/c-2/base.bin")
+    assert copied.size == len(data)
+    assert storage.get_bytes("run/c-2/base.bin") == data
+    source = storage.head("run/c-1/base.bin")
+    assert source is not None and copied.checksum == source.checksum
+
+
+def test_multipart_upload_assembles_parts_and_reports_its_checksum(storage: Storage) -> None:
+    parts_data = [os.urandom(5 * MiB), os.urandom(5 * MiB), os.urandom(12345)]
+    key = "run/c/big.bin"
+    upload_id = storage.create_upload(key)
+    assert (key, upload_id) in storage.list_uploads("run/")
+    parts = []
+    offset = 0
+    for number, data in enumerate(parts_data, start=1):
+        parts.append(
+            storage.upload_part(key, upload_id, number, offset, data, crc32c=checksum.crc32c(data))
+        )
+        offset += len(data)
+    held = storage.list_parts(key, upload_id)
+    assert held is None or sorted(held) == [1, 2, 3]
+    storage.complete_upload(key, upload_id, parts)
+    whole = b"".join(parts_data)
+    assert storage.get_bytes(key) == whole
+    info = storage.head(key)
+    assert info is not None and info.size == len(whole)
+    expected = storage.expected_checksum(parts, checksum.crc32c(whole))
+    if expected and info.checksum:
+        assert checksum.s3_checksums_match(info.checksum, expected)
+    assert storage.list_uploads("run/") == []
+    # Folding part CRCs gives the whole-file value the manifest records.
+    assert checksum.combine_parts((p.crc32c, p.size) for p in parts) == checksum.crc32c(whole)
+
+
+def test_aborted_upload_leaves_nothing(storage: Storage) -> None:
+    key = "run/c/aborted.bin"
+    upload_id = storage.create_upload(key)
+    data = os.urandom(5 * MiB)
+    storage.upload_part(key, upload_id, 1, 0, data, crc32c=checksum.crc32c(data))
+    storage.abort_upload(key, upload_id)
+    storage.abort_upload(key, upload_id)  # idempotent
+    assert storage.head(key) is None
+    assert storage.list_uploads("run/") == []
+    assert list(storage.list_objects("run/")) == []
+
+
+def test_a_body_that_does_not_match_its_crc_is_refused_and_nothing_is_written(
+    storage: Storage, request: pytest.FixtureRequest
+) -> None:
+    if "moto" in request.node.name:
+        pytest.skip("moto does not validate checksums (the reason SeaweedFS is the main S3)")
+    data = os.urandom(4096)
+    with pytest.raises(StorageError) as err:
+        storage.put_bytes("run/c/bad.bin", data, crc32c=checksum.crc32c(data) ^ 1)
+    assert err.value.code in ("BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch")
+    assert storage.head("run/c/bad.bin") is None
+
+
+def test_check_passes_on_a_usable_destination(storage: Storage) -> None:
+    storage.check()
+
+
+def test_missing_bucket_is_a_permanent_error(local_s3: LocalS3) -> None:
+    storage = open_backend("s3://no-such-bucket-contract/x", endpoint_url=local_s3.endpoint_url)
+    with pytest.raises(StorageError) as err:
+        storage.check()
+    assert err.value.code == "NoSuchBucket" and not err.value.transient
+
+
+@pytest.mark.parametrize("key", ["../escape", "run/../../escape", "/abs", "run//x", "run/./x"])
+def test_file_backend_refuses_keys_that_leave_its_root(tmp_path: Path, key: str) -> None:
+    storage = open_backend(f"file://{tmp_path / 'dest'}")
+    with pytest.raises(StorageError):
+        storage.put_bytes(key, b"x", crc32c=checksum.crc32c(b"x"))
+    assert not (tmp_path / "escape").exists()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
