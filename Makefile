@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine; both install into ./.venv first.
+#   make demo   end-to-end demo on the embedded local S3 (SeaweedFS on loopback)
+#   make test   lint, type-check and the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint venv clean
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed-demo: pyproject.toml | $(BIN)/activate
+	$(BIN)/pip install --quiet -e '.[demo]'
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/activate
+	$(BIN)/pip install --quiet -e '.[dev,demo,trainers]'
+	touch $@
+
+venv: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed-demo
+	$(BIN)/python -m ckptd.demo
+
+lint: venv
+	$(BIN)/ruff check ckptd tests bench
+	$(BIN)/ruff format --check ckptd tests bench
+	$(BIN)/mypy ckptd
+
+test: lint
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) .demo .mypy_cache .pytest_cache .ruff_cache
