@@ -96,6 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.add_argument("--url", default=None, help="daemon base URL (default from metrics.listen)")
 
+    drill = sub.add_parser(
+        "drill", help="simulated preemption against the running daemon, with timings"
+    )
+    _common(drill)
+    drill.add_argument(
+        "--deadline", type=float, default=120.0, help="seconds the simulated notice gives"
+    )
+    drill.add_argument("--url", default=None, help="daemon base URL (default from metrics.listen)")
+    drill.add_argument("--json", action="store_true")
+
     config = sub.add_parser("config", help="configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     check = config_sub.add_parser("check", help="validate and print the effective config")
@@ -233,18 +243,55 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_FAILED if problems else EXIT_OK
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _daemon_request(
+    args: argparse.Namespace, path: str, *, method: str = "GET", timeout: float = 5
+) -> tuple[str, Any]:
     settings = _settings(args)
     base = args.url or f"http://{_url_host(settings.metrics.host)}:{settings.metrics.port}"
-    request = urllib.request.Request(f"{base}/v1/status")
+    request = urllib.request.Request(f"{base}{path}", method=method)
     token = settings.http.token.get_secret_value()
     if token:
         request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        return base, json.loads(resp.read())
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
     try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            doc = json.loads(resp.read())
+        _, doc = _daemon_request(
+            args, f"/v1/drill?deadline={args.deadline}", method="POST", timeout=args.deadline + 30
+        )
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(f"ckptd: daemon not reachable at {base}: {exc}", file=sys.stderr)
+        print(f"ckptd: drill failed: daemon not reachable or refused: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    ok = bool(doc.get("committed_before_deadline"))
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK if ok else EXIT_FAILED
+
+    def at(key: str) -> str:
+        value = doc.get(key)
+        return "-" if value is None else f"{value:8.3f} s"
+
+    print(
+        f"drill: deadline {args.deadline:.0f} s, trainer pids {doc.get('trainer_pids') or 'none found'}"
+    )
+    print(f"  {'noticed':<22} {0:8.3f} s")
+    print(f"  {'trainer signalled':<22} {at('signalled_after_s')}")
+    print(f"  {'checkpoint complete':<22} {at('complete_after_s')}   {doc.get('checkpoint') or ''}")
+    print(f"  {'committed':<22} {at('committed_after_s')}   {_human(int(doc.get('bytes') or 0))}")
+    print(
+        "result: "
+        + ("committed before the deadline" if ok else "NOT committed before the deadline")
+    )
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        _base, doc = _daemon_request(args, "/v1/status")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"ckptd: daemon not reachable: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if args.json:
         _print_json(doc)

@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from ckptd.locals3 import LocalS3, free_port
 
@@ -37,6 +38,11 @@ def toy_trainer_save(root: Path, step: int, weights: bytes) -> Path:
 def _status(port: int) -> dict[str, object]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=2) as resp:
         return dict(json.loads(resp.read()))
+
+
+def _last_step(port: int) -> object:
+    runs: Any = _status(port)["runs"]
+    return (runs["demo-run"]["last_committed"] or {}).get("step")
 
 
 def _wait(predicate: object, timeout: float, what: str) -> None:
@@ -91,7 +97,10 @@ def main() -> int:
         print(f"== starting ckptd (config {config}); its JSON logs go to {base / 'ckptd.log'}")
         with open(base / "ckptd.log", "wb") as log:
             daemon = subprocess.Popen(
-                [sys.executable, "-m", "ckptd", "run", "--config", str(config)], stdout=log, stderr=log, env=env
+                [sys.executable, "-m", "ckptd", "run", "--config", str(config)],
+                stdout=log,
+                stderr=log,
+                env=env,
             )
         try:
             _wait(lambda: _status(port), 30, "the daemon")
@@ -101,20 +110,31 @@ def main() -> int:
                 toy_trainer_save(ckpt_dir, step_no, os.urandom(args.mib * 1024 * 1024))
                 started = time.monotonic()
                 _wait(
-                    lambda s=step_no: (_status(port)["runs"]["demo-run"]["last_committed"] or {}).get("step") == s,  # type: ignore[index]
-                    120,
-                    f"checkpoint-{step_no} to commit",
+                    lambda s=step_no: _last_step(port) == s, 120, f"checkpoint-{step_no} to commit"
                 )
                 print(f"   committed in {time.monotonic() - started:.1f}s")
-            common = ["--dest", "s3://ckpt/demo", "--endpoint-url", s3.endpoint_url, "--config", str(config)]
+            common = [
+                "--dest",
+                "s3://ckpt/demo",
+                "--endpoint-url",
+                s3.endpoint_url,
+                "--config",
+                str(config),
+            ]
             print("== ckptd list")
             subprocess.run([sys.executable, "-m", "ckptd", "list", *common], env=env, check=True)
             print("== ckptd verify --latest (re-reads every object, checks CRC-32C)")
             subprocess.run(
-                [sys.executable, "-m", "ckptd", "verify", "--run", "demo-run", "--latest", *common], env=env, check=True
+                [sys.executable, "-m", "ckptd", "verify", "--run", "demo-run", "--latest", *common],
+                env=env,
+                check=True,
             )
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-                wanted = ("ckptd_checkpoints_committed_total", "ckptd_upload_bytes_total", "ckptd_last_committed_step")
+                wanted = (
+                    "ckptd_checkpoints_committed_total",
+                    "ckptd_upload_bytes_total",
+                    "ckptd_last_committed_step",
+                )
                 print("== metrics")
                 for line in resp.read().decode().splitlines():
                     if line.startswith(wanted):

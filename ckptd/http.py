@@ -25,12 +25,14 @@ class HttpServer:
         status: Callable[[], dict[str, Any]],
         ready: Callable[[], tuple[bool, dict[str, Any]]],
         preemption: Callable[[], dict[str, Any]],
+        drill: Callable[[float], Awaitable[dict[str, Any]]] | None = None,
         token: str = "",
     ) -> None:
         self.metrics = metrics
         self._status = status
         self._ready = ready
         self._preemption = preemption
+        self._drill = drill
         self._token = token
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -42,6 +44,7 @@ class HttpServer:
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/v1/status", self._v1_status)
         app.router.add_get("/v1/preemption", self._v1_preemption)
+        app.router.add_post("/v1/drill", self._v1_drill)
         return app
 
     @web.middleware
@@ -67,6 +70,17 @@ class HttpServer:
 
     async def _v1_preemption(self, request: web.Request) -> web.Response:
         return web.json_response(self._preemption())
+
+    async def _v1_drill(self, request: web.Request) -> web.Response:
+        if self._drill is None:
+            return web.json_response({"error": "drills are not available"}, status=404)
+        try:
+            deadline = float(request.query.get("deadline", "120"))
+        except ValueError:
+            return web.json_response({"error": "deadline must be seconds"}, status=400)
+        if not 1 <= deadline <= 3600:
+            return web.json_response({"error": "deadline must be 1..3600 seconds"}, status=400)
+        return web.json_response(await self._drill(deadline))
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (useful with port 0)."""

@@ -88,6 +88,19 @@ class Metrics:
         self.preemption_notice = Gauge(
             "ckptd_preemption_notice", "1 while a preemption notice is active.", registry=r
         )
+        self.preemption_deadline = Gauge(
+            "ckptd_preemption_deadline_seconds",
+            "Unix time of the active notice's deadline (0 when none or unknown).",
+            registry=r,
+        )
+        self.emergency_eta = Gauge(
+            "ckptd_emergency_flush_eta_seconds",
+            "Estimated seconds until pending emergency work is committed, at the measured rate.",
+            registry=r,
+        )
+        self.upload_rate = Gauge(
+            "ckptd_upload_rate_bytes_per_second", "Upload rate over the last seconds.", registry=r
+        )
         self.retries = Counter(
             "ckptd_retries",
             "Storage operations retried after a transient error.",

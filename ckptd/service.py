@@ -15,6 +15,7 @@ import contextlib
 import signal
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,9 @@ from ckptd.config import Settings
 from ckptd.http import HttpServer
 from ckptd.logs import get_logger
 from ckptd.metrics import Metrics
+from ckptd.notices.detect import make_source
+from ckptd.notices.model import Notice, NoticeSource
+from ckptd.respond import Responder
 from ckptd.storage import StorageError, open_storage
 from ckptd.storage.retrying import RetryingStorage
 from ckptd.sync.journal import Journal
@@ -29,6 +33,8 @@ from ckptd.sync.pipeline import SyncPipeline
 from ckptd.sync.watcher import Watcher
 
 TICK_SECONDS = 1.0
+# After SIGTERM: exit once nothing is pending, uploading or being written for this long.
+DRAIN_QUIET_SECONDS = 2.0
 
 
 class Service:
@@ -50,6 +56,9 @@ class Service:
         self.http: HttpServer | None = None
         self.storage: RetryingStorage | None = None
         self.pipeline: SyncPipeline | None = None
+        self.responder: Responder | None = None
+        self.sigterm = asyncio.Event()
+        self._signals = 0
 
     def _on_retry(self, operation: str, exc: StorageError, attempt: int, delay: float) -> None:
         self.metrics.retries.labels(operation=operation).inc()
@@ -62,8 +71,16 @@ class Service:
         )
 
     def request_stop(self) -> None:
-        """Ask the daemon to stop (signal handlers call this, and only this)."""
+        """Stop after the upload in flight (SIGINT; a second signal of any kind)."""
         self.stop_event.set()
+
+    def _on_sigterm(self) -> None:
+        # Only flags, as in uvicorn: the main coroutine acts on them.
+        self._signals += 1
+        if self._signals == 1:
+            self.sigterm.set()
+        else:
+            self.stop_event.set()
 
     async def serve(self) -> int:
         settings = self.settings
@@ -81,8 +98,12 @@ class Service:
         )
         self.pipeline = pipeline = SyncPipeline(settings, self.storage, journal, self.metrics)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+        # SIGTERM is a notice (Kubernetes, systemd): flush first, exit last.
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        loop.add_signal_handler(signal.SIGINT, self.request_stop)
+        self.responder = responder = Responder(settings, self.metrics, pipeline)
+        pipeline.on_commit = responder.on_commit
+        pipeline.on_emergency_complete = responder.on_complete
         self.log.info(
             "ckptd_starting",
             destination=self.storage.url,
@@ -97,7 +118,8 @@ class Service:
                 self.metrics,
                 status=self.status,
                 ready=self.ready,
-                preemption=lambda: {"notice": False},
+                preemption=responder.preemption_json,
+                drill=responder.drill,
                 token=settings.http.token.get_secret_value(),
             )
             port = await self.http.start(settings.metrics.host, settings.metrics.port)
@@ -115,11 +137,20 @@ class Service:
                 await pipeline.rescan(run_id)
             worker = asyncio.create_task(pipeline.work(self.stop_event), name="worker")
             ticker = asyncio.create_task(self._tick(watcher), name="ticker")
+            notices = asyncio.create_task(self._watch_notices(), name="notices")
             self.log.info("ckptd_ready", watching=self.watching)
-            await self.stop_event.wait()
+            stop_wait = asyncio.ensure_future(self.stop_event.wait())
+            term_wait = asyncio.ensure_future(self.sigterm.wait())
+            await asyncio.wait([stop_wait, term_wait], return_when=asyncio.FIRST_COMPLETED)
+            if self.sigterm.is_set() and not self.stop_event.is_set():
+                await self._flush_on_sigterm()
+            stop_wait.cancel()
+            term_wait.cancel()
+            self.stop_event.set()
             self.log.info("ckptd_stopping")
             watcher.stop()
             ticker.cancel()
+            notices.cancel()
             try:
                 await asyncio.wait_for(worker, timeout=self.shutdown_timeout)
             except TimeoutError:
@@ -134,6 +165,64 @@ class Service:
             await pipeline.close()
             journal.close()
             self.log.info("ckptd_stopped")
+
+    async def _watch_notices(self) -> None:
+        """Feed the cloud's notices to the responder; a source never ends the daemon."""
+        assert self.responder is not None
+        p = self.settings.preemption
+        try:
+            source: NoticeSource | None = make_source(
+                p.provider, p.endpoint, p.poll_interval_seconds, p.imdsv1_fallback
+            )
+        except (ValueError, OSError) as exc:
+            self.log.error("notice_source_unavailable", provider=p.provider, error=str(exc))
+            return
+        if source is None:
+            self.log.info("notice_source", provider=p.provider, source=None)
+            return
+        self.log.info("notice_source", provider=p.provider, source=source.name)
+        while True:
+            try:
+                async for notice in source.watch():
+                    await self.responder.handle(notice, source)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep listening whatever a source does
+                self.log.error("notice_source_failed", source=source.name, error=repr(exc))
+            await asyncio.sleep(p.poll_interval_seconds)
+
+    async def _flush_on_sigterm(self) -> None:
+        """SIGTERM: act on it as a notice, keep shipping (the trainer may be saving its
+        emergency checkpoint right now), and return once all is committed and quiet, or
+        when ``shutdown_timeout`` runs out (the journal then keeps finished parts)."""
+        assert self.responder is not None and self.pipeline is not None
+        now = datetime.now(UTC)
+        notice = Notice(
+            source="sigterm",
+            kind="sigterm",
+            id=f"sigterm:{now.isoformat()}",
+            noticed_at=now,
+            deadline=now + timedelta(seconds=self.shutdown_timeout),
+        )
+        await self.responder.handle(notice)
+        deadline = time.monotonic() + self.shutdown_timeout
+        quiet_since: float | None = None
+        while time.monotonic() < deadline and not self.stop_event.is_set():
+            if not self.destination_ok:
+                # Nothing can be flushed to a destination that refuses us; the journal
+                # keeps what was sent, and waiting out the grace period helps no one.
+                self.log.error("sigterm_flush_impossible", error=self.destination_error)
+                return
+            if self.pipeline.idle():
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since >= DRAIN_QUIET_SECONDS:
+                    self.log.info("flushed_on_sigterm")
+                    return
+            else:
+                quiet_since = None
+            await asyncio.sleep(0.1)
+        if not self.stop_event.is_set():
+            self.log.warning("sigterm_flush_timeout", seconds=self.shutdown_timeout)
 
     async def _check_destination(self) -> None:
         assert self.storage is not None
@@ -195,5 +284,7 @@ class Service:
             "url": self.storage.url if self.storage else "",
             "ok": self.destination_ok,
         }
-        body["preemption"] = {"notice": False}
+        body["preemption"] = (
+            self.responder.preemption_json() if self.responder else {"notice": False}
+        )
         return body

@@ -205,6 +205,8 @@ class AwsImdsSource:
         async with self._token_lock:
             if self._token == stale:
                 self._token = None
+            # A 401 also means IMDSv2 is required: stop skipping the PUT (v1 fallback).
+            self._skip_token_until = 0.0
 
     # -- reads -------------------------------------------------------------------------
 

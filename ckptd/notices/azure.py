@@ -271,7 +271,8 @@ class AzureScheduledEventsSource:
             )
             notices.append(notice)
         for event_id in [i for i in self._known if i not in current]:
-            # Gone from the document: completed, or cancelled by Azure before it started.
+            # Gone from the document (completed, or cancelled by Azure before it started),
+            # or not ours after all now that the VM name is known.
             earlier = self._known.pop(event_id)
             log.info("scheduled event gone", id=event_id, kind=earlier.kind)
             notices.append(

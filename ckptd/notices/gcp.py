@@ -74,7 +74,7 @@ class GcpMetadataSource:
         *,
         hang_timeout: int = 60,
         request_timeout: float = 10.0,
-        max_backoff: float = 30.0,
+        max_backoff: float = 5.0,
         preemption_notice: float = 30.0,
         session: aiohttp.ClientSession | None = None,
         clock: Clock = utc_now,
@@ -177,6 +177,8 @@ class GcpMetadataSource:
         backoff = self.retry_interval
         while True:
             started = self._monotonic()
+            answered = False  # a genuine 200 from the metadata server, whatever its value
+            new_etag: str | None = None
             try:
                 resp = await self._get(session, key, waiting, etag)
                 if resp.status == 503:
@@ -188,12 +190,20 @@ class GcpMetadataSource:
                     raise _BadResponse(f"HTTP {resp.status}")
                 if resp.headers.get(FLAVOR_HEADER) != FLAVOR_VALUE:
                     raise _BadResponse(f"response lacks {FLAVOR_HEADER}: {FLAVOR_VALUE}")
-                new_etag = resp.headers.get("ETag")
+                answered, new_etag = True, resp.headers.get("ETag")
                 notice = on_value(resp.text.strip(), new_etag, self._clock())
             except (aiohttp.ClientError, TimeoutError, _BadResponse) as exc:
                 self._warn.warning(
                     key, "metadata read failed", url=self._url(key), error=_describe(exc)
                 )
+                if answered:
+                    # An unexpected value: wait for it to change (a hanging GET on its
+                    # ETag) rather than back off, so a real change is seen at once; pause
+                    # only if the server answered at once (it should have hung).
+                    etag, waiting = new_etag, True
+                    if self._monotonic() - started < self.hang_timeout / 2:
+                        await self._sleep(self.retry_interval)
+                    continue
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
                 continue

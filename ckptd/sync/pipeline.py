@@ -17,11 +17,13 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ckptd import checksum, layouts
 from ckptd.config import Settings, WatchConfig
+from ckptd.deadline import may_finish_first, plan_flush
 from ckptd.environment import describe
 from ckptd.layouts.base import CheckpointListing, Completion, FileEntry, RuleSettings, step_of
 from ckptd.logs import get_logger
@@ -36,6 +38,7 @@ from ckptd.sync.transfer import (
     CheckpointChangedError,
     FileResult,
     TransferContext,
+    TransferPausedError,
     Transfers,
     abort_unrecorded_uploads,
 )
@@ -48,6 +51,30 @@ EVENT_DEBOUNCE_SECONDS = 0.2
 FAILURE_BACKOFF = (2.0, 300.0)
 
 
+class RateMeter:
+    """Bytes per second over a sliding window, from the transfers' byte counts."""
+
+    def __init__(self, window: float = 10.0) -> None:
+        self.window = window
+        self._samples: list[tuple[float, int]] = []
+
+    def add(self, nbytes: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._samples.append((now, nbytes))
+        cutoff = now - self.window
+        while self._samples and self._samples[0][0] < cutoff:
+            self._samples.pop(0)
+
+    def rate(self, now: float | None = None) -> float | None:
+        """Bytes per second, or None before anything was measured."""
+        now = time.monotonic() if now is None else now
+        recent = [(t, n) for t, n in self._samples if t >= now - self.window]
+        if len(recent) < 2:
+            return None
+        span = max(now - recent[0][0], 0.5)
+        return sum(n for _, n in recent) / span
+
+
 @dataclass
 class Pending:
     """A complete checkpoint waiting to be (or being) shipped."""
@@ -56,6 +83,7 @@ class Pending:
     step: int | None
     completed_at: float  # wall clock, for sync lag
     emergency: bool = False
+    total_bytes: int = 0
     failures: int = 0
     not_before: float = 0.0  # monotonic; backoff after a failure
 
@@ -139,9 +167,17 @@ class SyncPipeline:
         self._tasks: set[asyncio.Task[None]] = set()
         self._file_slots = asyncio.Semaphore(max(4, dest.concurrency * 2))
         self.log = get_logger()
+        self.rate = RateMeter()
+        # Emergency mode (a preemption notice): checkpoints completed after the notice go
+        # first, and the deadline decides whether an older upload may finish.
+        self.emergency_since: float | None = None
+        self.emergency_deadline: Any = None  # aware datetime or None
+        self.on_emergency_complete: Callable[[str, str], None] = lambda run, name: None
+        self.on_commit: Callable[[str, str, int, bool], Awaitable[None]] | None = None
 
     def _count_bytes(self, run: str, n: int) -> None:
         self.metrics.upload_bytes.labels(run=run).inc(n)
+        self.rate.add(n)
         state = self.runs.get(run)
         if state is not None and state.current is not None:
             state.current.sent_bytes += n
@@ -198,6 +234,8 @@ class SyncPipeline:
             old.cancel()
         loop = asyncio.get_running_loop()
         self._timers[key] = loop.call_later(delay, lambda: self._spawn(self.evaluate(run_id, name)))
+        if name in state.committed:
+            self._timers.pop(key).cancel()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -225,11 +263,10 @@ class SyncPipeline:
             state.current_ctx is not None
             and state.current is not None
             and state.current.name == name
-        ):
-            if listing is None or _fingerprint(listing.files) != state.current_files:
-                # Deleted (save_total_limit rotation) or rewritten mid-upload: stop
-                # sending now rather than at the final check.
-                state.current_ctx.cancel.set()
+        ) and (listing is None or _fingerprint(listing.files) != state.current_files):
+            # Deleted (save_total_limit rotation) or rewritten mid-upload: stop
+            # sending now rather than at the final check.
+            state.current_ctx.cancel.set()
         if listing is None:
             if state.pending.pop(name, None) is not None:
                 self.log.info("checkpoint_vanished", run=run_id, checkpoint=name)
@@ -243,7 +280,22 @@ class SyncPipeline:
         verdict = layouts.evaluate(state.watch.layout, listing, time.time_ns(), state.rules)
         if verdict.complete:
             if name not in state.pending:
-                state.pending[name] = Pending(name, step_of(name), self.clock())
+                now = self.clock()
+                emergency = (
+                    self.emergency_since is not None
+                    and listing.newest_mtime_ns / 1e9 >= self.emergency_since - 1.0
+                )
+                state.pending[name] = Pending(
+                    name,
+                    step_of(name),
+                    now,
+                    emergency=emergency,
+                    total_bytes=sum(f.size for f in verdict.files),
+                )
+                if emergency:
+                    self.log.warning("emergency_checkpoint_complete", run=run_id, checkpoint=name)
+                    self.on_emergency_complete(run_id, name)
+                    self._make_way(sum(f.size for f in verdict.files))
                 self.log.info(
                     "checkpoint_complete",
                     run=run_id,
@@ -259,18 +311,69 @@ class SyncPipeline:
                 self.hint(run_id, name, delay=verdict.recheck_after + 0.05)
         return verdict
 
-    def mark_emergency(self, run_id: str | None = None) -> None:
-        """From now on the newest pending checkpoint of each run (or of ``run_id``) goes first."""
+    def enter_emergency(self, deadline: Any, since: float) -> None:
+        """A notice arrived at wall time ``since``: what completes from now on goes first."""
+        self.emergency_since = since
+        self.emergency_deadline = deadline
         for state in self.runs.values():
-            if run_id is None or state.run_id == run_id:
-                newest = max(
-                    state.pending.values(),
-                    key=lambda p: (p.step or -1, p.completed_at),
-                    default=None,
-                )
-                if newest is not None:
-                    newest.emergency = True
+            for name in state.seen - state.committed:
+                self.hint(state.run_id, name, delay=0.0)
         self._wake.set()
+
+    def leave_emergency(self) -> None:
+        self.emergency_since = None
+        self.emergency_deadline = None
+        self.metrics.emergency_eta.set(0)
+
+    def _seconds_left(self) -> float | None:
+        if self.emergency_deadline is None:
+            return None
+        return float((self.emergency_deadline - datetime.now(UTC)).total_seconds())
+
+    def _is_emergency(self, state: RunState, name: str) -> bool:
+        pending = state.pending.get(name)
+        return pending is not None and pending.emergency
+
+    def _make_way(self, emergency_bytes: int) -> None:
+        """Pause an older upload in flight unless both can finish before the deadline;
+        its finished parts stay in the journal and it resumes afterwards."""
+        for state in self.runs.values():
+            current, ctx = state.current, state.current_ctx
+            if current is None or ctx is None or self._is_emergency(state, current.name):
+                continue
+            left = current.total_bytes - current.sent_bytes
+            if may_finish_first(left, emergency_bytes, self.rate.rate(), self._seconds_left()):
+                self.log.info(
+                    "older_upload_continues",
+                    run=state.run_id,
+                    checkpoint=current.name,
+                    bytes_left=left,
+                )
+                continue
+            self.log.warning(
+                "older_upload_paused", run=state.run_id, checkpoint=current.name, bytes_left=left
+            )
+            ctx.pause.set()
+        self._update_eta()
+
+    def _update_eta(self) -> None:
+        """Log and export when the emergency work will be committed at the measured rate."""
+        if self.emergency_since is None:
+            return
+        left = 0
+        for state in self.runs.values():
+            left += sum(p.total_bytes for p in state.pending.values() if p.emergency)
+            if state.current is not None and self._is_emergency(state, state.current.name):
+                left -= state.current.sent_bytes
+        plan = plan_flush(max(0, left), self.rate.rate(), self._seconds_left())
+        if plan.eta_seconds is not None:
+            self.metrics.emergency_eta.set(plan.eta_seconds)
+        if plan.will_make_it is False:
+            self.log.warning(
+                "emergency_flush_at_risk",
+                eta_seconds=round(plan.eta_seconds or 0, 1),
+                seconds_left=plan.seconds_left,
+            )
 
     # -- the worker ------------------------------------------------------------------
 
@@ -347,6 +450,8 @@ class SyncPipeline:
             existing = await asyncio.to_thread(read_manifest, self.storage, run, name)
             if existing is not None:
                 self._mark_committed(state, pending, existing, log, already=True)
+                if self.on_commit is not None:
+                    await self.on_commit(run, name, existing.total_bytes, pending.emergency)
                 return True
             previous = await self._previous_manifest(state)
             results = await self._transfer_all(state, listing, verdict, previous, log)
@@ -367,6 +472,10 @@ class SyncPipeline:
             )
             log.info("checkpoint_verified", files=len(results), bytes=manifest.total_bytes)
             result = await asyncio.to_thread(commit, self.storage, manifest)
+        except TransferPausedError:
+            # Made way for an emergency checkpoint; the journal keeps every finished part.
+            log.warning("checkpoint_paused")
+            return False
         except CheckpointChangedError as exc:
             await self._abandon(state, pending, str(exc), log)
             return False
@@ -385,6 +494,8 @@ class SyncPipeline:
             state.current_ctx = None
             state.current_files = None
         self._mark_committed(state, pending, manifest, log, already=result.already_committed)
+        if self.on_commit is not None:
+            await self.on_commit(run, name, manifest.total_bytes, pending.emergency)
         seconds = time.monotonic() - started
         self.metrics.upload_duration.labels(run=run).observe(
             max(0.0, self.clock() - pending.completed_at)
@@ -581,6 +692,13 @@ class SyncPipeline:
             self.metrics.sync_lag.labels(run=state.run_id).set(
                 0 if oldest is None else max(0.0, now - oldest)
             )
+
+    def idle(self) -> bool:
+        """Nothing pending, nothing uploading, nothing waiting to be looked at again."""
+        busy_timers = [k for k, t in self._timers.items() if not t.cancelled()]
+        return not busy_timers and all(
+            not s.pending and s.current is None for s in self.runs.values()
+        )
 
     def status(self) -> dict[str, Any]:
         """Per-run state for ``/v1/status``."""

@@ -34,6 +34,10 @@ class CheckpointChangedError(Exception):
     """The local checkpoint changed or vanished while it was being shipped."""
 
 
+class TransferPausedError(Exception):
+    """Stopped to make way for an emergency checkpoint; the journal keeps the progress."""
+
+
 @dataclass(frozen=True)
 class FileResult:
     """A file that is now in the store, verified."""
@@ -53,6 +57,14 @@ class TransferContext:
     run: str
     checkpoint: str
     cancel: threading.Event = field(default_factory=threading.Event)
+    pause: threading.Event = field(default_factory=threading.Event)
+
+    def check(self) -> None:
+        """Raise if the caller asked this transfer to stop."""
+        if self.pause.is_set():
+            raise TransferPausedError(f"{self.checkpoint} paused")
+        if self.cancel.is_set():
+            raise CheckpointChangedError("cancelled")
 
 
 def _same_file(st: os.stat_result, entry: FileEntry) -> bool:
@@ -97,8 +109,7 @@ class Transfers:
                 buf = bytearray(_HASH_CHUNK)
                 view = memoryview(buf)
                 while n := fh.readinto(buf):
-                    if ctx.cancel.is_set():
-                        raise CheckpointChangedError("cancelled")
+                    ctx.check()
                     value = checksum.crc32c(view[:n], value)
                     total += n
                 if total != entry.size:
@@ -144,8 +155,7 @@ class Transfers:
         self, key: str, local: Path, entry: FileEntry, ctx: TransferContext
     ) -> FileResult:
         """Ship ``local`` to ``key``, resuming a journalled multipart upload if any."""
-        if ctx.cancel.is_set():
-            raise CheckpointChangedError("cancelled")
+        ctx.check()
         try:
             if entry.size <= self.part_size:
                 return await self._in_pool(lambda: self._put_small(key, local, entry, ctx))
@@ -205,7 +215,8 @@ class Transfers:
             failed = threading.Event()
 
             def send(number: int) -> PartInfo:
-                if ctx.cancel.is_set() or failed.is_set():
+                ctx.check()
+                if failed.is_set():
                     raise CheckpointChangedError("cancelled")
                 offset = (number - 1) * self.part_size
                 length = min(self.part_size, entry.size - offset)

@@ -1,0 +1,222 @@
+"""Acting on a preemption notice; knows no cloud.
+
+Within one poll interval of a notice the responder
+  1. writes ``<watch dir>/.ckptd/preemption.json`` (atomically) for every watched run,
+  2. sends ``trainer.signal`` to the trainer (pidfile, or every process whose command
+     line contains ``trainer.match`` — every rank on the node),
+  3. answers ``GET /v1/preemption`` with the same JSON,
+  4. puts the pipeline in emergency mode: the first checkpoint completed after the
+     notice jumps the queue, and an older upload that cannot also finish is paused,
+  5. once that checkpoint is committed, acknowledges the notice (Azure StartRequests)
+     and logs the timings noticed -> signalled -> complete -> committed.
+One notice is acted on once (deduplicated by id); a cancelled one clears the state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from ckptd.config import Settings
+from ckptd.logs import get_logger
+from ckptd.metrics import Metrics
+from ckptd.notices.model import Notice, NoticeSource, format_time
+
+NOTICE_FILE = Path(".ckptd") / "preemption.json"
+
+
+def find_trainer_pids(pidfile: str, match: str, *, proc: Path = Path("/proc")) -> list[int]:
+    """PIDs of the trainer: from ``pidfile``, or every process whose command line
+    contains ``match`` (never this process or its parent)."""
+    if pidfile:
+        try:
+            pid = int(Path(pidfile).read_text().strip())
+        except (OSError, ValueError):
+            return []
+        return [pid] if pid > 0 else []
+    if not match:
+        return []
+    own = {os.getpid(), os.getppid()}
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) in own:
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # exited, or not ours to read
+        if match in cmdline and "ckptd" not in cmdline.split(" ", 2)[:2][-1]:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def write_notice_file(watch_dir: Path, body: dict[str, Any]) -> Path:
+    """Write the notice file under ``watch_dir/.ckptd/`` by rename, so a reader never
+    sees half of it."""
+    target = watch_dir / NOTICE_FILE
+    target.parent.mkdir(exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(body))
+    os.replace(tmp, target)
+    return target
+
+
+@dataclass
+class Response:
+    """One notice being acted on, and when each step happened (monotonic seconds)."""
+
+    notice: Notice
+    source: NoticeSource | None
+    noticed: float
+    signalled: float | None = None
+    pids: list[int] = field(default_factory=list)
+    complete: float | None = None
+    committed: float | None = None
+    checkpoint: str | None = None
+    run: str | None = None
+    bytes: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def timings(self) -> dict[str, Any]:
+        def rel(t: float | None) -> float | None:
+            return None if t is None else round(t - self.noticed, 3)
+
+        left = self.notice.seconds_left(datetime.now(UTC))
+        return {
+            "notice": self.notice.to_json(),
+            "signalled_after_s": rel(self.signalled),
+            "trainer_pids": self.pids,
+            "checkpoint": self.checkpoint,
+            "run": self.run,
+            "bytes": self.bytes,
+            "complete_after_s": rel(self.complete),
+            "committed_after_s": rel(self.committed),
+            "seconds_left_at_commit": None
+            if self.committed is None or left is None
+            else round(left, 3),
+            "committed_before_deadline": None
+            if self.committed is None
+            else (self.notice.deadline is None or (left is not None and left >= 0)),
+        }
+
+
+class Responder:
+    """Turns Notices into actions; the pipeline calls ``on_commit`` after each commit."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, pipeline: Any) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.pipeline = pipeline
+        self.current: Response | None = None
+        self.handled: set[str] = set()
+        self.log = get_logger()
+
+    def preemption_json(self) -> dict[str, Any]:
+        """What ``GET /v1/preemption`` answers."""
+        if self.current is None:
+            return {"notice": False}
+        return {"notice": True, **self.current.notice.to_json()}
+
+    async def handle(self, notice: Notice, source: NoticeSource | None = None) -> Response | None:
+        """Act on one notice (once per id)."""
+        if notice.cancelled:
+            if self.current is not None and self.current.notice.id == notice.id:
+                self.log.info("notice_cancelled", source=notice.source, id=notice.id)
+                self.clear()
+            return None
+        if notice.id in self.handled:
+            return None
+        self.handled.add(notice.id)
+        response = Response(notice, source, time.monotonic())
+        self.current = response
+        body = notice.to_json()
+        self.log.warning(
+            "notice_received",
+            source=notice.source,
+            kind=notice.kind,
+            deadline=body["deadline"],
+            seconds_left=notice.seconds_left(datetime.now(UTC)),
+        )
+        self.metrics.preemption_notice.set(1)
+        if notice.deadline is not None:
+            self.metrics.preemption_deadline.set(notice.deadline.timestamp())
+        for state in self.pipeline.runs.values():
+            try:
+                await asyncio.to_thread(write_notice_file, state.dir, body)
+            except OSError as exc:
+                self.log.error("notice_file_failed", dir=str(state.dir), error=str(exc))
+        trainer = self.settings.trainer
+        pids = await asyncio.to_thread(find_trainer_pids, trainer.pidfile, trainer.match)
+        for pid in pids:
+            try:
+                os.kill(pid, trainer.signal_number)
+                response.pids.append(pid)
+            except OSError as exc:
+                self.log.error("trainer_signal_failed", pid=pid, error=str(exc))
+        response.signalled = time.monotonic()
+        if response.pids:
+            self.log.warning("trainer_signalled", pids=response.pids, signal=trainer.signal)
+        elif trainer.pidfile or trainer.match:
+            self.log.error("trainer_not_found", pidfile=trainer.pidfile, match=trainer.match)
+        self.pipeline.enter_emergency(notice.deadline, time.time())
+        return response
+
+    def on_complete(self, run: str, name: str) -> None:
+        """The pipeline found the emergency checkpoint complete."""
+        r = self.current
+        if r is not None and r.complete is None:
+            r.complete, r.checkpoint, r.run = time.monotonic(), name, run
+
+    async def on_commit(self, run: str, name: str, total_bytes: int, emergency: bool) -> None:
+        """A checkpoint was committed; if it was the emergency one, finish the response."""
+        r = self.current
+        if r is None or not emergency or r.committed is not None:
+            return
+        r.committed = time.monotonic()
+        r.checkpoint, r.run, r.bytes = name, run, total_bytes
+        if r.complete is None:
+            r.complete = r.committed
+        timings = r.timings()
+        self.log.warning(
+            "emergency_checkpoint_committed", **{k: v for k, v in timings.items() if k != "notice"}
+        )
+        if r.source is not None:
+            try:
+                await r.source.acknowledge(r.notice)
+            except Exception as exc:  # noqa: BLE001 - an ack failure must not stop the flush
+                self.log.error("notice_ack_failed", source=r.notice.source, error=str(exc))
+        r.done.set()
+
+    def clear(self) -> None:
+        """Forget the current notice (cancelled, or a drill that ended)."""
+        self.current = None
+        self.metrics.preemption_notice.set(0)
+        self.metrics.preemption_deadline.set(0)
+        self.pipeline.leave_emergency()
+        for state in self.pipeline.runs.values():
+            (state.dir / NOTICE_FILE).unlink(missing_ok=True)
+
+    async def drill(self, deadline_seconds: float) -> dict[str, Any]:
+        """A simulated notice end to end; returns the timings (``ckptd drill``)."""
+        now = datetime.now(UTC)
+        notice = Notice(
+            source="drill",
+            kind="drill",
+            id=f"drill:{format_time(now)}",
+            noticed_at=now,
+            deadline=now + timedelta(seconds=deadline_seconds),
+        )
+        response = await self.handle(notice)
+        assert response is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(response.done.wait(), timeout=deadline_seconds)
+        result = response.timings()
+        self.clear()
+        return result

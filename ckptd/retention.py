@@ -1,0 +1,322 @@
+"""What to delete, remotely and locally: pure policies, and the executors that apply them.
+
+The policies (``plan_retention``, ``plan_orphans``, ``plan_local_cleanup``) are functions
+of names, steps and settings: no I/O, no clock. The executors list, then delete.
+
+Deletion runs in the reverse of the commit order (``ckptd.sync.commit``): the manifest
+goes **first**, then the objects. A run killed half-way therefore leaves at worst
+objects without a manifest, which no reader takes for a committed checkpoint, and which
+the next run collects as orphans. It never leaves a manifest naming a deleted object.
+
+Orphans (a prefix under the run with objects but no manifest at all) are ambiguous: a
+checkpoint being uploaded right now looks exactly like one whose deletion was cut short.
+The store lists no upload in progress, and ``ObjectInfo`` carries no age, so the rule
+is by step: an orphan is collected only when its step is older than the oldest of the
+``keep_last`` newest committed checkpoints (or of all of them with ``keep_last = 0``).
+An upload in flight is newer than what is already committed, save a stale one the
+policy would delete the moment it committed anyway. An orphan without a step, one that
+is protected (in flight on this node, being restored) or one whose manifest exists but
+does not parse (a newer ckptd's format, say) is never touched.
+
+Restores in progress announce themselves with a lease object,
+``<run>/.ckptd-restoring/<NAME>-<uuid>`` (JSON with the time it was taken); a checkpoint
+with a lease younger than ``LEASE_TTL_SECONDS`` is protected, and older leases are
+removed. A retention pass that lists the leases just before a restore writes its own can
+still delete that checkpoint: the restore then fails verification and leaves nothing
+under ``DIR/NAME``; it never yields a wrong checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import time
+import uuid
+from collections.abc import Iterable, Sequence, Set
+from pathlib import Path
+
+from ckptd import checksum
+from ckptd.layouts.base import step_of
+from ckptd.manifest import manifest_key
+from ckptd.remote import list_committed
+from ckptd.storage.base import NotFoundError, Storage
+from ckptd.sync.commit import read_latest
+
+LEASE_DIR = ".ckptd-restoring"
+LEASE_TTL_SECONDS = 3600.0
+
+Entry = tuple[str, int | None]
+"""A checkpoint as the policies see it: ``(name, step)``; step None when unknown."""
+
+
+# -- pure policies ---------------------------------------------------------------------
+
+
+def plan_retention(
+    committed: Sequence[Entry],
+    *,
+    keep_last: int,
+    keep_every_steps: int,
+    protected: Set[str] = frozenset(),
+) -> list[str]:
+    """Names of committed checkpoints to delete, oldest first.
+
+    ``committed`` is oldest first. Kept: the newest ``keep_last`` (0 keeps all), every
+    one whose step is a multiple of ``keep_every_steps`` (when > 0; step 0 counts), and
+    every name in ``protected``.
+    """
+    if keep_last < 0 or keep_every_steps < 0:
+        raise ValueError("keep_last and keep_every_steps must be >= 0")
+    if keep_last == 0:
+        return []
+    newest = {name for name, _ in committed[-keep_last:]}
+    victims: list[str] = []
+    for name, step in committed:
+        if name in newest or name in protected:
+            continue
+        if keep_every_steps > 0 and step is not None and step % keep_every_steps == 0:
+            continue
+        victims.append(name)
+    return victims
+
+
+def plan_orphans(
+    orphans: Sequence[Entry],
+    committed: Sequence[Entry],
+    *,
+    keep_last: int,
+    protected: Set[str] = frozenset(),
+) -> list[str]:
+    """Manifest-less prefixes safe to collect: step below the oldest step of the
+    ``keep_last`` newest committed checkpoints (all with 0), not protected (module doc)."""
+    window = committed[-keep_last:] if keep_last > 0 else committed
+    steps = [step for _, step in window if step is not None]
+    if not steps:
+        return []  # nothing to measure "old" against: all of them may be uploads in flight
+    floor = min(steps)
+    return [
+        name
+        for name, step in orphans
+        if step is not None and step < floor and name not in protected
+    ]
+
+
+def plan_local_cleanup(
+    local: Sequence[Entry],
+    committed_verified: Set[str],
+    *,
+    local_keep_last: int,
+) -> list[str]:
+    """Local checkpoints (``local`` oldest first) to delete: only ones committed
+    remotely, never the newest ``local_keep_last``, never the newest one; 0 deletes none."""
+    if local_keep_last < 0:
+        raise ValueError("local_keep_last must be >= 0")
+    if local_keep_last == 0 or not local:
+        return []
+    keep = {name for name, _ in local[-local_keep_last:]} | {local[-1][0]}
+    return [name for name, _ in local if name not in keep and name in committed_verified]
+
+
+def lease_checkpoint(body: bytes, key_name: str) -> str | None:
+    """The checkpoint a lease protects: from its JSON body, else from ``<NAME>-<uuid>``."""
+    try:
+        doc = json.loads(body)
+        name = doc.get("checkpoint") if isinstance(doc, dict) else None
+        if isinstance(name, str) and name:
+            return name
+    except ValueError:
+        pass
+    head, sep, token = key_name.rpartition("-")
+    return head if sep and len(token) == 32 else None
+
+
+def lease_is_fresh(body: bytes, now: float, ttl: float = LEASE_TTL_SECONDS) -> bool:
+    """Whether a lease was taken less than ``ttl`` seconds before ``now``; a lease
+    whose time cannot be read counts as fresh (when unsure, keep)."""
+    try:
+        doc = json.loads(body)
+        taken = float(doc["taken_at"])
+    except (ValueError, KeyError, TypeError):
+        return True
+    return now - taken < ttl
+
+
+# -- restore leases --------------------------------------------------------------------
+
+
+def lease_prefix(run_id: str) -> str:
+    return f"{run_id}/{LEASE_DIR}/"
+
+
+def take_restore_lease(storage: Storage, run_id: str, checkpoint: str, *, now: float) -> str:
+    """Write a lease protecting ``checkpoint`` from retention; returns its key."""
+    key = f"{lease_prefix(run_id)}{checkpoint}-{uuid.uuid4().hex}"
+    body = json.dumps(
+        {"checkpoint": checkpoint, "taken_at": now, "host": socket.gethostname()}
+    ).encode()
+    storage.put_bytes(key, body, crc32c=checksum.crc32c(body))
+    return key
+
+
+def release_restore_lease(storage: Storage, key: str) -> None:
+    storage.delete([key])
+
+
+def read_leases(
+    storage: Storage, run_id: str, *, now: float, ttl: float = LEASE_TTL_SECONDS
+) -> tuple[set[str], list[str]]:
+    """``(checkpoints with a fresh lease, keys of stale leases)``."""
+    fresh: set[str] = set()
+    stale: list[str] = []
+    for info in storage.list_objects(lease_prefix(run_id)):
+        key_name = info.key.rsplit("/", 1)[-1]
+        try:
+            body = storage.get_bytes(info.key)
+        except NotFoundError:
+            continue  # released while we listed
+        name = lease_checkpoint(body, key_name)
+        if lease_is_fresh(body, now, ttl):
+            if name is not None:
+                fresh.add(name)
+        else:
+            stale.append(info.key)
+    return fresh, stale
+
+
+# -- executors -------------------------------------------------------------------------
+
+
+def _delete_prefix(storage: Storage, run_id: str, name: str) -> int:
+    keys = [info.key for info in storage.list_objects(f"{run_id}/{name}/")]
+    if keys:
+        storage.delete(keys)
+    return len(keys)
+
+
+def delete_checkpoint(storage: Storage, run_id: str, name: str) -> int:
+    """Delete one committed checkpoint: its manifest first, then its objects."""
+    # Manifest first: from this instant no reader counts it committed, whatever follows.
+    storage.delete([manifest_key(run_id, name)])
+    return _delete_prefix(storage, run_id, name)
+
+
+def apply_retention(
+    storage: Storage,
+    run_id: str,
+    *,
+    keep_last: int,
+    keep_every_steps: int,
+    protected: Iterable[str] = (),
+    collect_orphans: bool = True,
+    now: float | None = None,
+    lease_ttl_seconds: float = LEASE_TTL_SECONDS,
+) -> list[str]:
+    """Apply the policy to ``run_id``; returns the names deleted (victims, then orphans).
+
+    Never deletes what LATEST names, a name in ``protected`` (pass the checkpoints this
+    node has in flight) or one with a fresh restore lease. Idempotent: rerun after a
+    kill, it finishes the job (module doc).
+    """
+    from ckptd import logs  # here, not at the top: structlog imports asyncio
+
+    log = logs.get_logger(run=run_id)
+    clock = time.time() if now is None else now
+    guarded = set(protected)
+    latest = read_latest(storage, run_id)
+    if latest is not None:
+        guarded.add(latest.checkpoint)
+    leased, stale_leases = read_leases(storage, run_id, now=clock, ttl=lease_ttl_seconds)
+    guarded |= leased
+
+    committed = list_committed(storage, run_id)
+    guarded |= {c.manifest.checkpoint for c in committed if c.is_latest}
+    entries = [(c.manifest.checkpoint, c.manifest.step) for c in committed]
+    victims = plan_retention(
+        entries, keep_last=keep_last, keep_every_steps=keep_every_steps, protected=guarded
+    )
+    deleted: list[str] = []
+    for name in victims:
+        objects = delete_checkpoint(storage, run_id, name)
+        log.info("retention_deleted", checkpoint=name, objects=objects)
+        deleted.append(name)
+
+    if collect_orphans and keep_last > 0:
+        committed_names = {name for name, _ in entries}
+        candidates: list[Entry] = []
+        for name in storage.list_children(f"{run_id}/"):
+            if name.startswith(".") or name in committed_names or name in deleted:
+                continue
+            # A manifest that exists but does not parse is not an orphan's: keep it.
+            if storage.head(manifest_key(run_id, name)) is not None:
+                continue
+            candidates.append((name, step_of(name)))
+        for name in plan_orphans(candidates, entries, keep_last=keep_last, protected=guarded):
+            objects = _delete_prefix(storage, run_id, name)
+            log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
+            deleted.append(name)
+
+    if stale_leases:
+        storage.delete(stale_leases)
+    return deleted
+
+
+def apply_local_cleanup(
+    watch_dir: Path,
+    local: Sequence[Entry],
+    committed_verified: Set[str],
+    *,
+    local_keep_last: int,
+) -> list[str]:
+    """Delete the local checkpoints ``plan_local_cleanup`` picks; returns their names.
+
+    Only direct children of ``watch_dir`` are touched, a symlink never (neither it nor
+    what it points at), and a directory is removed with ``shutil.rmtree``, which unlinks
+    symlinks inside it without following them.
+    """
+    from ckptd import logs
+
+    log = logs.get_logger(watch_dir=str(watch_dir))
+    root = os.path.realpath(watch_dir)
+    deleted: list[str] = []
+    for name in plan_local_cleanup(local, committed_verified, local_keep_last=local_keep_last):
+        if not name or "/" in name or "\x00" in name or name in (".", ".."):
+            log.warning("local_cleanup_refused", checkpoint=name, reason="not a direct child")
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue  # the trainer's own rotation got there first
+        if stat.S_ISLNK(st.st_mode):
+            log.warning("local_cleanup_refused", checkpoint=name, reason="symlink")
+            continue
+        if os.path.dirname(path) != root:
+            continue
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
+        log.info("local_checkpoint_deleted", checkpoint=name)
+        deleted.append(name)
+    return deleted
+
+
+__all__ = [
+    "LEASE_DIR",
+    "LEASE_TTL_SECONDS",
+    "apply_local_cleanup",
+    "apply_retention",
+    "delete_checkpoint",
+    "plan_local_cleanup",
+    "plan_orphans",
+    "plan_retention",
+    "read_leases",
+    "release_restore_lease",
+    "take_restore_lease",
+]
