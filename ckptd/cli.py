@@ -333,6 +333,7 @@ COMMANDS = {
     "list": cmd_list,
     "verify": cmd_verify,
     "status": cmd_status,
+    "drill": cmd_drill,
     "config": cmd_config,
 }
 

@@ -255,8 +255,9 @@ def apply_retention(
             candidates.append((name, step_of(name)))
         for name in plan_orphans(candidates, entries, keep_last=keep_last, protected=guarded):
             objects = _delete_prefix(storage, run_id, name)
-            log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
-            deleted.append(name)
+            if objects:  # some stores list an emptied prefix for a while: nothing to do
+                log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
+                deleted.append(name)
 
     if stale_leases:
         storage.delete(stale_leases)
