@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import time
@@ -32,9 +33,18 @@ from ckptd.notices.model import Notice, NoticeSource, format_time
 NOTICE_FILE = Path(".ckptd") / "preemption.json"
 
 
+def _is_ckptd(argv: list[str]) -> bool:
+    """A ckptd process (this daemon, `ckptd drill`, ...): never the trainer."""
+    if not argv:
+        return False
+    if os.path.basename(argv[0]) == "ckptd":
+        return True
+    return any(a == "-m" and b.split(".")[0] == "ckptd" for a, b in itertools.pairwise(argv))
+
+
 def find_trainer_pids(pidfile: str, match: str, *, proc: Path = Path("/proc")) -> list[int]:
     """PIDs of the trainer: from ``pidfile``, or every process whose command line
-    contains ``match`` (never this process or its parent)."""
+    contains ``match`` (all ranks on the node), never ckptd itself or its parent."""
     if pidfile:
         try:
             pid = int(Path(pidfile).read_text().strip())
@@ -49,10 +59,11 @@ def find_trainer_pids(pidfile: str, match: str, *, proc: Path = Path("/proc")) -
         if not entry.name.isdigit() or int(entry.name) in own:
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            raw = (entry / "cmdline").read_bytes()
         except OSError:
             continue  # exited, or not ours to read
-        if match in cmdline and "ckptd" not in cmdline.split(" ", 2)[:2][-1]:
+        argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+        if match in " ".join(argv) and not _is_ckptd(argv):
             found.append(int(entry.name))
     return sorted(found)
 

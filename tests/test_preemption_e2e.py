@@ -254,3 +254,27 @@ def test_sigterm_with_an_upload_in_flight_finishes_it_before_exit(
     )
     assert took < 30
     assert daemon.events_named("flushed_on_sigterm")
+
+
+def test_trainer_is_found_by_cmdline_match_and_never_ckptd_itself(tmp_path: Path) -> None:
+    from ckptd.respond import find_trainer_pids
+
+    marker = f"ckptd-test-trainer-{tmp_path.name}"
+    script = "import sys, time; time.sleep(60)"
+    ranks = [subprocess.Popen([sys.executable, "-c", script, marker]) for _ in range(2)]
+    lookalike = subprocess.Popen([sys.executable, "-m", "ckptd.cli", "--version", marker])
+    try:
+        pids = wait_until(
+            lambda: len(find_trainer_pids("", marker)) >= 2 and find_trainer_pids("", marker),
+            10,
+            "ranks",
+        )
+        assert sorted(pids) == sorted(p.pid for p in ranks)  # every rank; not the ckptd process
+        pidfile = tmp_path / "trainer.pid"
+        pidfile.write_text(f"{ranks[0].pid}\n")
+        assert find_trainer_pids(str(pidfile), "") == [ranks[0].pid]
+        assert find_trainer_pids(str(tmp_path / "missing.pid"), "") == []
+    finally:
+        for p in [*ranks, lookalike]:
+            p.kill()
+            p.wait()
