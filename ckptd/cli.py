@@ -91,6 +91,30 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--latest", action="store_true")
     ver.add_argument("--json", action="store_true")
 
+    res = sub.add_parser("restore", help="download, verify, then appear atomically as DIR/NAME")
+    _common(res)
+    res.add_argument("--run", dest="run_id", required=True)
+    pick = res.add_mutually_exclusive_group(required=True)
+    pick.add_argument("--checkpoint", default=None)
+    pick.add_argument("--latest", action="store_true")
+    res.add_argument(
+        "--to", type=Path, required=True, help="directory to restore into (as DIR/NAME)"
+    )
+    res.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="exit 0 at once if DIR/NAME already holds it (sizes match)",
+    )
+    res.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="parallel ranged GETs (default: destination.concurrency)",
+    )
+    res.add_argument("--chunk-mib", type=int, default=16)
+    res.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
+    res.add_argument("--json", action="store_true")
+
     status = sub.add_parser("status", help="ask the running daemon")
     _common(status)
     status.add_argument("--json", action="store_true")
@@ -243,6 +267,68 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_FAILED if problems else EXIT_OK
 
 
+def cmd_restore(args: argparse.Namespace) -> int:
+    from ckptd.manifest import ManifestError
+    from ckptd.restore import RestoreError, restore
+
+    settings = _settings(args)
+    require_destination(settings)
+    d = settings.destination
+    concurrency = args.concurrency or d.concurrency
+    storage = open_storage(
+        d.url,
+        endpoint_url=d.endpoint_url,
+        region=d.region,
+        concurrency=concurrency,
+        max_attempts=d.max_attempts,
+    )
+    try:
+        result = restore(
+            storage,
+            args.run_id,
+            None if args.latest else args.checkpoint,
+            args.to.expanduser().absolute(),
+            if_missing=args.if_missing,
+            concurrency=concurrency,
+            chunk_bytes=args.chunk_mib * 1024 * 1024,
+            progress=False if args.no_progress else None,
+        )
+    except RestoreError as exc:
+        print(f"ckptd: restore failed: {exc}", file=sys.stderr)
+        for p in exc.problems:
+            print(f"  {p.path}: {p.problem}", file=sys.stderr)
+        return EXIT_FAILED
+    except ManifestError as exc:
+        print(f"ckptd: restore refused: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        _print_json(
+            {
+                "run": result.run_id,
+                "checkpoint": result.checkpoint,
+                "step": result.step,
+                "path": str(result.path),
+                "files": result.files,
+                "total_bytes": result.total_bytes,
+                "downloaded_bytes": result.downloaded_bytes,
+                "reused_bytes": result.reused_bytes,
+                "seconds": round(result.seconds, 3),
+                "skipped": result.skipped,
+                "environment_differences": {
+                    k: list(v) for k, v in result.environment_differences.items()
+                },
+            }
+        )
+    elif result.skipped:
+        print(f"present  {result.path} already holds {result.run_id}/{result.checkpoint}")
+    else:
+        print(
+            f"restored {result.run_id}/{result.checkpoint} -> {result.path}: {result.files} files, "
+            f"{_human(result.total_bytes)} in {result.seconds:.1f}s"
+        )
+    return EXIT_OK
+
+
 def _daemon_request(
     args: argparse.Namespace, path: str, *, method: str = "GET", timeout: float = 5
 ) -> tuple[str, Any]:
@@ -332,6 +418,7 @@ COMMANDS = {
     "run": cmd_run,
     "list": cmd_list,
     "verify": cmd_verify,
+    "restore": cmd_restore,
     "status": cmd_status,
     "drill": cmd_drill,
     "config": cmd_config,

@@ -33,6 +33,13 @@ name) are restored as the file ``DIR/NAME``, not ``DIR/NAME/NAME``, the way the 
 wrote it. (A directory checkpoint holding only a file of its own name would be restored
 as a file too; no framework writes one.)
 
+``if_missing`` (``restore --latest --to DIR --if-missing``) returns at once when
+``DIR/NAME`` exists and every manifest file is there, a regular file (no symlink on the
+way) of the manifest's size: sizes only, no re-hash, so it costs two small GETs (LATEST,
+manifest) and some ``lstat``s; the bytes were verified when it was restored. Restores
+into one ``DIR`` take turns (``flock`` on ``DIR``): the ranks of a node that all ask for
+the same checkpoint at start-up cause one download.
+
 While it runs, a restore holds a lease (``ckptd.retention``) so retention on another
 node does not delete the checkpoint under it; taking it is best effort (a node with
 read-only credentials restores without one).
@@ -41,6 +48,7 @@ read-only credentials restores without one).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import queue
@@ -216,10 +224,8 @@ class _Tree:
         try:
             parent = self.dir(parts[:-1], create=False)
             return os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
         except OSError:
-            return None  # ELOOP: a symlink on the way; never reusable
+            return None  # absent, or ELOOP/ENOTDIR: a symlink or file on the way
 
     def create(self, parts: tuple[str, ...]) -> int:
         parent = self.dir(parts[:-1], create=True)
@@ -252,11 +258,11 @@ class _Tree:
         for parts in sorted(self._fds, key=len, reverse=True):
             os.fsync(self._fds[parts])
 
-    def close(self, *, keep_root: bool = True) -> None:
-        for parts, fd in list(self._fds.items()):
-            if parts or not keep_root:
-                os.close(fd)
-            del self._fds[parts]
+    def close(self) -> None:
+        """Close every descriptor, the root's included."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def _is_plain_tree(fd: int) -> bool:
@@ -288,35 +294,44 @@ def _read_state(staging_fd: int, identity: str) -> dict[str, tuple[int, str]] | 
         return None
     with os.fdopen(fd, "rb") as fh:
         lines = fh.read().splitlines()
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except ValueError:
+        return None
+    if not isinstance(header, dict) or header.get("identity") != identity:
+        return None
     records: dict[str, tuple[int, str]] = {}
-    for number, line in enumerate(lines):
+    for line in lines[1:]:
         try:
             doc = json.loads(line)
-        except ValueError:
+            records[str(doc["path"])] = (int(doc["size"]), str(doc["crc32c"]))
+        except (ValueError, KeyError, TypeError):
             continue  # a line cut short by a crash: its file is simply not trusted
-        if number == 0:
-            if not isinstance(doc, dict) or doc.get("identity") != identity:
-                return None
-            continue
-        if isinstance(doc, dict) and isinstance(doc.get("path"), str):
-            records[doc["path"]] = (int(doc["size"]), str(doc["crc32c"]))
-    return records if lines else None
+    return records
 
 
 class _StateLog:
-    """Appends one fsynced line per verified file to ``state.jsonl``."""
+    """Appends one line per verified file to ``state.jsonl``.
+
+    Each line is written only after its file was fsynced, so a line that survives a
+    crash always speaks of durable bytes. The log itself needs no fsync: a line lost
+    with the page cache only means that file is downloaded again.
+    """
 
     def __init__(self, staging_fd: int, identity: str, *, fresh: bool) -> None:
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         if fresh:
             flags |= os.O_TRUNC
         self._fd = os.open(STATE_NAME, flags, 0o644, dir_fd=staging_fd)
         if fresh:
             self._append({"identity": identity})
+        else:
+            size = os.fstat(self._fd).st_size
+            if size and os.pread(self._fd, 1, size - 1) != b"\n":
+                os.write(self._fd, b"\n")  # end a line a crash cut short, so ours parse
 
     def _append(self, doc: Mapping[str, Any]) -> None:
         os.write(self._fd, (json.dumps(doc) + "\n").encode())
-        os.fsync(self._fd)
 
     def verified(self, entry: ManifestFile) -> None:
         self._append({"path": entry.path, "size": entry.size, "crc32c": entry.crc32c})
@@ -562,75 +577,71 @@ def restore(
     name = manifest.checkpoint
     log = logs.get_logger(run=run_id, checkpoint=name)
 
-    target_dir.mkdir(parents=True, exist_ok=True)
-    target_real = os.path.realpath(target_dir)
-    final = Path(target_real) / name
     differences = environment_differences(
         manifest.environment, describe() if environment is None else environment
     )
-
-    def result(downloaded: int, reused: int, skipped: bool) -> RestoreResult:
-        return RestoreResult(
-            run_id=run_id,
-            checkpoint=name,
-            step=manifest.step,
-            path=final,
-            files=len(manifest.files),
-            total_bytes=manifest.total_bytes,
-            downloaded_bytes=downloaded,
-            reused_bytes=reused,
-            seconds=time.monotonic() - started,
-            skipped=skipped,
-            environment_differences=differences,
-        )
-
-    if os.path.lexists(final):
-        problems = local_problems(final, manifest)
-        if if_missing and not problems:
-            log.info("restore_skipped", path=str(final), reason="present, sizes match")
-            return result(0, 0, True)
-        raise RestoreError(
-            f"{final} already exists"
-            + (" and differs from the manifest" if problems else "")
-            + ": remove it first (ckptd never writes into an existing checkpoint)",
-            problems,
-        )
     if differences:
         log.warning(
             "restore_environment_differs",
             differences={k: {"checkpoint": a, "here": b} for k, (a, b) in differences.items()},
         )
-    problems = _preflight(storage, manifest)
-    if problems:
-        raise RestoreError(
-            f"{run_id}/{name}: {len(problems)} object(s) do not match the manifest; "
-            "nothing was written",
-            problems,
-        )
-
-    lease: str | None = None
-    if take_lease:
-        try:
-            lease = take_restore_lease(storage, run_id, name, now=time.time())
-        except StorageError as exc:
-            log.warning("restore_lease_not_taken", error=str(exc))
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target_real = os.path.realpath(target_dir)
+    final = Path(target_real) / name
+    target_fd = os.open(target_real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        downloaded, reused = _restore_into(
-            storage, manifest, target_real, concurrency, chunk_bytes, progress, log, on_file
-        )
-    except OSError as exc:
-        log.error("restore_failed", error=str(exc))
-        raise RestoreError(f"local I/O error under {target_real}: {exc}") from exc
-    except (RestoreError, StorageError) as exc:
-        log.error("restore_failed", error=str(exc))
-        raise
+        _lock(target_fd, log)
+        lease: str | None = None
+        try:
+            if os.path.lexists(final):
+                problems = local_problems(final, manifest)
+                if if_missing and not problems:
+                    log.info("restore_skipped", path=str(final), reason="present, sizes match")
+                    return _result(manifest, final, started, differences, 0, 0, skipped=True)
+                raise RestoreError(
+                    f"{final} already exists"
+                    + (" and differs from the manifest" if problems else "")
+                    + ": remove it first (ckptd never writes into an existing checkpoint)",
+                    problems,
+                )
+            problems = _preflight(storage, manifest)
+            if problems:
+                raise RestoreError(
+                    f"{run_id}/{name}: {len(problems)} object(s) do not match the manifest; "
+                    "nothing was written",
+                    problems,
+                )
+            if take_lease:
+                try:
+                    lease = take_restore_lease(storage, run_id, name, now=time.time())
+                except StorageError as exc:
+                    log.warning("restore_lease_not_taken", error=str(exc))
+            downloaded, reused = _restore_into(
+                storage,
+                manifest,
+                target_fd,
+                target_real,
+                concurrency,
+                chunk_bytes,
+                progress,
+                log,
+                on_file,
+            )
+        except OSError as exc:
+            log.error("restore_failed", error=str(exc))
+            raise RestoreError(f"local I/O error under {target_real}: {exc}") from exc
+        except (RestoreError, StorageError) as exc:
+            log.error("restore_failed", error=str(exc))
+            raise
+        finally:
+            if lease is not None:
+                try:
+                    release_restore_lease(storage, lease)
+                except StorageError as exc:
+                    log.warning("restore_lease_not_released", key=lease, error=str(exc))
     finally:
-        if lease is not None:
-            try:
-                release_restore_lease(storage, lease)
-            except StorageError as exc:
-                log.warning("restore_lease_not_released", key=lease, error=str(exc))
-    out = result(downloaded, reused, False)
+        os.close(target_fd)  # also drops the lock
+    out = _result(manifest, final, started, differences, downloaded, reused, skipped=False)
     log.info(
         "restore_done",
         path=str(final),
@@ -644,9 +655,44 @@ def restore(
     return out
 
 
+def _result(
+    manifest: Manifest,
+    final: Path,
+    started: float,
+    differences: dict[str, tuple[str, str | None]],
+    downloaded: int,
+    reused: int,
+    *,
+    skipped: bool,
+) -> RestoreResult:
+    return RestoreResult(
+        run_id=manifest.run_id,
+        checkpoint=manifest.checkpoint,
+        step=manifest.step,
+        path=final,
+        files=len(manifest.files),
+        total_bytes=manifest.total_bytes,
+        downloaded_bytes=downloaded,
+        reused_bytes=reused,
+        seconds=time.monotonic() - started,
+        skipped=skipped,
+        environment_differences=differences,
+    )
+
+
+def _lock(target_fd: int, log: Any) -> None:
+    """Serialise restores into one DIR: eight ranks that each run ``restore --latest
+    --if-missing`` get one download, and seven instant "present" answers."""
+    try:
+        fcntl.flock(target_fd, fcntl.LOCK_EX)
+    except OSError as exc:  # some network filesystems lock no directories
+        log.warning("restore_unlocked", error=str(exc))
+
+
 def _restore_into(
     storage: Storage,
     manifest: Manifest,
+    target_fd: int,
     target_real: str,
     concurrency: int,
     chunk_bytes: int,
@@ -657,65 +703,61 @@ def _restore_into(
     """Steps 3 and 4 of the module doc; returns (bytes downloaded, bytes reused)."""
     name = manifest.checkpoint
     identity = manifest_identity(manifest)
-    target_fd = os.open(target_real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    staging_fd, records = _open_staging(target_fd, name, identity, log)
+    tree = _Tree(staging_fd)
+    # Belt and braces (the descriptors already refuse symlinks): every path must
+    # stay inside the staging dir after realpath, checked before any file is made.
+    staging_path = os.path.join(target_real, STAGING_PREFIX + name)
+    for f in manifest.files:
+        if not _inside(staging_path, staged_parts(manifest, f.path)):
+            tree.close()
+            raise ManifestError(f"unsafe path {f.path!r}: resolves outside {target_real}")
     try:
-        staging_fd, records = _open_staging(target_fd, name, identity, log)
-        tree = _Tree(staging_fd)
-        # Belt and braces (the descriptors already refuse symlinks): every path must
-        # stay inside the staging dir after realpath, checked before any file is made.
-        staging_path = os.path.join(target_real, STAGING_PREFIX + name)
-        for f in manifest.files:
-            if not _inside(staging_path, staged_parts(manifest, f.path)):
-                tree.close(keep_root=False)
-                raise ManifestError(f"unsafe path {f.path!r}: resolves outside {target_real}")
+        state = _StateLog(staging_fd, identity, fresh=records is None)
         try:
-            state = _StateLog(staging_fd, identity, fresh=records is None)
-            try:
-                todo: list[ManifestFile] = []
-                reused = 0
-                for f in manifest.files:
-                    parts = staged_parts(manifest, f.path)
-                    st = tree.lstat(parts)
-                    if (
-                        records is not None
-                        and records.get(f.path) == (f.size, f.crc32c)
-                        and st is not None
-                        and stat.S_ISREG(st.st_mode)
-                        and st.st_size == f.size
-                    ):
-                        reused += f.size
-                    else:
-                        todo.append(f)
-                if reused:
-                    log.info(
-                        "restore_resumed",
-                        reused_files=len(manifest.files) - len(todo),
-                        reused_bytes=reused,
-                    )
-                downloaded = _download(
-                    storage,
-                    manifest,
-                    todo,
-                    tree,
-                    state,
-                    concurrency,
-                    chunk_bytes,
-                    progress,
-                    reused,
-                    log,
-                    on_file,
+            todo: list[ManifestFile] = []
+            reused = 0
+            for f in manifest.files:
+                parts = staged_parts(manifest, f.path)
+                st = tree.lstat(parts)
+                if (
+                    records is not None
+                    and records.get(f.path) == (f.size, f.crc32c)
+                    and st is not None
+                    and stat.S_ISREG(st.st_mode)
+                    and st.st_size == f.size
+                ):
+                    reused += f.size
+                else:
+                    todo.append(f)
+            if reused:
+                log.info(
+                    "restore_resumed",
+                    reused_files=len(manifest.files) - len(todo),
+                    reused_bytes=reused,
                 )
-            finally:
-                state.close()
-            _finalise(manifest, tree, target_fd, name)
+            downloaded = _download(
+                storage,
+                manifest,
+                todo,
+                tree,
+                state,
+                concurrency,
+                chunk_bytes,
+                progress,
+                reused,
+                log,
+                on_file,
+            )
         finally:
-            tree.close(keep_root=False)
-        # The checkpoint is in place; the staging dir holds only state.jsonl now.
-        shutil.rmtree(STAGING_PREFIX + name, dir_fd=target_fd)
-        os.fsync(target_fd)
-        return downloaded, reused
+            state.close()
+        _finalise(manifest, tree, target_fd, name)
     finally:
-        os.close(target_fd)
+        tree.close()
+    # The checkpoint is in place; the staging dir holds only state.jsonl now.
+    shutil.rmtree(STAGING_PREFIX + name, dir_fd=target_fd)
+    os.fsync(target_fd)
+    return downloaded, reused
 
 
 def _download(

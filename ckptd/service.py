@@ -33,6 +33,8 @@ from ckptd.sync.pipeline import SyncPipeline
 from ckptd.sync.watcher import Watcher
 
 TICK_SECONDS = 1.0
+# `run --once` waits this long at most for checkpoints still in a quiet window.
+ONCE_MAX_WAIT_SECONDS = 120.0
 # After SIGTERM: exit once nothing is pending, uploading or being written for this long.
 DRAIN_QUIET_SECONDS = 2.0
 
@@ -130,6 +132,12 @@ class Service:
                 for run_id in pipeline.runs:
                     await pipeline.rescan(run_id)
                 ok = await pipeline.drain_once()
+                # Checkpoints complete but for a quiet window (settle/quiescence) are
+                # waited for, within ONCE_MAX_WAIT, then shipped too.
+                waited_until = time.monotonic() + ONCE_MAX_WAIT_SECONDS
+                while not pipeline.idle() and time.monotonic() < waited_until:
+                    await asyncio.sleep(0.1)
+                    ok = await pipeline.drain_once() and ok
                 return 0 if ok else 1
             watcher.start(loop)
             self.watching = watcher.refresh()

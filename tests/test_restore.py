@@ -44,12 +44,14 @@ BUCKET = "ckpt"
 # -- helpers ------------------------------------------------------------------------------
 
 
-def ship_once(tmp_path: Path, root: Path, dest: str, endpoint_url: str = "") -> None:
-    """Commit what is complete under ``root`` with the real daemon (``run --once``)."""
-    state = tmp_path / f"state-{root.name}"
+def ship_once(tmp_path: Path, root: Path | list[Path], dest: str, endpoint_url: str = "") -> None:
+    """Commit what is complete under ``root`` (one watch dir each) with the real daemon,
+    ``ckptd run --once``."""
+    roots = root if isinstance(root, list) else [root]
+    state = tmp_path / f"state-{roots[0].name}"
     cfg = write_config(
-        tmp_path / f"{root.name}.toml",
-        watch=[{"dir": root, "settle_seconds": 0}],
+        tmp_path / f"{roots[0].name}.toml",
+        watch=[{"dir": r, "settle_seconds": 0} for r in roots],
         dest=dest,
         endpoint_url=endpoint_url,
         state_dir=state,
@@ -183,16 +185,14 @@ def test_hf_dcp_deepspeed_restore_byte_identical(
 ) -> None:
     dest = s3_dest if backend == "s3" else f"file://{tmp_path / 'shared'}"
     endpoint = local_s3.endpoint_url if backend == "s3" else ""
-    written: dict[str, Path] = {}
-    for run, write in (
-        ("hf", lambda r: write_hf(r, 10, model_bytes=12 * MiB)),  # multipart: 3 parts
-        ("dcp", lambda r: write_dcp(r, 20)),  # .metadata: a dot-file that must come back
-        ("ds", lambda r: write_deepspeed(r, 30)),
-    ):
-        root = tmp_path / run
-        root.mkdir()
-        written[run] = write(root)
-        ship_once(tmp_path, root, dest, endpoint)
+    for run in ("hf", "dcp", "ds"):
+        (tmp_path / run).mkdir()
+    written = {
+        "hf": write_hf(tmp_path / "hf", 10, model_bytes=12 * MiB),  # multipart: 3 parts
+        "dcp": write_dcp(tmp_path / "dcp", 20),  # .metadata: a dot-file that must come back
+        "ds": write_deepspeed(tmp_path / "ds", 30),
+    }
+    ship_once(tmp_path, [tmp_path / run for run in written], dest, endpoint)
     storage = open_storage(dest, endpoint_url=endpoint)
     target = tmp_path / "restored"
     for run, local_dir in written.items():
@@ -612,3 +612,54 @@ def test_retention_never_deletes_a_checkpoint_being_restored(
     assert list(s3.list_objects(f"run/{LEASE_DIR}/")) == []
     # Once the restore is over, its checkpoint is fair game again.
     assert apply_retention(s3, "run", keep_last=1, keep_every_steps=0) == ["ck-1"]
+
+
+def test_a_line_cut_short_in_the_state_file_costs_only_that_file(tmp_path: Path) -> None:
+    storage = open_storage(f"file://{tmp_path / 'shared'}")
+    files = {"a.bin": os.urandom(70_000), "b.bin": os.urandom(30_000), "c.bin": b"c"}
+    commit_files(storage, "run", "ck-6", files, step=6)
+    target = tmp_path / "out"
+    state = target / f"{STAGING_PREFIX}ck-6" / "state.jsonl"
+
+    class Interrupted(Exception):
+        pass
+
+    def stop(path: str) -> None:
+        raise Interrupted
+
+    with pytest.raises(Interrupted):  # a.bin verified and recorded
+        restore(storage, "run", None, target, on_file=stop, concurrency=1)
+    with open(state, "ab") as fh:
+        fh.write(b'{"path": "b.b')  # a crash in the middle of writing a record
+    with pytest.raises(Interrupted):  # b.bin verified, recorded after the cut line
+        restore(storage, "run", None, target, on_file=stop, concurrency=1)
+    result = restore(storage, "run", None, target)
+    assert result.reused_bytes == len(files["a.bin"]) + len(files["b.bin"])
+    assert result.downloaded_bytes == 1
+    assert local_files(target / "ck-6") == files
+
+
+def test_concurrent_if_missing_restores_into_one_dir_download_once(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    storage = open_storage(f"file://{tmp_path / 'shared'}")
+    files = {"w.bin": os.urandom(3 * MiB), "cfg": b"{}"}
+    commit_files(storage, "run", "ck-7", files, step=7)
+    target = tmp_path / "out"
+    with ThreadPoolExecutor(4) as pool:  # e.g. every rank of a node at start-up
+        results = list(
+            pool.map(
+                lambda _: restore(storage, "run", None, target, if_missing=True, progress=False),
+                range(4),
+            )
+        )
+    assert sorted(r.skipped for r in results) == [False, True, True, True]
+    assert local_files(target / "ck-7") == files
+    assert os.listdir(target) == ["ck-7"]
+
+
+def test_progress_bar_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    storage = open_storage(f"file://{tmp_path / 'shared'}")
+    commit_files(storage, "run", "ck-8", {"w.bin": os.urandom(MiB)}, step=8)
+    restore(storage, "run", None, tmp_path / "out", progress=True)
+    assert "run/ck-8" in capsys.readouterr().err

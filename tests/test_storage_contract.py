@@ -180,3 +180,30 @@ def test_file_backend_refuses_keys_that_leave_its_root(tmp_path: Path, key: str)
         storage.put_bytes(key, b"x", crc32c=checksum.crc32c(b"x"))
     assert not (tmp_path / "escape").exists()
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_parts_streamed_from_a_file_range_assemble_identically(
+    storage: Storage, tmp_path: Path
+) -> None:
+    from ckptd.storage.base import FileRange
+
+    data = os.urandom(11 * MiB + 7)
+    local = tmp_path / "big.bin"
+    local.write_bytes(data)
+    key = "run/c/streamed.bin"
+    upload_id = storage.create_upload(key)
+    fd = os.open(local, os.O_RDONLY)
+    try:
+        parts = []
+        for number, start in enumerate(range(0, len(data), 5 * MiB), start=1):
+            chunk = data[start : start + 5 * MiB]
+            body = FileRange(fd, start, len(chunk))
+            parts.append(
+                storage.upload_part(
+                    key, upload_id, number, start, body, crc32c=checksum.crc32c(chunk)
+                )
+            )
+    finally:
+        os.close(fd)
+    storage.complete_upload(key, upload_id, parts)
+    assert storage.get_bytes(key) == data

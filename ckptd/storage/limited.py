@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ckptd.storage.base import ObjectInfo, PartInfo, Storage
+from ckptd.storage.base import ObjectInfo, PartBody, PartInfo, Storage
 
 
 class RateLimiter:
@@ -68,7 +68,7 @@ class LimitedStorage:
         return self.inner.put_if_absent(key, data, crc32c=crc32c)
 
     def upload_part(
-        self, key: str, upload_id: str, number: int, offset: int, data: bytes, *, crc32c: int
+        self, key: str, upload_id: str, number: int, offset: int, data: PartBody, *, crc32c: int
     ) -> PartInfo:
         self.limiter.acquire(len(data))
         return self.inner.upload_part(key, upload_id, number, offset, data, crc32c=crc32c)

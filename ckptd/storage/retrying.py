@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ckptd.storage.base import ObjectInfo, PartInfo, Storage, StorageError
+from ckptd.storage.base import ObjectInfo, PartBody, PartInfo, Storage, StorageError
 
 T = TypeVar("T")
 
@@ -97,7 +97,7 @@ class RetryingStorage:
         return self._run("create_upload", lambda: self.inner.create_upload(key))
 
     def upload_part(
-        self, key: str, upload_id: str, number: int, offset: int, data: bytes, *, crc32c: int
+        self, key: str, upload_id: str, number: int, offset: int, data: PartBody, *, crc32c: int
     ) -> PartInfo:
         return self._run(
             "upload_part",

@@ -28,8 +28,10 @@ from botocore.exceptions import (
 
 from ckptd import checksum
 from ckptd.storage.base import (
+    FileRange,
     NotFoundError,
     ObjectInfo,
+    PartBody,
     PartInfo,
     PreconditionFailedError,
     StorageError,
@@ -331,7 +333,7 @@ class S3Storage:
         return str(resp["UploadId"])
 
     def upload_part(
-        self, key: str, upload_id: str, number: int, offset: int, data: bytes, *, crc32c: int
+        self, key: str, upload_id: str, number: int, offset: int, data: PartBody, *, crc32c: int
     ) -> PartInfo:
         resp = self._call(
             f"upload part {number} of {key}",
@@ -340,7 +342,8 @@ class S3Storage:
             Key=self._key(key),
             UploadId=upload_id,
             PartNumber=number,
-            Body=data,
+            Body=data.reader() if isinstance(data, FileRange) else data,
+            ContentLength=len(data),
             ChecksumCRC32C=checksum.to_base64(crc32c),
         )
         echoed = resp.get("ChecksumCRC32C")

@@ -30,6 +30,7 @@ from ckptd.logs import get_logger
 from ckptd.manifest import Manifest, ManifestError, build_manifest, manifest_key, object_key
 from ckptd.metrics import Metrics
 from ckptd.plan import plan_upload, resolve_copies
+from ckptd.retention import apply_local_cleanup, apply_retention
 from ckptd.storage.base import NotFoundError, Storage, StorageError
 from ckptd.sync.commit import CommitConflictError, commit, read_latest, read_manifest
 from ckptd.sync.journal import Journal
@@ -497,6 +498,8 @@ class SyncPipeline:
         if self.on_commit is not None:
             await self.on_commit(run, name, manifest.total_bytes, pending.emergency)
         seconds = time.monotonic() - started
+        if self.emergency_since is None:  # never spend a preemption's seconds on deletes
+            await self._retention(state, log)
         self.metrics.upload_duration.labels(run=run).observe(
             max(0.0, self.clock() - pending.completed_at)
         )
@@ -589,6 +592,46 @@ class SyncPipeline:
             if r.how == "copied":
                 self.metrics.copied_bytes.labels(run=run).inc(r.size)
         return results
+
+    async def _retention(self, state: RunState, log: Any) -> None:
+        """After a commit: remote retention, then (opt-in) local cleanup. A failure here
+        is logged; it never fails the commit that came before it."""
+        policy = self.settings.retention
+        protected = set(state.pending)
+        if state.current is not None:
+            protected.add(state.current.name)
+        try:
+            deleted = await asyncio.to_thread(
+                apply_retention,
+                self.storage,
+                state.run_id,
+                keep_last=policy.keep_last,
+                keep_every_steps=policy.keep_every_steps,
+                protected=protected,
+            )
+            if deleted:
+                log.info("retention_deleted", deleted=deleted)
+        except (StorageError, ManifestError) as exc:
+            log.warning("retention_failed", error=str(exc))
+        if policy.local_keep_last > 0:
+            try:
+                names = await asyncio.to_thread(list_candidates, state.dir)
+                local = sorted(
+                    ((n, step_of(n)) for n in names),
+                    key=lambda e: (e[1] if e[1] is not None else -1, e[0]),
+                )
+                removed = await asyncio.to_thread(
+                    apply_local_cleanup,
+                    state.dir,
+                    local,
+                    set(state.committed),
+                    local_keep_last=policy.local_keep_last,
+                )
+                if removed:
+                    state.seen.difference_update(removed)
+                    log.info("local_cleanup_deleted", deleted=removed)
+            except OSError as exc:
+                log.warning("local_cleanup_failed", error=str(exc))
 
     async def _previous_manifest(self, state: RunState) -> Manifest | None:
         if not state.previous_loaded:

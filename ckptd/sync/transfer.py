@@ -22,12 +22,14 @@ from typing import TypeVar
 
 from ckptd import checksum
 from ckptd.layouts.base import FileEntry
-from ckptd.storage.base import NotFoundError, PartInfo, Storage, StorageError
+from ckptd.storage.base import FileRange, NotFoundError, PartInfo, Storage, StorageError
 from ckptd.sync.journal import Journal, ObjectRecord, UploadRecord
 
 T = TypeVar("T")
 
-_HASH_CHUNK = 8 * 1024 * 1024
+# Small enough that concurrency x this stays in a few MiB; large enough to be fast.
+_HASH_CHUNK = 1024 * 1024
+SINGLE_PUT_MAX = 8 * 1024 * 1024
 
 
 class CheckpointChangedError(Exception):
@@ -86,6 +88,9 @@ class Transfers:
         self.storage = storage
         self.journal = journal
         self.part_size = part_size
+        # Files up to this size go in one PUT, held in memory; larger ones are streamed
+        # as multipart, so memory stays small whatever part_size is.
+        self.single_put_max = min(part_size, SINGLE_PUT_MAX)
         self.concurrency = concurrency
         self.on_bytes = on_bytes or (lambda run, n: None)
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ckptd-io")
@@ -157,7 +162,7 @@ class Transfers:
         """Ship ``local`` to ``key``, resuming a journalled multipart upload if any."""
         ctx.check()
         try:
-            if entry.size <= self.part_size:
+            if entry.size <= self.single_put_max:
                 return await self._in_pool(lambda: self._put_small(key, local, entry, ctx))
             return await self._upload_multipart(key, local, entry, ctx)
         except FileNotFoundError as exc:
@@ -220,11 +225,20 @@ class Transfers:
                     raise CheckpointChangedError("cancelled")
                 offset = (number - 1) * self.part_size
                 length = min(self.part_size, entry.size - offset)
-                data = os.pread(fd, length, offset)
-                if len(data) != length:
-                    raise CheckpointChangedError(f"{entry.path} shrank while read")
-                crc = checksum.crc32c(data)
-                part = self.storage.upload_part(key, upload_id, number, offset, data, crc32c=crc)
+                # First pass: the CRC-32C, in small reads (this is the read from disk).
+                # The store needs it in a header before the body, so the body is then
+                # streamed from the same range (the page cache) rather than held whole:
+                # memory stays at concurrency x one buffer, whatever the part size.
+                crc, done_bytes = 0, 0
+                while done_bytes < length:
+                    chunk = os.pread(fd, min(_HASH_CHUNK, length - done_bytes), offset + done_bytes)
+                    if not chunk:
+                        raise CheckpointChangedError(f"{entry.path} shrank while read")
+                    crc = checksum.crc32c(chunk, crc)
+                    done_bytes += len(chunk)
+                part = self.storage.upload_part(
+                    key, upload_id, number, offset, FileRange(fd, offset, length), crc32c=crc
+                )
                 self.journal.record_part(key, upload_id, part)
                 self.on_bytes(ctx.run, length)
                 return part

@@ -1,0 +1,131 @@
+"""``ckptd status`` for people: the ``/v1/status`` document as a rich table.
+
+One row per run: pending checkpoints, the upload in flight with its progress, the last
+committed checkpoint, and the sync lag; a line above for the destination and one below
+for the preemption notice. Pure presentation: it takes the document, asks nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+BAR_WIDTH = 16
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # unreachable
+
+
+def human_seconds(s: float) -> str:
+    """75 -> '1m15s'; 0 -> '0s'."""
+    s = max(0.0, float(s))
+    if s < 60:
+        return f"{s:.0f}s"
+    minutes, seconds = divmod(int(s), 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def progress_text(uploading: Mapping[str, Any] | None) -> Text:
+    """'checkpoint-20 ███████░░░ 45% 1.2/2.7 GiB', or '-' when nothing is in flight."""
+    if not uploading:
+        return Text("-", style="dim")
+    total = int(uploading.get("bytes_total") or 0)
+    sent = min(int(uploading.get("bytes_sent") or 0), total) if total else 0
+    fraction = sent / total if total else 0.0
+    filled = round(fraction * BAR_WIDTH)
+    text = Text(f"{uploading.get('checkpoint', '?')} ")
+    text.append("█" * filled, style="green")
+    text.append("░" * (BAR_WIDTH - filled), style="dim")
+    text.append(f" {fraction * 100:3.0f}% {human_bytes(sent)}/{human_bytes(total)}")
+    return text
+
+
+def _last_committed(last: Mapping[str, Any] | None) -> Text:
+    if not last:
+        return Text("-", style="dim")
+    step = last.get("step")
+    text = Text(str(last.get("checkpoint", "?")))
+    if step is not None:
+        text.append(f" (step {step})", style="dim")
+    if last.get("committed_at"):
+        text.append(f"\n{last['committed_at']}", style="dim")
+    return text
+
+
+def _lag(seconds: float) -> Text:
+    # Colour only: the thresholds that page someone live in the alert rules.
+    style = "green" if seconds < 60 else "yellow" if seconds < 600 else "bold red"
+    return Text(human_seconds(seconds), style=style)
+
+
+def status_table(doc: Mapping[str, Any]) -> Table:
+    """The per-run table of a ``/v1/status`` document."""
+    table = Table(title=None, expand=False)
+    table.add_column("RUN", style="bold", no_wrap=True)
+    table.add_column("PENDING", justify="right")
+    table.add_column("UPLOADING", no_wrap=True)
+    table.add_column("LAST COMMITTED")
+    table.add_column("LAG", justify="right")
+    table.add_column("FAILED", justify="right")
+    runs: Mapping[str, Any] = doc.get("runs") or {}
+    for run_id, run in sorted(runs.items()):
+        pending = list(run.get("pending") or [])
+        failed = run.get("failed") or {}
+        table.add_row(
+            run_id,
+            str(len(pending)),
+            progress_text(run.get("uploading")),
+            _last_committed(run.get("last_committed")),
+            _lag(float(run.get("sync_lag_seconds") or 0)),
+            Text(str(len(failed)), style="bold red" if failed else "dim"),
+        )
+    return table
+
+
+def notice_text(preemption: Mapping[str, Any] | None) -> Text:
+    """The notice line: 'notice: none', or source, kind and deadline in red."""
+    if not preemption or not preemption.get("notice"):
+        return Text.assemble(("notice: ", "bold"), ("none", "green"))
+    text = Text.assemble(("notice: ", "bold"))
+    text.append(f"{preemption.get('source', '?')}/{preemption.get('kind', '?')}", style="bold red")
+    text.append(f"  noticed {preemption.get('noticed_at') or '?'}")
+    text.append(f"  deadline {preemption.get('deadline') or 'unknown'}")
+    return text
+
+
+def destination_text(destination: Mapping[str, Any] | None) -> Text:
+    destination = destination or {}
+    ok = destination.get("ok")
+    return Text.assemble(
+        ("destination: ", "bold"),
+        str(destination.get("url") or "?"),
+        "  ",
+        ("ok", "green") if ok else ("UNREACHABLE", "bold red"),
+    )
+
+
+def render_status(doc: Mapping[str, Any], console: Console) -> None:
+    """Print a ``/v1/status`` document: destination, the per-run table, the notice."""
+    console.print(destination_text(doc.get("destination")))
+    if doc.get("runs"):
+        console.print(status_table(doc))
+    else:
+        console.print(Text("no runs watched", style="dim"))
+    console.print(notice_text(doc.get("preemption")))
+
+
+__all__ = ["human_bytes", "human_seconds", "progress_text", "render_status", "status_table"]
