@@ -129,6 +129,25 @@ def main() -> int:
                 env=env,
                 check=True,
             )
+            fresh = base / "fresh-node"
+            print(f"== ckptd restore --latest --to {fresh} (a new node resuming)")
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "ckptd",
+                    "restore",
+                    "--run",
+                    "demo-run",
+                    "--latest",
+                    "--to",
+                    str(fresh),
+                    "--no-progress",
+                    *common,
+                ],
+                env=env,
+                check=True,
+            )
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
                 wanted = (
                     "ckptd_checkpoints_committed_total",
