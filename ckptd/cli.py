@@ -382,21 +382,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(doc)
         return EXIT_OK
-    print(
-        f"destination {doc.get('destination', {}).get('url', '?')}  ok={doc.get('destination', {}).get('ok')}"
-    )
-    for run_id, run in doc.get("runs", {}).items():
-        last = run.get("last_committed") or {}
-        up = run.get("uploading")
-        print(
-            f"{run_id:<16} pending={len(run.get('pending', []))} lag={run.get('sync_lag_seconds', 0):.0f}s "
-            f"last={last.get('checkpoint', '-')}"
-            + (
-                f" uploading={up['checkpoint']} {up['bytes_sent']}/{up['bytes_total']}"
-                if up
-                else ""
-            )
-        )
+    from rich.console import Console
+
+    from ckptd.statusview import render_status
+
+    render_status(doc, Console())
     return EXIT_OK
 
 

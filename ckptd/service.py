@@ -26,6 +26,7 @@ from ckptd.metrics import Metrics
 from ckptd.notices.detect import make_source
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.respond import Responder
+from ckptd.sdnotify import SystemdNotifier, summarize
 from ckptd.storage import StorageError, open_storage
 from ckptd.storage.retrying import RetryingStorage
 from ckptd.sync.journal import Journal
@@ -61,6 +62,7 @@ class Service:
         self.responder: Responder | None = None
         self.sigterm = asyncio.Event()
         self._signals = 0
+        self.sd = SystemdNotifier.from_env()  # systemd Type=notify; inert elsewhere
 
     def _on_retry(self, operation: str, exc: StorageError, attempt: int, delay: float) -> None:
         self.metrics.retries.labels(operation=operation).inc()
@@ -147,9 +149,11 @@ class Service:
             ticker = asyncio.create_task(self._tick(watcher), name="ticker")
             notices = asyncio.create_task(self._watch_notices(), name="notices")
             self.log.info("ckptd_ready", watching=self.watching)
+            self.sd.ready(summarize(self.status()))
             stop_wait = asyncio.ensure_future(self.stop_event.wait())
             term_wait = asyncio.ensure_future(self.sigterm.wait())
             await asyncio.wait([stop_wait, term_wait], return_when=asyncio.FIRST_COMPLETED)
+            self.sd.stopping("stopping: shipping what is in flight")
             if self.sigterm.is_set() and not self.stop_event.is_set():
                 await self._flush_on_sigterm()
             stop_wait.cancel()
@@ -262,6 +266,7 @@ class Service:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             pipeline._update_gauges()
+            self.sd.tick(summarize(self.status()))
             for table, rows in pipeline.journal.stats().items():
                 self.metrics.journal_rows.labels(table=table).set(rows)
             now = time.monotonic()

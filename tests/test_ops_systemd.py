@@ -1,0 +1,189 @@
+"""The systemd unit: it verifies, it is hardened, and what it forbids ckptd does not need.
+
+``systemd-analyze`` (Debian package ``systemd``) is used when present; without it those
+tests skip. No running systemd is needed: ``verify`` and ``security --offline`` read files.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ckptd.locals3 import LocalS3
+from tests.daemon import wait_until
+from tests.ops_helpers import SYSTEMD, hf_daemon, tool
+from tests.writers import write_hf
+
+UNIT = SYSTEMD / "ckptd.service"
+MAX_EXPOSURE = 2.0  # systemd-analyze security: 0 (locked down) .. 10 (unprotected)
+
+needs_systemd_analyze = pytest.mark.skipif(
+    tool("systemd-analyze") is None, reason="systemd-analyze not installed (apt: systemd)"
+)
+
+
+def _directives(path: Path) -> dict[str, list[str]]:
+    """Every ``Key=value`` of a unit file, by key, in order (keys may repeat)."""
+    out: dict[str, list[str]] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";", "[")):
+            continue
+        key, _, value = line.partition("=")
+        out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def _local_copy(tmp_path: Path) -> Path:
+    """The unit with ExecStart pointing at this venv's ckptd, which verify checks exists."""
+    ckptd = Path(sys.executable).parent / "ckptd"
+    text = UNIT.read_text().replace("/usr/local/bin/ckptd", str(ckptd))
+    copy = tmp_path / "ckptd.service"
+    copy.write_text(text)
+    return copy
+
+
+def test_unit_is_type_notify_with_watchdog_and_a_stop_timeout_above_the_flush() -> None:
+    d = _directives(UNIT)
+    assert d["Type"] == ["notify"]
+    assert d["NotifyAccess"] == ["main"]
+    assert d["WatchdogSec"] == ["30"]
+    assert d["Restart"] == ["on-failure"]
+    exec_start = shlex.split(d["ExecStart"][0])
+    assert exec_start[:2] == ["/usr/local/bin/ckptd", "run"]
+    flush = float(exec_start[exec_start.index("--shutdown-timeout") + 1])
+    assert float(d["TimeoutStopSec"][0]) >= flush + 20, "systemd would SIGKILL mid-flush"
+
+
+def test_unit_hardening_is_present() -> None:
+    d = _directives(UNIT)
+    expected = {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "read-only",
+        "PrivateTmp": "yes",
+        "PrivateDevices": "yes",
+        "ProtectKernelTunables": "yes",
+        "ProtectKernelModules": "yes",
+        "ProtectKernelLogs": "yes",
+        "ProtectControlGroups": "yes",
+        "LockPersonality": "yes",
+        "MemoryDenyWriteExecute": "yes",
+        "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+        "StateDirectory": "ckptd",
+        "CapabilityBoundingSet": "",
+    }
+    for key, value in expected.items():
+        assert d.get(key) == [value], key
+    assert "@system-service" in d["SystemCallFilter"]
+
+
+@needs_systemd_analyze
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [tool("systemd-analyze") or "", "verify", str(_local_copy(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    # verify reports unknown or misspelt directives ("ckptd.service:12: Unknown key
+    # name ...") on stderr and may still exit 0.
+    assert "ckptd.service:" not in result.stderr, result.stderr
+
+
+@needs_systemd_analyze
+def test_unit_exposure_score_is_low(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [tool("systemd-analyze") or "", "security", "--offline=true", str(_local_copy(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if "offline" in result.stderr and "Unknown" in result.stderr:
+        pytest.skip("systemd-analyze security --offline needs systemd >= 250")
+    match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert match, result.stdout + result.stderr
+    assert float(match.group(1)) <= MAX_EXPOSURE, result.stdout
+
+
+def test_example_config_is_valid() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptd",
+            "config",
+            "check",
+            "--config",
+            str(SYSTEMD / "ckptd.toml.example"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert 'dir = "/var/lib/ckptd"' in result.stdout  # the unit's StateDirectory=
+
+
+PR_SET_MDWE, PR_GET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN = 65, 66, 1
+WX = mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC
+
+# Runs before ckptd is imported (PYTHONPATH=<dir>): the kernel's own
+# "memory-deny-write-execute" (Linux >= 6.3), which, like systemd's seccomp filter for
+# MemoryDenyWriteExecute=, refuses writable+executable mappings and is inherited.
+SITECUSTOMIZE = textwrap.dedent(
+    f"""
+    import ctypes
+    _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.prctl({PR_SET_MDWE}, {PR_MDWE_REFUSE_EXEC_GAIN}, 0, 0, 0) != 0:
+        raise SystemExit("prctl(PR_SET_MDWE) failed: errno %d" % ctypes.get_errno())
+    """
+)
+
+
+def _mdwe_supported() -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.prctl(PR_GET_MDWE, 0, 0, 0, 0) >= 0)
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not _mdwe_supported(),
+    reason="kernel without PR_SET_MDWE (Linux < 6.3)",
+)
+def test_daemon_commits_under_memory_deny_write_execute(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    """MemoryDenyWriteExecute=yes must not break CPython, aiohttp, boto3 or awscrt."""
+    site = tmp_path / "mdwe"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    # The restriction is real in the child: a W+X mapping is refused.
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import mmap; mmap.mmap(-1, 4096, prot={WX})"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.returncode != 0 and "PermissionError" in probe.stderr, probe.stderr
+    daemon, root = hf_daemon(tmp_path, local_s3, s3_dest, env=env)
+    with daemon:
+        write_hf(root, 10)
+        wait_until(
+            lambda: daemon.metric("ckptd_checkpoints_committed_total", run="run1") >= 1,
+            60,
+            "commit under MDWE",
+        )
+        assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log_text()
