@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.config import Settings
-from ckptd.http import HttpServer
 from ckptd.logs import get_logger
 from ckptd.metrics import Metrics
 from ckptd.notices.detect import make_source
@@ -56,7 +55,7 @@ class Service:
         self.destination_ok = False
         self.destination_error = ""
         self.watching: list[str] = []
-        self.http: HttpServer | None = None
+        self.http: Any = None  # ckptd.http.HttpServer, imported only when serving
         self.storage: RetryingStorage | None = None
         self.pipeline: SyncPipeline | None = None
         self.responder: Responder | None = None
@@ -118,6 +117,8 @@ class Service:
         await self._check_destination()
         await pipeline.recover()
         if not self.once:
+            from ckptd.http import HttpServer  # aiohttp costs ~0.3 s of start-up; --once needs none
+
             self.http = HttpServer(
                 self.metrics,
                 status=self.status,

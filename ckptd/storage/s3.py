@@ -10,9 +10,16 @@ retries, so every retry is counted and logged in one place.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
+
+# awscrt is installed for its native CRC-32C, and its mere presence switches botocore to
+# the CRT signer, which hashes a streamed body through Python callbacks: 1.22 vs 0.79
+# CPU-s/GiB for the classic signer (bench/bench_upload.py). Before botocore loads;
+# an explicit setting in the environment wins.
+os.environ.setdefault("BOTO_DISABLE_CRT", "true")
 
 import boto3
 from botocore.config import Config

@@ -1,9 +1,11 @@
 """The durable journal under ``state.dir``: what is in flight, so a restart resumes it.
 
-sqlite in WAL mode with ``synchronous=FULL``: a row written before a crash (``kill -9``
-or power loss) is there after it. Rows are written *after* the fact they record is
-durable in the store (a part acknowledged, an object verified), so the journal may
-under-state progress after a crash, never over-state it.
+sqlite in WAL mode with ``synchronous=NORMAL``: a row committed before a process crash
+(``kill -9``) is there after it; a power loss may drop the last few. That is safe
+because rows are written *after* the fact they record is durable in the store (a part
+acknowledged, an object verified): the journal may under-state progress, never
+over-state it, and an under-stated part is simply sent again. (FULL would fsync once
+per small file, measured at 11% of the daemon's samples on 4 MiB DCP shards.)
 
 An intended multipart upload is journalled *before* it is created, so an upload
 created just before a crash (and not yet recorded) is still found and aborted.
@@ -88,7 +90,7 @@ class Journal:
         self.path = state_dir / "journal.sqlite3"
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
 

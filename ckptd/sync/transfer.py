@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from ckptd import checksum
 from ckptd.layouts.base import FileEntry
-from ckptd.storage.base import FileRange, NotFoundError, PartInfo, Storage, StorageError
+from ckptd.storage.base import FileRange, NotFoundError, ObjectInfo, PartInfo, Storage, StorageError
 from ckptd.sync.journal import Journal, ObjectRecord, UploadRecord
 
 T = TypeVar("T")
@@ -180,22 +180,39 @@ class Transfers:
         if len(data) != entry.size:
             raise CheckpointChangedError(f"{entry.path} changed size while read")
         crc = checksum.crc32c(data)
-        self.storage.put_bytes(key, data, crc32c=crc)
+        stored = self.storage.put_bytes(key, data, crc32c=crc)
         self.on_bytes(ctx.run, len(data))
-        self._verify(key, entry.size, [], crc)
+        self._verify(key, entry.size, [], crc, reported=stored)
         self.journal.record_object(
             ctx.run, ctx.checkpoint, ObjectRecord(key, entry.path, entry.size, entry.mtime_ns, crc)
         )
         return FileResult(entry.path, entry.size, crc, "uploaded", bytes_sent=len(data))
 
-    def _verify(self, key: str, size: int, parts: list[PartInfo], whole_crc: int) -> None:
-        """Compare what the store reports with what ckptd read and sent."""
+    def _verify(
+        self,
+        key: str,
+        size: int,
+        parts: list[PartInfo],
+        whole_crc: int,
+        reported: ObjectInfo | None = None,
+    ) -> None:
+        """Compare what the store reports with what ckptd read and sent: the write's own
+        response when it carries the store's checksum (one request saved per file),
+        else a HEAD."""
+        expected = self.storage.expected_checksum(parts, whole_crc)
+        if (
+            reported is not None
+            and expected
+            and reported.checksum
+            and reported.size == size
+            and checksum.s3_checksums_match(reported.checksum, expected)
+        ):
+            return
         info = self.storage.head(key)
         if info is None:
             raise StorageError(
                 f"verify {key}: object missing after upload", transient=True, code="VerifyFailed"
             )
-        expected = self.storage.expected_checksum(parts, whole_crc)
         if info.size != size or (
             expected and info.checksum and not checksum.s3_checksums_match(info.checksum, expected)
         ):
@@ -258,8 +275,8 @@ class Transfers:
         whole = checksum.combine_parts((p.crc32c, p.size) for p in parts)
 
         def finish() -> None:
-            self.storage.complete_upload(key, upload_id, parts)
-            self._verify(key, entry.size, parts, whole)
+            stored = self.storage.complete_upload(key, upload_id, parts)
+            self._verify(key, entry.size, parts, whole, reported=stored)
             self.journal.record_object(
                 ctx.run,
                 ctx.checkpoint,
