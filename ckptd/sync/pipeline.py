@@ -166,6 +166,7 @@ class SyncPipeline:
         self._wake = asyncio.Event()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._evaluating = 0
         self._file_slots = asyncio.Semaphore(max(4, dest.concurrency * 2))
         self.log = get_logger()
         self.rate = RateMeter()
@@ -255,6 +256,15 @@ class SyncPipeline:
 
     async def evaluate(self, run_id: str, name: str) -> Completion | None:
         """Apply the completion rule to one checkpoint now; queue it if complete."""
+        # Counted from before the timer is dropped to after a verdict is queued, so idle()
+        # never sees the gap between "timer fired" and "checkpoint pending".
+        self._evaluating += 1
+        try:
+            return await self._evaluate(run_id, name)
+        finally:
+            self._evaluating -= 1
+
+    async def _evaluate(self, run_id: str, name: str) -> Completion | None:
         state = self.runs[run_id]
         self._timers.pop((run_id, name), None)
         if name in state.committed or name in state.failed_for_good:
@@ -739,8 +749,10 @@ class SyncPipeline:
     def idle(self) -> bool:
         """Nothing pending, nothing uploading, nothing waiting to be looked at again."""
         busy_timers = [k for k, t in self._timers.items() if not t.cancelled()]
-        return not busy_timers and all(
-            not s.pending and s.current is None for s in self.runs.values()
+        return (
+            not busy_timers
+            and not self._evaluating
+            and all(not s.pending and s.current is None for s in self.runs.values())
         )
 
     def status(self) -> dict[str, Any]:

@@ -6,7 +6,8 @@ bit-identical to one that was never interrupted.
     from ckptd.trainer.state import ResumableSampler, load_training_state, save_training_state
 
     sampler = ResumableSampler(len(dataset), seed=1234)
-    loader = DataLoader(dataset, batch_size=8, sampler=sampler)    # num_workers=0
+    loader = DataLoader(dataset, batch_size=8, sampler=sampler,     # num_workers=0
+                        generator=torch.Generator().manual_seed(0))  # see below
     if resume_dir:
         saved = load_training_state(resume_dir, model=model, optimizer=opt, scheduler=sched)
         step = saved["step"]
@@ -25,6 +26,12 @@ Completeness: ``ckptd_train_state.pt`` is written (and fsynced) *first*, the DCP
 *last*; DCP writes its ``.metadata`` after all shards, so a directory with ``.metadata``
 holds everything. That is ckptd's ``dcp`` layout: the daemon ships the directory once
 ``.metadata`` appears.
+
+Bit-identical resume also needs the loop itself to draw randomness the same way on both
+paths. One trap found while proving it: every ``iter(DataLoader)`` draws a seed from the
+*global* torch RNG unless the loader has its own ``generator=``; a resumed run makes its
+first ``iter()`` mid-epoch, where the original did not, and drifts from then on. Give the
+``DataLoader`` a ``generator`` (and use ``num_workers=0``, or track the position yourself).
 
 This module imports torch lazily, in the functions, so ``ckptd.trainer`` needs no torch.
 """
@@ -126,7 +133,8 @@ class ResumableSampler:
     last index of an epoch it moves to the next epoch on its own.
 
     ``state_dict()`` -> ``{"seed", "epoch", "offset"}``; ``load_state_dict`` skips ahead to it.
-    It is a ``torch.utils.data.Sampler`` by duck typing (``__iter__`` and ``__len__``).
+    It is a ``torch.utils.data.Sampler`` by duck typing (``__iter__`` and ``__len__``,
+    which is always the whole epoch).
     """
 
     def __init__(self, length: int, *, seed: int = 0, epoch: int = 0, offset: int = 0) -> None:
@@ -151,9 +159,14 @@ class ResumableSampler:
         return order
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning."""
-        self.epoch = epoch
-        self.offset = 0
+        """Start ``epoch`` from its beginning; for the current epoch, keep the position.
+
+        Frameworks (Lightning, ``DistributedSampler`` users) call ``set_epoch`` at every
+        epoch start, the resumed mid-epoch one included, which must not rewind it.
+        """
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.offset = 0
 
     def skip(self, count: int) -> None:
         """Skip ``count`` indices of the current epoch."""
@@ -161,7 +174,9 @@ class ResumableSampler:
         self._check()
 
     def __len__(self) -> int:
-        return self.length - self.offset
+        # A whole epoch, even mid-epoch: loops that resume their batch counter (Lightning)
+        # end the epoch by it, and would end a resumed epoch early on the remainder.
+        return self.length
 
     def __iter__(self) -> Iterator[int]:
         order = self.permutation(self.epoch)
@@ -195,8 +210,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _dcp_quietly() -> Any:
-    """``torch.distributed.checkpoint``, warning-free without a process group."""
+def _dcp() -> Any:
     import torch.distributed.checkpoint as dcp
 
     return dcp
@@ -243,7 +257,7 @@ def save_training_state(
     _fsync_file(state_file)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
-        _dcp_quietly().save(
+        _dcp().save(
             {"model": model_state, "optim": {"state": optim_state["state"]}},
             checkpoint_id=directory,
         )
@@ -280,7 +294,7 @@ def load_training_state(
     target: dict[str, Any] = {"model": model_state, "optim": {"state": optim_state["state"]}}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        _dcp_quietly().load(target, checkpoint_id=directory)
+        _dcp().load(target, checkpoint_id=directory)
     set_state_dict(
         model,
         optimizer,

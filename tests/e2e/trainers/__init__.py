@@ -1,0 +1,1 @@
+"""Deterministic trainer scripts for the lossless-resume tests (run as ``python -m``)."""

@@ -1,0 +1,64 @@
+"""What every lossless-resume trainer script shares: its command line, its progress
+reports, determinism, and the "node dies here" hang."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt-dir", type=Path, required=True, help="the dir the daemon watches")
+    p.add_argument("--pidfile", type=Path, required=True)
+    p.add_argument("--progress", type=Path, required=True)
+    p.add_argument("--result", type=Path, required=True)
+    p.add_argument("--final", type=Path, required=True, help="final weights, at max steps")
+    p.add_argument("--max-steps", type=int, required=True)
+    p.add_argument("--save-every", type=int, required=True)
+    p.add_argument("--resume", type=Path, default=None, help="a restored checkpoint")
+    p.add_argument("--hang-at", type=int, default=0, help="block after this step (kill -9 me)")
+    p.add_argument("--step-delay", type=float, default=0.0, help="stands in for real compute")
+    return p
+
+
+def deterministic() -> None:
+    """The CPU settings under which two runs of the same steps are bit-identical."""
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class Reporter:
+    """Writes ``{"step", "first_step_at", "resumed_from"}`` after every finished step."""
+
+    def __init__(self, path: Path, resumed_from: int) -> None:
+        self.path = path
+        self.resumed_from = resumed_from
+        self.first_step_at: float | None = None
+
+    def step_done(self, step: int) -> None:
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+        write_json(
+            self.path,
+            {"step": step, "first_step_at": self.first_step_at, "resumed_from": self.resumed_from},
+        )
+
+
+def hang_forever() -> None:
+    """The node froze: nothing more happens until the test kill -9s this process."""
+    threading.Event().wait()
