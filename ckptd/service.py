@@ -267,6 +267,7 @@ class Service:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             pipeline._update_gauges()
+            self.metrics.upload_rate.set(pipeline.rate.rate() or 0.0)
             self.sd.tick(summarize(self.status()))
             for table, rows in pipeline.journal.stats().items():
                 self.metrics.journal_rows.labels(table=table).set(rows)
