@@ -413,49 +413,34 @@ def test_file_destination_commits_with_fsynced_renames(tmp_path: Path) -> None:
     root, shared = tmp_path / "run", tmp_path / "shared"
     root.mkdir()
     ckpt = write_hf(root, 4, model_bytes=7 * MiB)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptd",
-            "run",
-            "--once",
-            "--watch",
-            str(root),
-            "--dest",
-            f"file://{shared}",
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--config",
-            str(tmp_path / "none.toml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    def run_once(config: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ckptd",
+                "run",
+                "--once",
+                "--watch",
+                str(root),
+                "--dest",
+                f"file://{shared}",
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--config",
+                str(config),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     # An explicitly named config that does not exist is an error naming it.
+    result = run_once(tmp_path / "none.toml")
     assert result.returncode == 2 and "none.toml" in result.stderr
     (tmp_path / "empty.toml").write_text("[destination]\npart_size_mib = 5\n")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptd",
-            "run",
-            "--once",
-            "--watch",
-            str(root),
-            "--dest",
-            f"file://{shared}",
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--config",
-            str(tmp_path / "empty.toml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_once(tmp_path / "empty.toml")
     assert result.returncode == 0, result.stderr
     remote = shared / "run" / "checkpoint-4"
     assert local_files(ckpt) == {

@@ -175,42 +175,35 @@ class Journal:
         return {str(r[1]): ObjectRecord(*r) for r in rows}  # type: ignore[arg-type]
 
     def forget_checkpoint(self, run: str, checkpoint: str) -> None:
-        """Drop the in-flight records of a checkpoint (committed or abandoned)."""
+        """Drop the in-flight records of a checkpoint (abandoned)."""
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.execute(
-                "DELETE FROM parts WHERE upload_id IN "
-                "(SELECT upload_id FROM uploads WHERE run = ? AND checkpoint = ?)",
-                (run, checkpoint),
-            )
-            self._db.execute(
-                "DELETE FROM uploads WHERE run = ? AND checkpoint = ?", (run, checkpoint)
-            )
-            self._db.execute(
-                "DELETE FROM objects WHERE run = ? AND checkpoint = ?", (run, checkpoint)
-            )
+            self._delete_in_flight(run, checkpoint)
             self._db.execute("COMMIT")
+
+    def _delete_in_flight(self, run: str, checkpoint: str) -> None:
+        # Caller holds the lock and an open transaction.
+        self._db.execute(
+            "DELETE FROM parts WHERE upload_id IN "
+            "(SELECT upload_id FROM uploads WHERE run = ? AND checkpoint = ?)",
+            (run, checkpoint),
+        )
+        for table in ("uploads", "objects"):
+            self._db.execute(
+                f"DELETE FROM {table} WHERE run = ? AND checkpoint = ?", (run, checkpoint)
+            )
 
     # -- commits --------------------------------------------------------------------
 
     def mark_committed(self, run: str, checkpoint: str, step: int | None) -> None:
+        """Record the commit and drop its in-flight records, in one transaction."""
         with self._lock:
             self._db.execute("BEGIN")
             self._db.execute(
                 "INSERT OR REPLACE INTO committed VALUES (?, ?, ?, ?)",
                 (run, checkpoint, step, time.time()),
             )
-            self._db.execute(
-                "DELETE FROM parts WHERE upload_id IN "
-                "(SELECT upload_id FROM uploads WHERE run = ? AND checkpoint = ?)",
-                (run, checkpoint),
-            )
-            self._db.execute(
-                "DELETE FROM uploads WHERE run = ? AND checkpoint = ?", (run, checkpoint)
-            )
-            self._db.execute(
-                "DELETE FROM objects WHERE run = ? AND checkpoint = ?", (run, checkpoint)
-            )
+            self._delete_in_flight(run, checkpoint)
             self._db.execute("COMMIT")
 
     def is_committed(self, run: str, checkpoint: str) -> bool:
