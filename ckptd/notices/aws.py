@@ -33,7 +33,6 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -41,6 +40,7 @@ from typing import Any
 import aiohttp
 import structlog
 
+from ckptd.notices.client import BadResponse, describe_error, session_scope
 from ckptd.notices.model import Clock, Notice, RateLimitedLog, Sleep, parse_time, utc_now
 
 TOKEN_PATH = "/latest/api/token"
@@ -62,10 +62,6 @@ SPOT_KINDS: dict[str, str] = {
 _SCHEDULED_TIME_FORMAT = "%d %b %Y %H:%M:%S GMT"  # "21 Jan 2019 09:00:43 GMT"
 
 log = structlog.get_logger("ckptd.notices.aws")
-
-
-class _BadResponse(Exception):
-    """A response that is not what the documented protocol returns."""
 
 
 @dataclass
@@ -118,13 +114,16 @@ class AwsImdsSource:
 
     async def watch(self) -> AsyncIterator[Notice]:
         """Poll every ``poll_interval`` seconds; yield each new notice once."""
-        async with self._session_scope() as session:
+        async with session_scope(self._session) as session:
             while True:
                 try:
                     notices = await self.poll_once(session)
                 except Exception as exc:  # noqa: BLE001 - a bug here must not end the watch
                     self._warn.warning(
-                        "poll", "imds poll failed unexpectedly", error=_describe(exc), exc_info=True
+                        "poll",
+                        "imds poll failed unexpectedly",
+                        error=describe_error(exc),
+                        exc_info=True,
                     )
                     notices = []
                 for notice in notices:
@@ -177,13 +176,13 @@ class AwsImdsSource:
                 ) as resp:
                     body = await resp.text()
                     if resp.status != 200:
-                        raise _BadResponse(f"token PUT answered HTTP {resp.status}")
-            except (aiohttp.ClientError, TimeoutError, _BadResponse) as exc:
+                        raise BadResponse(f"token PUT answered HTTP {resp.status}")
+            except (aiohttp.ClientError, TimeoutError, BadResponse) as exc:
                 self._warn.warning(
                     "token",
                     "imds token request failed",
                     url=url,
-                    error=_describe(exc),
+                    error=describe_error(exc),
                     fallback="imdsv1" if self.imdsv1_fallback else None,
                 )
                 if self.imdsv1_fallback:
@@ -216,7 +215,7 @@ class AwsImdsSource:
         for attempt in range(2):
             token = await self._get_token(session)
             if token is None and not self.imdsv1_fallback:
-                raise _BadResponse("no IMDSv2 token")
+                raise BadResponse("no IMDSv2 token")
             headers = {TOKEN_HEADER: token} if token is not None else {}
             async with session.get(
                 url,
@@ -230,7 +229,7 @@ class AwsImdsSource:
                     await self._invalidate_token(token)
                     continue
                 return _Response(resp.status, text)
-        raise _BadResponse("HTTP 401 even with a fresh token")
+        raise BadResponse("HTTP 401 even with a fresh token")
 
     async def _read(
         self,
@@ -246,10 +245,10 @@ class AwsImdsSource:
             elif resp.status == 200:
                 notices = parse(resp.text, self._clock())
             else:
-                raise _BadResponse(f"HTTP {resp.status}")
-        except (aiohttp.ClientError, TimeoutError, _BadResponse, ValueError) as exc:
+                raise BadResponse(f"HTTP {resp.status}")
+        except (aiohttp.ClientError, TimeoutError, BadResponse, ValueError) as exc:
             self._warn.warning(
-                key, "imds read failed", url=self.endpoint + path, error=_describe(exc)
+                key, "imds read failed", url=self.endpoint + path, error=describe_error(exc)
             )
             return []
         self._warn.recovered(key, "imds read works again", url=self.endpoint + path)
@@ -261,9 +260,9 @@ class AwsImdsSource:
         data = _json_object(text)
         action, when = data.get("action"), data.get("time")
         if not isinstance(action, str) or action not in SPOT_KINDS:
-            raise _BadResponse(f"unknown spot action {action!r}")
+            raise BadResponse(f"unknown spot action {action!r}")
         if not isinstance(when, str):
-            raise _BadResponse("spot instance-action without a time")
+            raise BadResponse("spot instance-action without a time")
         deadline = parse_time(when)
         return [
             Notice(
@@ -280,7 +279,7 @@ class AwsImdsSource:
         data = _json_object(text)
         notice_time = data.get("noticeTime")
         if not isinstance(notice_time, str):
-            raise _BadResponse("rebalance recommendation without noticeTime")
+            raise BadResponse("rebalance recommendation without noticeTime")
         parse_time(notice_time)  # validates; a rebalance has no deadline of its own
         return [
             Notice(
@@ -296,11 +295,11 @@ class AwsImdsSource:
     def _parse_scheduled(self, text: str, now: datetime) -> list[Notice]:
         data = json.loads(text) if text.strip() else []
         if not isinstance(data, list):
-            raise _BadResponse("scheduled events is not a JSON list")
+            raise BadResponse("scheduled events is not a JSON list")
         notices = []
         for event in data:
             if not isinstance(event, dict) or not isinstance(event.get("EventId"), str):
-                raise _BadResponse("scheduled event without an EventId")
+                raise BadResponse("scheduled event without an EventId")
             state = str(event.get("State") or "active").lower()
             description = str(event.get("Description") or "")
             # Only upcoming events matter; a canceled or completed one is history.
@@ -327,20 +326,11 @@ class AwsImdsSource:
             )
         return notices
 
-    @asynccontextmanager
-    async def _session_scope(self) -> AsyncIterator[aiohttp.ClientSession]:
-        if self._session is not None:
-            yield self._session
-            return
-        # trust_env=False (the default): a metadata request must never go via a proxy.
-        async with aiohttp.ClientSession() as session:
-            yield session
-
 
 def _json_object(text: str) -> dict[str, Any]:
     data = json.loads(text)
     if not isinstance(data, dict):
-        raise _BadResponse("expected a JSON object")
+        raise BadResponse("expected a JSON object")
     return data
 
 
@@ -354,12 +344,3 @@ def _parse_scheduled_time(value: Any) -> datetime | None:
             return parse_time(value)
         except ValueError:
             return None
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, _BadResponse):
-        return str(exc)
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -42,6 +42,7 @@ from typing import Any
 import aiohttp
 import structlog
 
+from ckptd.notices.client import BadResponse, describe_error, session_scope
 from ckptd.notices.model import Clock, Notice, RateLimitedLog, Sleep, utc_now
 
 SCHEDULED_EVENTS_PATH = "/metadata/scheduledevents"
@@ -60,10 +61,6 @@ EVENT_KINDS: dict[str, str] = {
 }
 
 log = structlog.get_logger("ckptd.notices.azure")
-
-
-class _BadResponse(Exception):
-    """A response that is not what the documented protocol returns."""
 
 
 class AzureScheduledEventsSource:
@@ -110,7 +107,7 @@ class AzureScheduledEventsSource:
 
     async def watch(self) -> AsyncIterator[Notice]:
         """Poll every ``poll_interval`` seconds; yield new and cancelled events once."""
-        async with self._session_scope() as session:
+        async with session_scope(self._session) as session:
             self._active_session = session
             try:
                 while True:
@@ -120,7 +117,7 @@ class AzureScheduledEventsSource:
                         self._warn.warning(
                             "poll",
                             "imds poll failed unexpectedly",
-                            error=_describe(exc),
+                            error=describe_error(exc),
                             exc_info=True,
                         )
                         notices = []
@@ -164,7 +161,7 @@ class AzureScheduledEventsSource:
                             log.warning("acknowledge rejected", event_id=notice.id, error=error)
                             return
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    error = _describe(exc)
+                    error = describe_error(exc)
                 log.warning("acknowledge failed", event_id=notice.id, error=error, attempt=attempt)
                 if attempt < 2:
                     await self._sleep(0.5 * (attempt + 1))
@@ -184,15 +181,17 @@ class AzureScheduledEventsSource:
             ) as resp:
                 text = (await resp.text(errors="replace")).strip()
                 if resp.status != 200:
-                    raise _BadResponse(f"HTTP {resp.status}")
+                    raise BadResponse(f"HTTP {resp.status}")
                 if not text or len(text) > 128 or any(c.isspace() for c in text):
-                    raise _BadResponse("compute/name is not a VM name")
-        except (aiohttp.ClientError, TimeoutError, _BadResponse) as exc:
+                    raise BadResponse("compute/name is not a VM name")
+        except (aiohttp.ClientError, TimeoutError, BadResponse) as exc:
             # Unknown name: every event is taken as ours (a needless checkpoint is cheap,
             # a missed eviction is not). Try again later.
             self._next_name_lookup = self._monotonic() + self.name_retry_interval
             self._warn.warning(
-                "compute-name", "vm name unknown; taking every event as ours", error=_describe(exc)
+                "compute-name",
+                "vm name unknown; taking every event as ours",
+                error=describe_error(exc),
             )
             return
         self.vm_name = text
@@ -210,12 +209,12 @@ class AzureScheduledEventsSource:
             ) as resp:
                 text = await resp.text(errors="replace")
                 if resp.status != 200:
-                    raise _BadResponse(f"HTTP {resp.status}")
+                    raise BadResponse(f"HTTP {resp.status}")
             document = json.loads(text)
             _validate(document)
-        except (aiohttp.ClientError, TimeoutError, _BadResponse, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, BadResponse, ValueError) as exc:
             self._warn.warning(
-                "scheduledevents", "imds read failed", url=self.url, error=_describe(exc)
+                "scheduledevents", "imds read failed", url=self.url, error=describe_error(exc)
             )
             return None
         self._answered_once = True
@@ -289,14 +288,6 @@ class AzureScheduledEventsSource:
         return notices
 
     @asynccontextmanager
-    async def _session_scope(self) -> AsyncIterator[aiohttp.ClientSession]:
-        if self._session is not None:
-            yield self._session
-            return
-        async with aiohttp.ClientSession() as session:
-            yield session
-
-    @asynccontextmanager
     async def _ack_session(self) -> AsyncIterator[aiohttp.ClientSession]:
         session = self._session or self._active_session
         if session is not None and not session.closed:
@@ -313,14 +304,14 @@ def _validate(document: Any) -> None:
     drop a known event and raise a false cancellation.
     """
     if not isinstance(document, dict) or not isinstance(document.get("Events"), list):
-        raise _BadResponse("not a scheduled-events document")
+        raise BadResponse("not a scheduled-events document")
     for event in document["Events"]:
         if not isinstance(event, dict):
-            raise _BadResponse("event is not an object")
+            raise BadResponse("event is not an object")
         if not isinstance(event.get("EventId"), str) or not event["EventId"]:
-            raise _BadResponse("event without EventId")
+            raise BadResponse("event without EventId")
         if not isinstance(event.get("EventType"), str):
-            raise _BadResponse("event without EventType")
+            raise BadResponse("event without EventType")
 
 
 def _parse_not_before(value: Any) -> datetime | None:
@@ -332,12 +323,3 @@ def _parse_not_before(value: Any) -> datetime | None:
     except (TypeError, ValueError):
         return None
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, _BadResponse):
-        return str(exc)
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import aiohttp
 import structlog
 
+from ckptd.notices.client import BadResponse, describe_error, session_scope
 from ckptd.notices.model import Clock, Notice, RateLimitedLog, Sleep, format_time, utc_now
 
 INSTANCE_PATH = "/computeMetadata/v1/instance/"
@@ -49,10 +49,6 @@ MAINTENANCE_NOTICE: dict[str, timedelta] = {
 }
 
 log = structlog.get_logger("ckptd.notices.gcp")
-
-
-class _BadResponse(Exception):
-    """A response that is not what the documented protocol returns."""
 
 
 @dataclass
@@ -102,7 +98,7 @@ class GcpMetadataSource:
     async def watch(self) -> AsyncIterator[Notice]:
         """Watch both keys concurrently; yield each new notice once."""
         queue: asyncio.Queue[Notice] = asyncio.Queue()
-        async with self._session_scope() as session:
+        async with session_scope(self._session) as session:
             tasks = [
                 asyncio.create_task(
                     self._watch_key(session, "preempted", self._on_preempted, queue),
@@ -128,7 +124,7 @@ class GcpMetadataSource:
             self._preempted = False
             return None
         if value != "TRUE":
-            raise _BadResponse(f"preempted is {value[:40]!r}, not TRUE or FALSE")
+            raise BadResponse(f"preempted is {value[:40]!r}, not TRUE or FALSE")
         if self._preempted:
             return None
         self._preempted = True
@@ -147,7 +143,7 @@ class GcpMetadataSource:
             self._maintenance = None
             return None
         if value not in MAINTENANCE_NOTICE:
-            raise _BadResponse(f"maintenance-event is {value[:40]!r}")
+            raise BadResponse(f"maintenance-event is {value[:40]!r}")
         if value == self._maintenance:
             return None
         self._maintenance = value
@@ -187,14 +183,14 @@ class GcpMetadataSource:
                     await self._sleep(self.retry_interval)
                     continue
                 if resp.status != 200:
-                    raise _BadResponse(f"HTTP {resp.status}")
+                    raise BadResponse(f"HTTP {resp.status}")
                 if resp.headers.get(FLAVOR_HEADER) != FLAVOR_VALUE:
-                    raise _BadResponse(f"response lacks {FLAVOR_HEADER}: {FLAVOR_VALUE}")
+                    raise BadResponse(f"response lacks {FLAVOR_HEADER}: {FLAVOR_VALUE}")
                 answered, new_etag = True, resp.headers.get("ETag")
                 notice = on_value(resp.text.strip(), new_etag, self._clock())
-            except (aiohttp.ClientError, TimeoutError, _BadResponse) as exc:
+            except (aiohttp.ClientError, TimeoutError, BadResponse) as exc:
                 self._warn.warning(
-                    key, "metadata read failed", url=self._url(key), error=_describe(exc)
+                    key, "metadata read failed", url=self._url(key), error=describe_error(exc)
                 )
                 if answered:
                     # An unexpected value: wait for it to change (a hanging GET on its
@@ -209,7 +205,10 @@ class GcpMetadataSource:
                 continue
             except Exception as exc:  # noqa: BLE001 - a bug here must not end the watch
                 self._warn.warning(
-                    key, "metadata watch failed unexpectedly", error=_describe(exc), exc_info=True
+                    key,
+                    "metadata watch failed unexpectedly",
+                    error=describe_error(exc),
+                    exc_info=True,
                 )
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
@@ -255,21 +254,3 @@ class GcpMetadataSource:
 
     def _url(self, key: str) -> str:
         return self.endpoint + INSTANCE_PATH + key
-
-    @asynccontextmanager
-    async def _session_scope(self) -> AsyncIterator[aiohttp.ClientSession]:
-        if self._session is not None:
-            yield self._session
-            return
-        # trust_env=False (the default): a metadata request must never go via a proxy.
-        async with aiohttp.ClientSession() as session:
-            yield session
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, _BadResponse):
-        return str(exc)
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
