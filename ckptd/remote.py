@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptd import checksum
-from ckptd.manifest import Manifest, ManifestError, manifest_key, object_key, parse_manifest
+from ckptd.manifest import Manifest, ManifestError, manifest_key, object_key
 from ckptd.storage.base import NotFoundError, Storage
 from ckptd.sync.commit import read_latest, read_manifest
 
@@ -123,10 +123,8 @@ def verify_checkpoint(
 __all__ = [
     "CommittedCheckpoint",
     "FileProblem",
-    "ManifestError",
     "list_committed",
     "list_runs",
-    "parse_manifest",
     "resolve",
     "verify_checkpoint",
 ]

@@ -184,3 +184,15 @@ def test_rate_limiter_zero_means_unlimited() -> None:
     limiter = RateLimiter(0, clock=clock, sleep=clock.sleep)
     limiter.acquire(10**12)
     assert clock.now == 0
+
+
+def test_rate_meter_averages_over_its_window_only() -> None:
+    from ckptd.sync.pipeline import RateMeter
+
+    meter = RateMeter(window=10.0)
+    assert meter.rate(0.0) is None  # nothing measured yet
+    meter.add(100, now=0.0)
+    meter.add(100, now=1.0)
+    assert meter.rate(now=2.0) == pytest.approx(100.0)  # 200 bytes over 2 s
+    meter.add(1000, now=30.0)
+    assert meter.rate(now=30.0) is None  # the old samples left the window

@@ -160,7 +160,8 @@ class Storage(Protocol):
         ...
 
     def copy(self, src_key: str, dst_key: str) -> ObjectInfo:
-        """Server-side copy: no object bytes pass through this node."""
+        """Server-side copy: no object bytes pass through this node. The backend checks
+        the copy against the source as far as its store can tell (size, checksum)."""
         ...
 
     def check(self) -> None:

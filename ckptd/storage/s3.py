@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,7 +135,6 @@ class S3Storage:
             region_name=region or None,
             config=config,
         )
-        self._lock = threading.Lock()
         self._endpoint = endpoint_url or "AWS S3"
 
     def _key(self, key: str) -> str:
@@ -261,7 +259,8 @@ class S3Storage:
         info = self.head(src_key)
         if info is None:
             raise NotFoundError(f"copy {src_key}: source missing")
-        if info.size <= 5 * 1024**3:
+        whole = info.size <= 5 * 1024**3
+        if whole:
             self._call(
                 f"copy {src_key} -> {dst_key}",
                 self._client.copy_object,
@@ -275,6 +274,20 @@ class S3Storage:
         if copied is None:
             raise StorageError(
                 f"copy {src_key} -> {dst_key}: target missing after copy", transient=True
+            )
+        # A whole-object copy keeps the source's checksum; a part copy gets a new
+        # composite of its own parts, so only its size can be compared.
+        if copied.size != info.size or (
+            whole
+            and info.checksum
+            and copied.checksum
+            and not checksum.s3_checksums_match(copied.checksum, info.checksum)
+        ):
+            raise StorageError(
+                f"copy {src_key} -> {dst_key} verified wrong: size {copied.size}, "
+                f"checksum {copied.checksum!r} (source {info.size}, {info.checksum!r})",
+                transient=True,
+                code="VerifyFailed",
             )
         return copied
 

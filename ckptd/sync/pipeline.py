@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -31,7 +33,7 @@ from ckptd.manifest import Manifest, ManifestError, build_manifest, manifest_key
 from ckptd.metrics import Metrics
 from ckptd.plan import plan_upload, resolve_copies
 from ckptd.retention import apply_local_cleanup, apply_retention
-from ckptd.storage.base import NotFoundError, Storage, StorageError
+from ckptd.storage.base import Storage, StorageError
 from ckptd.sync.commit import CommitConflictError, commit, read_latest, read_manifest
 from ckptd.sync.journal import Journal
 from ckptd.sync.scanner import list_candidates, snapshot
@@ -53,27 +55,35 @@ FAILURE_BACKOFF = (2.0, 300.0)
 
 
 class RateMeter:
-    """Bytes per second over a sliding window, from the transfers' byte counts."""
+    """Bytes per second over a sliding window, from the transfers' byte counts.
+    Fed from the I/O worker threads and read on the event loop, hence the lock; adding
+    is O(1) amortised."""
 
     def __init__(self, window: float = 10.0) -> None:
         self.window = window
-        self._samples: list[tuple[float, int]] = []
+        self._samples: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def _expire(self, now: float) -> None:
+        cutoff = now - self.window
+        while self._samples and self._samples[0][0] < cutoff:
+            self._samples.popleft()
 
     def add(self, nbytes: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self._samples.append((now, nbytes))
-        cutoff = now - self.window
-        while self._samples and self._samples[0][0] < cutoff:
-            self._samples.pop(0)
+        with self._lock:
+            self._samples.append((now, nbytes))
+            self._expire(now)
 
     def rate(self, now: float | None = None) -> float | None:
         """Bytes per second, or None before anything was measured."""
         now = time.monotonic() if now is None else now
-        recent = [(t, n) for t, n in self._samples if t >= now - self.window]
-        if len(recent) < 2:
-            return None
-        span = max(now - recent[0][0], 0.5)
-        return sum(n for _, n in recent) / span
+        with self._lock:
+            self._expire(now)
+            if len(self._samples) < 2:
+                return None
+            span = max(now - self._samples[0][0], 0.5)
+            return sum(n for _, n in self._samples) / span
 
 
 @dataclass
@@ -191,9 +201,11 @@ class SyncPipeline:
         resume, abort the rest (including ones created but never recorded)."""
         for rec in await asyncio.to_thread(self.journal.all_uploads):
             state = self.runs.get(rec.run)
-            local = state.dir / rec.checkpoint / rec.path if state else None
-            if local is not None and not (state and (state.dir / rec.checkpoint).is_dir()):
-                local = state.dir / rec.checkpoint if state else None  # a file checkpoint
+            local = None
+            if state is not None:
+                checkpoint = state.dir / rec.checkpoint
+                # A file checkpoint (Lightning *.ckpt) is its own only file.
+                local = checkpoint / rec.path if checkpoint.is_dir() else checkpoint
             keep = False
             if rec.upload_id is not None and local is not None:
                 with contextlib.suppress(OSError):
@@ -784,11 +796,3 @@ class SyncPipeline:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.to_thread(self.transfers.close)
-
-
-async def probe(storage: Storage) -> None:
-    """Raise StorageError if the destination cannot be used."""
-    await asyncio.to_thread(storage.check)
-
-
-__all__ = ["NotFoundError", "SyncPipeline", "probe"]
