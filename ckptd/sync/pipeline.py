@@ -123,6 +123,7 @@ class RunState:
     previous: Manifest | None = None
     previous_loaded: bool = False
     last_committed: dict[str, Any] | None = None
+    last_step: int | None = None  # highest committed step (commit order may not be step order)
     current: Progress | None = None
     # The checkpoint being shipped: its files as listed when it started, and how to
     # tell its transfers to stop if a file event shows it changed or vanished.
@@ -681,9 +682,11 @@ class SyncPipeline:
         run = state.run_id
         now = self.clock()
         self.metrics.committed.labels(run=run).inc()
-        if manifest.step is not None:
-            current = self.metrics.last_step.labels(run=run)
-            current.set(max(manifest.step, int(current._value.get())))
+        if manifest.step is not None and (
+            state.last_step is None or manifest.step > state.last_step
+        ):
+            state.last_step = manifest.step
+            self.metrics.last_step.labels(run=run).set(manifest.step)
         self.metrics.last_commit_ts.labels(run=run).set(now)
         state.last_committed = {
             "checkpoint": manifest.checkpoint,
@@ -749,14 +752,15 @@ class SyncPipeline:
 
     # -- state for metrics and /v1/status -------------------------------------------------
 
+    def _sync_lag(self, state: RunState, now: float) -> float:
+        oldest = min((p.completed_at for p in state.pending.values()), default=None)
+        return 0.0 if oldest is None else max(0.0, now - oldest)
+
     def _update_gauges(self) -> None:
         now = self.clock()
         for state in self.runs.values():
             self.metrics.pending.labels(run=state.run_id).set(len(state.pending))
-            oldest = min((p.completed_at for p in state.pending.values()), default=None)
-            self.metrics.sync_lag.labels(run=state.run_id).set(
-                0 if oldest is None else max(0.0, now - oldest)
-            )
+            self.metrics.sync_lag.labels(run=state.run_id).set(self._sync_lag(state, now))
 
     def idle(self) -> bool:
         """Nothing pending, nothing uploading, nothing waiting to be looked at again."""
@@ -770,6 +774,7 @@ class SyncPipeline:
     def status(self) -> dict[str, Any]:
         """Per-run state for ``/v1/status``."""
         self._update_gauges()
+        now = self.clock()
         runs = {}
         for state in self.runs.values():
             current = state.current
@@ -786,7 +791,7 @@ class SyncPipeline:
                 },
                 "last_committed": state.last_committed,
                 "failed": state.failed_for_good,
-                "sync_lag_seconds": self.metrics.sync_lag.labels(run=state.run_id)._value.get(),
+                "sync_lag_seconds": self._sync_lag(state, now),
             }
         return {"runs": runs}
 
