@@ -7,17 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.notices import (
-    AwsImdsSource,
-    AzureScheduledEventsSource,
-    GcpMetadataSource,
-    Notice,
-    NoticeSource,
-    SigtermSource,
-    detect_cloud,
-    make_source,
-)
-from ckptd.notices.model import RateLimitedLog
+from ckptd.notices.aws import AwsImdsSource
+from ckptd.notices.azure import AzureScheduledEventsSource
+from ckptd.notices.detect import detect_cloud, make_source
+from ckptd.notices.gcp import GcpMetadataSource
+from ckptd.notices.model import Notice, NoticeSource, RateLimitedLog
+from ckptd.notices.sigterm import SigtermSource
 
 AZURE_TAG = "7783-7084-3265-9085-8269-3286-77"
 

@@ -3,25 +3,7 @@
 Each source is an async iterator of :class:`Notice` (see ``model.py``); the responder
 consumes Notices and knows no cloud. ``make_source`` picks the metadata source from the
 ``[preemption]`` config; the service adds a :class:`SigtermSource` beside it.
+
+The package imports nothing itself: the metadata sources need aiohttp, which a node with
+no cloud (or ``run --once``) never loads; import each from its module.
 """
-
-from ckptd.notices.aws import AwsImdsSource
-from ckptd.notices.azure import AzureScheduledEventsSource
-from ckptd.notices.detect import detect_cloud, make_source
-from ckptd.notices.gcp import GcpMetadataSource
-from ckptd.notices.model import KNOWN_KINDS, Notice, NoticeSource, format_time, parse_time
-from ckptd.notices.sigterm import SigtermSource
-
-__all__ = [
-    "KNOWN_KINDS",
-    "AwsImdsSource",
-    "AzureScheduledEventsSource",
-    "GcpMetadataSource",
-    "Notice",
-    "NoticeSource",
-    "SigtermSource",
-    "detect_cloud",
-    "format_time",
-    "make_source",
-    "parse_time",
-]

@@ -28,9 +28,6 @@ from typing import Literal
 
 import structlog
 
-from ckptd.notices.aws import AwsImdsSource
-from ckptd.notices.azure import AzureScheduledEventsSource
-from ckptd.notices.gcp import GcpMetadataSource
 from ckptd.notices.model import NoticeSource
 
 Cloud = Literal["aws", "gcp", "azure"]
@@ -118,6 +115,11 @@ def make_source(
     else:
         cloud = choice  # type: ignore[assignment]  # checked against PROVIDERS above
     base = endpoint.strip() or DEFAULT_ENDPOINTS[cloud]
+    # Imported here: they bring in aiohttp, which a node with no cloud never needs.
+    from ckptd.notices.aws import AwsImdsSource
+    from ckptd.notices.azure import AzureScheduledEventsSource
+    from ckptd.notices.gcp import GcpMetadataSource
+
     if cloud == "aws":
         return AwsImdsSource(base, poll_interval=poll_interval, imdsv1_fallback=imdsv1_fallback)
     if cloud == "gcp":
