@@ -289,6 +289,7 @@ class Result:
     m: Measurement
     error: str | None = None
     commit_s: float | None = None  # ckptd only: checkpoint_complete -> checkpoint_committed
+    commit_cpu_s: float | None = None  # ckptd only: its own CPU over the upload (log field)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -300,6 +301,7 @@ class Result:
             "error": self.error,
             "wall_s": self.m.wall_s,
             "commit_s": self.commit_s,
+            "commit_cpu_s": self.commit_cpu_s,
             "user_s": self.m.user_s,
             "sys_s": self.m.sys_s,
             "maxrss_kib": self.m.maxrss_kib,
@@ -329,9 +331,11 @@ def run_one(
     else:
         result.error = check_upload(client, job, shape)
     if tool == "ckptd" and m.stderr is not None:
-        result.commit_s = seconds_between(
-            log_events(m.stderr), "checkpoint_complete", "checkpoint_committed"
-        )
+        events = log_events(m.stderr)
+        result.commit_s = seconds_between(events, "checkpoint_complete", "checkpoint_committed")
+        committed = [e for e in events if e.get("event") == "checkpoint_committed"]
+        if committed and committed[-1].get("cpu_seconds") is not None:
+            result.commit_cpu_s = float(committed[-1]["cpu_seconds"])
         if result.commit_s is None and result.error is None:
             result.error = "no checkpoint_complete/checkpoint_committed events in its log"
     if job.prefix is not None:
@@ -417,6 +421,7 @@ def rows_for(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[
         if tool == "ckptd":
             commits = [r.commit_s for r in good if r.commit_s is not None]
             commit = summarise(commits)
+            commit_cpu = summarise([r.commit_cpu_s for r in good if r.commit_cpu_s is not None])
             rows.append(
                 Row(
                     LABELS["ckptd-commit"],
@@ -424,8 +429,8 @@ def rows_for(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[
                     commit,
                     min(commits, default=None),
                     shape.total_bytes / MIB / commit if commit else None,
-                    None,
-                    None,
+                    commit_cpu,
+                    commit_cpu / gib if commit_cpu is not None else None,
                     None,
                     None,
                     None,
@@ -435,6 +440,15 @@ def rows_for(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[
                 )
             )
     return rows
+
+
+def server_floor_s(shape: Shape, rows: list[Row]) -> float | None:
+    """Seconds the server's own CPU needs on this machine's cores for the shape's bytes:
+    no client can finish sooner, because every client here shares those cores with it."""
+    per_gib = [r.server_per_gib for r in rows if r.server_per_gib and not r.tool.startswith("ref")]
+    if not per_gib:
+        return None
+    return statistics.median(per_gib) * shape.total_bytes / GIB / (os.cpu_count() or 1)
 
 
 def fmt(value: float | None, spec: str = ".2f") -> str:
@@ -480,10 +494,22 @@ def render_shape(shape: Shape, rows: list[Row]) -> list[str]:
         )
         aws = by_tool.get("aws")
         if aws is not None and aws.cpu_per_gib:
+            upload_cpu = by_tool["ckptd-commit"].cpu_per_gib
             lines.append(
                 f"- ckptd client CPU/GiB ÷ aws CPU/GiB = {fmt(ratio(ckptd.cpu_per_gib, aws.cpu_per_gib))}"
-                " (below 1 = ckptd uses less CPU)."
+                f" (process), {fmt(ratio(upload_cpu, aws.cpu_per_gib))} (complete→committed,"
+                " the daemon's steady cost); below 1 = ckptd uses less CPU."
             )
+    floor = server_floor_s(shape, rows)
+    if floor is not None:
+        commit = by_tool["ckptd-commit"].wall_s if "ckptd-commit" in by_tool else None
+        lines.append(
+            f"- loopback limit: SeaweedFS alone needs {fmt(floor)} s of this machine's "
+            f"{os.cpu_count()} cores for these bytes (its median CPU/GiB over every run ÷ "
+            "cores), the wall time of a client that cost no CPU at all; ckptd "
+            f"complete→committed = {fmt(ratio(commit, floor))}x that floor, best peer = "
+            f"{fmt(ratio(min((p.wall_s or float('inf') for p in peers), default=None), floor))}x."
+        )
     for r in rows:
         for err in dict.fromkeys(r.errors):
             lines.append(f"- {r.label} failed: {err}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -214,6 +215,10 @@ def test_kill_9_mid_multipart_resumes_without_resending_finished_parts(
     # Only the parts not journalled as finished (plus small control objects) went again.
     assert resent <= size - parts_done * 5 * MiB + 64 * 1024, (resent, parts_done)
     assert committed and committed[0]["resumed"] == 1
+    # What shipping it cost the node: some CPU (parts were read, checksummed, sent), and
+    # no more than every core busy for the upload's whole wall time could give.
+    cores = os.cpu_count() or 1
+    assert 0 < committed[0]["cpu_seconds"] <= committed[0]["seconds"] * cores + 0.01
     _assert_committed_identical(s3_client, s3_prefix, "run", ckpt)
     uploads = s3_client.list_multipart_uploads(Bucket="ckpt", Prefix=s3_prefix).get("Uploads", [])
     assert uploads == [], "an orphaned multipart upload was left behind"

@@ -469,7 +469,7 @@ class SyncPipeline:
             if listing is not None:
                 self.hint(run, name)
             return False
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         try:
             existing = await asyncio.to_thread(read_manifest, self.storage, run, name)
             if existing is not None:
@@ -521,6 +521,9 @@ class SyncPipeline:
         if self.on_commit is not None:
             await self.on_commit(run, name, manifest.total_bytes, pending.emergency)
         seconds = time.monotonic() - started
+        # The whole process's CPU over the upload: the price of shipping this checkpoint
+        # on a node whose cores the trainer wants (other work in the daemon is idle then).
+        cpu_seconds = time.process_time() - cpu_started
         if self.emergency_since is None:  # never spend a preemption's seconds on deletes
             await self._retention(state, log)
         self.metrics.upload_duration.labels(run=run).observe(
@@ -537,6 +540,7 @@ class SyncPipeline:
             resumed=sum(1 for r in results if r.how == "resumed"),
             skipped=sum(1 for r in results if r.how == "skipped"),
             seconds=round(seconds, 3),
+            cpu_seconds=round(cpu_seconds, 3),
             latest_moved=result.latest_moved,
             manifest_crc32c=result.manifest_crc32c,
         )
