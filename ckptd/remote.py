@@ -16,6 +16,8 @@ from ckptd.storage.base import NotFoundError, Storage
 from ckptd.sync.commit import read_latest, read_manifest
 
 READ_CHUNK = 16 * 1024 * 1024
+# Manifest reads in flight while listing; within the S3 client's default connection pool.
+LIST_CONCURRENCY = 8
 
 
 @dataclass(frozen=True)
@@ -29,15 +31,27 @@ def list_runs(storage: Storage) -> list[str]:
     return storage.list_children("")
 
 
-def list_committed(storage: Storage, run_id: str) -> list[CommittedCheckpoint]:
-    """Committed checkpoints of a run, oldest first (by step, then commit time)."""
+def list_committed(
+    storage: Storage, run_id: str, *, concurrency: int = LIST_CONCURRENCY
+) -> list[CommittedCheckpoint]:
+    """Committed checkpoints of a run, oldest first (by step, then commit time).
+
+    One manifest GET per checkpoint, ``concurrency`` at a time: each is a small request
+    whose time is the round trip, so a run with a thousand checkpoints lists in a
+    fraction of the time one by one would take."""
     latest = read_latest(storage, run_id)
-    found: list[CommittedCheckpoint] = []
-    for name in storage.list_children(f"{run_id}/"):
+
+    def read(name: str) -> Manifest | None:
         try:
-            manifest = read_manifest(storage, run_id, name)
+            return read_manifest(storage, run_id, name)
         except ManifestError:
-            continue  # a manifest that does not parse is not a committed checkpoint
+            return None  # a manifest that does not parse is not a committed checkpoint
+
+    names = storage.list_children(f"{run_id}/")
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        manifests = list(pool.map(read, names))
+    found: list[CommittedCheckpoint] = []
+    for name, manifest in zip(names, manifests, strict=True):
         if manifest is not None:
             found.append(
                 CommittedCheckpoint(
