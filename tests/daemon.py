@@ -33,6 +33,29 @@ def wait_until(
         time.sleep(interval)
 
 
+def run_cli(
+    *args: str, config: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """One ``ckptd`` command as its own process (``--config`` appended if given), output
+    captured; ``env`` is added to this process's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "ckptd", *args, *(["--config", str(config)] if config else [])],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def committed_manifest(s3: Any, prefix: str, run: str, name: str) -> dict[str, Any] | None:
+    """The manifest document of ``run/name`` under ``prefix`` in bucket ckpt, or None."""
+    try:
+        body = s3.get_object(Bucket="ckpt", Key=f"{prefix}/{run}/{name}/ckptd.manifest.json")
+    except s3.exceptions.NoSuchKey:
+        return None
+    return dict(json.loads(body["Body"].read()))
+
+
 def write_config(
     path: Path,
     *,

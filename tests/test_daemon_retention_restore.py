@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from ckptd.locals3 import LocalS3
-from tests.daemon import Daemon, wait_until
+from tests.daemon import Daemon, run_cli, wait_until
 from tests.writers import local_files, write_hf
 
 MiB = 1024 * 1024
-
-
-def _ckptd(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptd", *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def _committed(s3: Any, prefix: str, run: str) -> list[str]:
@@ -96,17 +85,17 @@ def test_restore_command_is_byte_identical_and_if_missing_is_a_fast_no_op(
         f'[destination]\nurl = "{s3_dest}"\nendpoint_url = "{local_s3.endpoint_url}"\npart_size_mib = 5\n'
         f'[state]\ndir = "{tmp_path / "state"}"\n'
     )
-    shipped = _ckptd("run", "--once", "--watch", str(root), config=config)
+    shipped = run_cli("run", "--once", "--watch", str(root), config=config)
     assert shipped.returncode == 0, shipped.stderr
     target = tmp_path / "fresh-node"
-    first = _ckptd(
+    first = run_cli(
         "restore", "--run", "run", "--latest", "--to", str(target), "--json", config=config
     )
     assert first.returncode == 0, first.stderr
     doc = json.loads(first.stdout)
     assert doc["checkpoint"] == "checkpoint-7" and not doc["skipped"]
     assert local_files(target / "checkpoint-7") == local_files(ckpt)
-    again = _ckptd(
+    again = run_cli(
         "restore",
         "--run",
         "run",
@@ -118,7 +107,7 @@ def test_restore_command_is_byte_identical_and_if_missing_is_a_fast_no_op(
         config=config,
     )
     assert again.returncode == 0 and json.loads(again.stdout)["skipped"] is True
-    missing = _ckptd(
+    missing = run_cli(
         "restore", "--run", "nope", "--latest", "--to", str(tmp_path / "other"), config=config
     )
     assert missing.returncode == 1 and "nope" in missing.stderr

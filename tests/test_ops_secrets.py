@@ -8,9 +8,6 @@ it; a session token (which SeaweedFS refuses) drives the destination-error path.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -21,7 +18,7 @@ import pytest
 
 from ckptd import locals3
 from ckptd.locals3 import LocalS3
-from tests.daemon import Daemon, wait_until
+from tests.daemon import Daemon, run_cli, wait_until
 from tests.ops_helpers import hf_daemon
 from tests.writers import write_hf
 
@@ -75,16 +72,6 @@ def _http_surface(daemon: Daemon) -> dict[str, str]:
     return out
 
 
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptd", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **env},
-    )
-
-
 def test_secrets_never_leak_from_a_committing_daemon(
     tmp_path: Path, s3_with_canary_secret: LocalS3
 ) -> None:
@@ -111,11 +98,11 @@ def test_secrets_never_leak_from_a_committing_daemon(
         assert json.loads(surface["/v1/status"])["runs"]["run1"]["last_committed"]["step"] == 10
         status_env = {**env, "CKPTD_METRICS__LISTEN": f"127.0.0.1:{daemon.port}"}
         for args in (("status",), ("status", "--json")):
-            result = _cli(*args, "--config", str(daemon.config), env=status_env)
+            result = run_cli(*args, "--config", str(daemon.config), env=status_env)
             assert result.returncode == 0, result.stderr
             surface[f"ckptd {' '.join(args)}"] = result.stdout + result.stderr
         assert daemon.stop() == 0
-    check = _cli("config", "check", "--config", str(daemon.config), env=env)
+    check = run_cli("config", "check", "--config", str(daemon.config), env=env)
     assert check.returncode == 0, check.stderr
     assert 'token = "***"' in check.stdout
     surface["ckptd config check"] = check.stdout + check.stderr
@@ -162,10 +149,10 @@ def test_config_errors_never_echo_the_http_token(tmp_path: Path) -> None:
         '[metrics]\nlisten = "not-an-address"\n'
     )
     env = {"AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_SESSION_TOKEN": SESSION_TOKEN}
-    result = _cli("config", "check", "--config", str(config), env=env)
+    result = run_cli("config", "check", "--config", str(config), env=env)
     assert result.returncode == 2
     assert_no_secret("config check error", result.stdout + result.stderr)
     bad_env = {**env, "CKPTD_HTTP__TOKEN": HTTP_TOKEN, "CKPTD_HTTP__BOGUS": HTTP_TOKEN}
-    result = _cli("config", "check", env=bad_env)
+    result = run_cli("config", "check", env=bad_env)
     assert result.returncode == 2
     assert_no_secret("config check env error", result.stdout + result.stderr)

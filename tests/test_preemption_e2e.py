@@ -15,23 +15,13 @@ from typing import Any
 import pytest
 
 from ckptd.locals3 import LocalS3
-from tests.daemon import Daemon, wait_until
+from tests.daemon import Daemon, committed_manifest, wait_until
 from tests.fakes.aws_imds import FakeAwsImds
 from tests.fakes.azure_metadata import FakeAzureMetadata
 from tests.fakes.gcp_metadata import FakeGcpMetadata
 from tests.writers import write_bytes
 
 MiB = 1024 * 1024
-
-
-def _manifest(s3: Any, prefix: str, run: str, name: str) -> dict[str, Any] | None:
-    try:
-        body = s3.get_object(Bucket="ckpt", Key=f"{prefix}/{run}/{name}/ckptd.manifest.json")[
-            "Body"
-        ].read()
-    except s3.exceptions.NoSuchKey:
-        return None
-    return dict(json.loads(body))
 
 
 class Trainer:
@@ -128,7 +118,11 @@ def test_notice_signals_the_trainer_and_commits_its_emergency_checkpoint(
             # The trainer saves only when it learns of the notice: by the daemon's signal.
             name = wait_until(trainer.saved, 20, "the trainer's emergency save")
             assert trainer.proc.wait(timeout=20) == 0
-            wait_until(lambda: _manifest(s3_client, s3_prefix, "run", name), 30, "emergency commit")
+            wait_until(
+                lambda: committed_manifest(s3_client, s3_prefix, "run", name),
+                30,
+                "emergency commit",
+            )
             done = wait_until(
                 lambda: daemon.events_named("emergency_checkpoint_committed"), 10, "timings"
             )
@@ -214,7 +208,7 @@ def test_drill_reports_timings_and_commits_in_time(
             assert row in result.stdout
         name = trainer.saved()
         assert name and name in result.stdout
-        assert _manifest(s3_client, s3_prefix, "run", name) is not None
+        assert committed_manifest(s3_client, s3_prefix, "run", name) is not None
         # A drill ends: the notice is cleared so a restarted trainer is not stopped again.
         assert daemon.get_json("/v1/preemption") == {"notice": False}
         assert not (trainer.root / ".ckptd" / "preemption.json").exists()
@@ -243,13 +237,13 @@ def test_sigterm_with_an_upload_in_flight_finishes_it_before_exit(
         wait_until(
             lambda: daemon.metric("ckptd_upload_bytes_total", run="run") > 0, 30, "upload started"
         )
-        assert _manifest(s3_client, s3_prefix, "run", "checkpoint-9") is None
+        assert committed_manifest(s3_client, s3_prefix, "run", "checkpoint-9") is None
         started = time.monotonic()
         assert daemon.proc is not None
         daemon.proc.send_signal(signal.SIGTERM)
         assert daemon.proc.wait(timeout=40) == 0
         took = time.monotonic() - started
-    assert _manifest(s3_client, s3_prefix, "run", "checkpoint-9") is not None, (
+    assert committed_manifest(s3_client, s3_prefix, "run", "checkpoint-9") is not None, (
         "exited before the flush"
     )
     assert took < 30

@@ -14,7 +14,7 @@ import crc32c as independent_crc  # a second CRC-32C implementation, not the one
 import pytest
 
 from ckptd.locals3 import LocalS3
-from tests.daemon import Daemon, wait_until
+from tests.daemon import Daemon, committed_manifest, wait_until
 from tests.faultproxy import FaultProxy
 from tests.writers import (
     dcp_steps,
@@ -29,18 +29,6 @@ from tests.writers import (
 MiB = 1024 * 1024
 
 
-def _manifest(s3: Any, prefix: str, run: str, name: str) -> dict[str, Any] | None:
-    import json
-
-    try:
-        body = s3.get_object(Bucket="ckpt", Key=f"{prefix}/{run}/{name}/ckptd.manifest.json")[
-            "Body"
-        ].read()
-    except s3.exceptions.NoSuchKey:
-        return None
-    return dict(json.loads(body))
-
-
 def _object(s3: Any, key: str) -> bytes:
     return bytes(s3.get_object(Bucket="ckpt", Key=key)["Body"].read())
 
@@ -53,7 +41,7 @@ def _keys(s3: Any, prefix: str) -> list[str]:
 def _assert_committed_identical(s3: Any, prefix: str, run: str, local_dir: Path) -> dict[str, Any]:
     """The remote checkpoint holds exactly the local files, and the manifest's sizes and
     CRC-32C values match the bytes read back from the store."""
-    manifest = _manifest(s3, prefix, run, local_dir.name)
+    manifest = committed_manifest(s3, prefix, run, local_dir.name)
     assert manifest is not None, f"{run}/{local_dir.name} not committed"
     local = local_files(local_dir)
     assert {f["path"] for f in manifest["files"]} == set(local)
@@ -97,7 +85,7 @@ def test_hf_dcp_deepspeed_checkpoints_commit_byte_identical(
         ]
         for run, local_dir in written:
             wait_until(
-                lambda r=run, d=local_dir: _manifest(s3_client, s3_prefix, r, d.name),
+                lambda r=run, d=local_dir: committed_manifest(s3_client, s3_prefix, r, d.name),
                 30,
                 f"{run} commit",
             )
@@ -138,13 +126,17 @@ def test_checkpoint_is_not_committed_until_its_completion_rule_holds(
         wait_until(
             lambda: daemon.get_json("/v1/status")["runs"]["hf"]["pending"] == [], 5, "status"
         )
-        assert _manifest(s3_client, s3_prefix, "hf", "checkpoint-5") is None
-        assert _manifest(s3_client, s3_prefix, "dcp", "step-5") is None
+        assert committed_manifest(s3_client, s3_prefix, "hf", "checkpoint-5") is None
+        assert committed_manifest(s3_client, s3_prefix, "dcp", "step-5") is None
         assert not daemon.events_named("checkpoint_complete")
         next(hf)  # trainer_state.json: HF's last write
         next(dcp)  # rename .metadata.tmp -> .metadata: DCP's commit
-        wait_until(lambda: _manifest(s3_client, s3_prefix, "hf", "checkpoint-5"), 30, "hf commit")
-        wait_until(lambda: _manifest(s3_client, s3_prefix, "dcp", "step-5"), 30, "dcp commit")
+        wait_until(
+            lambda: committed_manifest(s3_client, s3_prefix, "hf", "checkpoint-5"), 30, "hf commit"
+        )
+        wait_until(
+            lambda: committed_manifest(s3_client, s3_prefix, "dcp", "step-5"), 30, "dcp commit"
+        )
         dcp_manifest = _assert_committed_identical(s3_client, s3_prefix, "dcp", dcp_root / "step-5")
         assert ".metadata" in {f["path"] for f in dcp_manifest["files"]}
         assert ".metadata.tmp" not in {f["path"] for f in dcp_manifest["files"]}
@@ -188,7 +180,7 @@ def test_kill_9_mid_multipart_resumes_without_resending_finished_parts(
     parts_done = _journal_parts(tmp_path / "state")
     sent_before = fault_proxy.bytes_up
     assert parts_done * 5 * MiB < size, "the upload finished before the kill; nothing to prove"
-    assert _manifest(s3_client, s3_prefix, "run", "checkpoint-7") is None
+    assert committed_manifest(s3_client, s3_prefix, "run", "checkpoint-7") is None
 
     second = _daemon(
         tmp_path,
@@ -202,7 +194,7 @@ def test_kill_9_mid_multipart_resumes_without_resending_finished_parts(
     )
     with second:
         wait_until(
-            lambda: _manifest(s3_client, s3_prefix, "run", "checkpoint-7"),
+            lambda: committed_manifest(s3_client, s3_prefix, "run", "checkpoint-7"),
             60,
             "commit after restart",
         )
@@ -240,12 +232,14 @@ def test_checkpoint_deleted_mid_upload_is_never_committed_and_the_next_one_is(
         shutil.rmtree(doomed)  # what HF's save_total_limit rotation does
         survivor = write_hf(root, 2, model_bytes=2 * MiB)
         wait_until(
-            lambda: _manifest(s3_client, s3_prefix, "run", "checkpoint-2"), 60, "next checkpoint"
+            lambda: committed_manifest(s3_client, s3_prefix, "run", "checkpoint-2"),
+            60,
+            "next checkpoint",
         )
         assert daemon.events_named("checkpoint_abandoned", checkpoint="checkpoint-1")
         assert daemon.metric("ckptd_checkpoints_abandoned_total", run="run") == 1
         assert daemon.alive()
-    assert _manifest(s3_client, s3_prefix, "run", "checkpoint-1") is None
+    assert committed_manifest(s3_client, s3_prefix, "run", "checkpoint-1") is None
     assert _keys(s3_client, f"{s3_prefix}/run/checkpoint-1/") == []
     assert (
         s3_client.list_multipart_uploads(Bucket="ckpt", Prefix=s3_prefix).get("Uploads", []) == []
@@ -270,7 +264,7 @@ def test_checkpoint_rewritten_mid_upload_is_never_committed_mixed(
         shutil.rmtree(ckpt)
         write_hf(root, 3, model_bytes=3 * MiB)
         wait_until(
-            lambda: _manifest(s3_client, s3_prefix, "run", "checkpoint-3"),
+            lambda: committed_manifest(s3_client, s3_prefix, "run", "checkpoint-3"),
             60,
             "commit of the rewrite",
         )
@@ -303,7 +297,9 @@ def test_transient_s3_errors_are_retried_to_success(
         dirs = [write_hf(root, step, model_bytes=11 * MiB) for step in (1, 2)]
         for d in dirs:
             wait_until(
-                lambda d=d: _manifest(s3_client, s3_prefix, "run", d.name), 90, f"commit {d.name}"
+                lambda d=d: committed_manifest(s3_client, s3_prefix, "run", d.name),
+                90,
+                f"commit {d.name}",
             )
         retries = sum(
             v for (name, _), v in daemon.metrics().items() if name == "ckptd_retries_total"
@@ -373,11 +369,15 @@ def test_unchanged_file_is_copied_server_side_not_uploaded(
         tmp_path, local_s3, s3_dest, watch, endpoint_url=fault_proxy.url, part_size_mib=8
     ) as daemon:
         first = save(100)
-        wait_until(lambda: _manifest(s3_client, s3_prefix, "lora", first.name), 30, "first commit")
+        wait_until(
+            lambda: committed_manifest(s3_client, s3_prefix, "lora", first.name), 30, "first commit"
+        )
         fault_proxy.reset_counters()
         second = save(200)
         wait_until(
-            lambda: _manifest(s3_client, s3_prefix, "lora", second.name), 30, "second commit"
+            lambda: committed_manifest(s3_client, s3_prefix, "lora", second.name),
+            30,
+            "second commit",
         )
         sent = fault_proxy.bytes_up
         assert daemon.metric("ckptd_copied_bytes_total", run="lora") == len(base)
