@@ -11,28 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ckptd.trainer.hf import CkptdCallback
 from tests.trainers.procs import write_atomically
-
-
-class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self, size: int, length: int, vocab: int) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.tokens = torch.randint(0, vocab, (size, length), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+from tests.trainers.tiny_gpt2 import RandomTokens, tiny_gpt2
 
 
 class Progress(TrainerCallback):
@@ -57,17 +40,8 @@ def main() -> None:
     # Built first, at start-up: from here on the daemon's SIGUSR1 is caught.
     ckptd_callback = CkptdCallback()
 
-    config = GPT2Config(
-        n_layer=1,
-        n_head=2,
-        n_embd=16,
-        vocab_size=64,
-        n_positions=32,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(config)
+    model = tiny_gpt2(n_layer=1, n_embd=16, vocab_size=64)
     args = TrainingArguments(
         output_dir=options.output_dir,
         max_steps=options.max_steps,
@@ -84,7 +58,7 @@ def main() -> None:
     trainer = Trainer(
         model=model,
         args=args,
-        train_dataset=RandomTokens(size=256, length=16, vocab=config.vocab_size),
+        train_dataset=RandomTokens(size=256, length=16, vocab=64),
         callbacks=[ckptd_callback, Progress(options.progress)],
     )
     trainer.train()

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ckptd.trainer.hf import CkptdCallback
 from tests.e2e.trainers.common import (
@@ -18,18 +18,7 @@ from tests.e2e.trainers.common import (
     parser,
     write_json,
 )
-
-
-class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self, size: int, length: int, vocab: int) -> None:
-        generator = torch.Generator().manual_seed(1234)
-        self.tokens = torch.randint(0, vocab, (size, length), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+from tests.trainers.tiny_gpt2 import RandomTokens, tiny_gpt2
 
 
 class Steps(TrainerCallback):
@@ -56,16 +45,8 @@ def main() -> None:
     options.pidfile.write_text(str(os.getpid()))
     deterministic()
 
-    config = GPT2Config(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        vocab_size=96,
-        n_positions=32,
-        bos_token_id=0,
-        eos_token_id=0,
-    )  # dropout left at GPT-2's 0.1: the RNG state must come back too
-    model = GPT2LMHeadModel(config)
+    # Dropout stays at GPT-2's 0.1: the RNG state must come back too.
+    model = tiny_gpt2(n_layer=2, n_embd=32, vocab_size=96)
     args = TrainingArguments(
         output_dir=str(options.ckpt_dir),
         max_steps=options.max_steps,
@@ -90,7 +71,8 @@ def main() -> None:
     trainer = Trainer(
         model=model,
         args=args,
-        train_dataset=RandomTokens(size=64, length=16, vocab=config.vocab_size),  # 16 steps/epoch
+        # 16 steps per epoch
+        train_dataset=RandomTokens(size=64, length=16, vocab=96, seed=1234),
         callbacks=[
             Steps(Reporter(options.progress, resumed_from), options.hang_at, options.step_delay),
             ckptd_callback,

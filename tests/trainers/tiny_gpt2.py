@@ -1,0 +1,35 @@
+"""The tiny GPT-2 the trainer tests share: built from a config (nothing downloaded) and
+fed random tokens, small enough to train on CPU in seconds."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """``size`` sequences of ``length`` token ids below ``vocab``, the same for a seed."""
+
+    def __init__(self, size: int, length: int, vocab: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab, (size, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+
+
+def tiny_gpt2(*, n_layer: int, n_embd: int, vocab_size: int) -> GPT2LMHeadModel:
+    """GPT-2 with two heads and 32 positions; dropout stays at GPT-2's 0.1."""
+    config = GPT2Config(
+        n_layer=n_layer,
+        n_head=2,
+        n_embd=n_embd,
+        vocab_size=vocab_size,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
