@@ -8,10 +8,12 @@ The order, and why:
 2. list the checkpoint's objects once: one that is missing or of another size than the
    manifest says (larger included) refuses the restore before a byte is written;
 3. download into a hidden staging dir beside the target, ``DIR/.ckptd-restore-NAME/``:
-   ranged GETs of ``chunk_bytes`` in a pool of ``concurrency`` threads (memory stays
-   near concurrency x chunk), each chunk CRC-32C'd as it is written and the chunk values
-   folded into the file's (``checksum.combine_parts``); a file whose size or CRC-32C
-   differs from the manifest is deleted, never kept;
+   ranged GETs of ``chunk_bytes`` in a pool of ``concurrency`` threads, each streamed in
+   1 MiB pieces (memory stays near concurrency x piece), CRC-32C'd as written, its
+   writeback started at once (``ckptd.writeback``) so the final fsync does not write the
+   whole checkpoint while the caller waits, and the chunk values folded into the file's
+   (``checksum.combine_parts``); a file whose size or CRC-32C differs from the manifest
+   is deleted, never kept;
 4. fsync every file and directory, then rename ``staging/data`` to ``DIR/NAME`` (one
    ``rename(2)`` inside ``DIR``) and fsync ``DIR``.
 
@@ -63,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptd import checksum
+from ckptd import checksum, writeback
 from ckptd.manifest import Manifest, ManifestError, ManifestFile, check_relative_path, object_key
 from ckptd.remote import FileProblem, resolve
 from ckptd.storage.base import Storage, StorageError
@@ -378,15 +380,26 @@ class _Downloader:
         start, length = job.ranges[index]
         try:
             if job.error is None and not self.stop.is_set():
-                data = self.storage.get_range(job.key, start, length)
-                if len(data) != length:
-                    # Never write more (or less) than the manifest's size.
-                    raise RestoreError(f"GET of {length} bytes at {start} returned {len(data)}")
-                view = memoryview(data)
-                done = 0
-                while done < length:
-                    done += os.pwrite(job.fd, view[done:], start + done)
-                job.crcs[index] = (checksum.crc32c(data), length)
+                crc = 0
+
+                def write(pos: int, piece: bytes) -> None:
+                    nonlocal crc
+                    if pos == 0:
+                        crc = 0  # a retried GET hands the range over again from the start
+                    if pos + len(piece) > length:
+                        # Never write more than the manifest's size.
+                        raise RestoreError(f"GET at {start} returned more than {length} bytes")
+                    view = memoryview(piece)
+                    done = 0
+                    while done < len(piece):
+                        done += os.pwrite(job.fd, view[done:], start + pos + done)
+                    crc = checksum.crc32c(piece, crc)
+
+                # Streamed a piece at a time: memory is concurrency x one piece, whatever
+                # the range size; each byte is CRC'd from the buffer it is written from.
+                self.storage.stream_range(job.key, start, length, write)
+                writeback.start(job.fd, start, length)
+                job.crcs[index] = (crc, length)
                 self.events.put(("bytes", length))
             elif job.error is None:
                 raise RestoreError("restore stopped")

@@ -5,7 +5,7 @@ original order and case, ``Host`` included, so SigV4 signatures made for the pro
 address still verify upstream) and streams bodies both ways in bounded chunks. A fault
 plan, changeable at run time from any thread, answers a share of the requests itself
 instead: an S3 error document, an abrupt reset, or a stall. Except for
-``"reset-after-upstream"``, a faulted request never reaches upstream, so an injected 503
+``"reset-after-upstream"`` and ``"reset-mid-response"``, a faulted request never reaches upstream, so an injected 503
 can never leave a half-written object behind.
 
 It runs its own event loop in a daemon thread, so synchronous tests and tests that
@@ -62,8 +62,10 @@ ERROR_KINDS: dict[str, tuple[int, str, str, str]] = {
 }
 # Faults that are not an S3 answer: "reset" cuts the connection after part of the body,
 # "timeout" holds it unanswered for stall_seconds, "reset-after-upstream" lets the request
-# succeed upstream and then cuts the connection before the client sees the response.
-CONNECTION_KINDS = ("reset", "timeout", "reset-after-upstream")
+# succeed upstream and then cuts the connection before the client sees the response,
+# "reset-mid-response" passes the response head and half its body, then cuts it.
+CONNECTION_KINDS = ("reset", "timeout", "reset-after-upstream", "reset-mid-response")
+_UPSTREAM_FAULTS = ("reset-after-upstream", "reset-mid-response")
 FAULT_KINDS = (*ERROR_KINDS, *CONNECTION_KINDS)
 
 _CHUNK = 1 << 20  # bytes per read while streaming a body; bounds memory per connection
@@ -573,7 +575,7 @@ class FaultProxy:
                 if head is None:
                     break
                 fault = self._choose_fault(head.start[0], head.start[1].partition("?")[0])
-                if fault is None or fault == "reset-after-upstream":
+                if fault is None or fault in _UPSTREAM_FAULTS:
                     keep_alive = await self._forward(head, reader, writer, upstream, fault)
                 else:
                     keep_alive = await self._inject(fault, head, reader, writer)
@@ -646,6 +648,17 @@ class FaultProxy:
             _reset(writer)
             if resp_framing[0] == "eof" or _closes(response):
                 upstream.close()
+            return False
+        if fault == "reset-mid-response" and resp_framing[0] == "length" and resp_framing[1] > 1:
+            # A server or network that dies half-way through a download.
+            self._record(RequestRecord(method, path, query, 0, fault, sent))
+            writer.write(response.raw)
+            await _relay_body(
+                up_reader, writer, resp_framing, self._count_down, limit=resp_framing[1] // 2
+            )
+            await writer.drain()
+            _reset(writer)
+            upstream.close()  # the rest of the body is still in flight from upstream
             return False
         # Record before the client can see the response, so a client that has its answer
         # always finds the record (tests read counters right after a call returns).

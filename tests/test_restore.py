@@ -457,6 +457,28 @@ def test_failed_restore_resumes_reusing_verified_files(
     assert local_files(target / "checkpoint-9") == files
 
 
+def test_a_download_cut_half_way_is_fetched_again_whole_and_verifies(
+    tmp_path: Path, s3_dest: str, fault_proxy: FaultProxy
+) -> None:
+    storage = open_storage(s3_dest, endpoint_url=fault_proxy.url)
+    files = {"model.bin": os.urandom(3 * MiB + 7), "config.json": b"{}"}
+    commit_files(storage, "run", "checkpoint-3", files, step=3)
+    # The first GET of model.bin delivers half its body (its first pieces reach the
+    # file and the CRC), then the connection drops; the retry starts the range again.
+    fault_proxy.fail_next(
+        1, "reset-mid-response", methods={"GET"}, match=lambda m, p: p.endswith("/model.bin")
+    )
+    fault_proxy.reset_counters()
+
+    result = restore(storage, "run", None, tmp_path / "out", chunk_bytes=4 * MiB, concurrency=2)
+
+    gets = [r for r in fault_proxy.requests if r.path.endswith("/model.bin")]
+    assert [r.fault for r in gets] == ["reset-mid-response", None]
+    assert fault_proxy.bytes_down >= len(files["model.bin"]) * 3 // 2
+    assert result.downloaded_bytes == sum(len(b) for b in files.values())
+    assert local_files(tmp_path / "out" / "checkpoint-3") == files
+
+
 _RESTORE_SCRIPT = """
 import sys
 from pathlib import Path

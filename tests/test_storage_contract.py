@@ -20,6 +20,7 @@ from ckptd.storage import (
     StorageError,
     open_backend,
 )
+from ckptd.storage.base import STREAM_PIECE
 
 MiB = 1024 * 1024
 
@@ -69,6 +70,27 @@ def test_put_get_head_roundtrip(storage: Storage) -> None:
     info = storage.head("run/ckpt-1/a.bin")
     assert info is not None and info.size == 1000
     assert storage.get_range("run/ckpt-1/a.bin", 10, 20) == data[10:30]
+
+
+def test_a_streamed_range_arrives_in_order_in_bounded_pieces(storage: Storage) -> None:
+    data = os.urandom(2 * STREAM_PIECE + 12345)
+    _put(storage, "run/ckpt-1/big.bin", data)
+    pieces: list[tuple[int, bytes]] = []
+    start, length = 1000, 2 * STREAM_PIECE + 5000
+    storage.stream_range(
+        "run/ckpt-1/big.bin", start, length, lambda pos, b: pieces.append((pos, b))
+    )
+    assert all(len(b) <= STREAM_PIECE for _, b in pieces)
+    assert [pos for pos, _ in pieces] == [
+        sum(len(b) for _, b in pieces[:i]) for i in range(len(pieces))
+    ]
+    assert b"".join(b for _, b in pieces) == data[start : start + length]
+
+
+def test_a_range_past_the_end_of_the_object_is_an_error(storage: Storage) -> None:
+    _put(storage, "run/ckpt-1/small.bin", b"x" * 100)
+    with pytest.raises(StorageError):
+        storage.stream_range("run/ckpt-1/small.bin", 50, 100, lambda pos, b: None)
 
 
 def test_missing_key_is_none_on_head_and_not_found_on_get(storage: Storage) -> None:

@@ -14,7 +14,7 @@ that understands its own failures: ``transient=True`` for what a later attempt m
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -120,6 +120,12 @@ class FileRange:
 
 PartBody = bytes | FileRange
 
+# A reader of a ranged GET; see Storage.stream_range.
+RangeSink = Callable[[int, bytes], None]
+# Large enough that per-call overhead vanishes, small enough to stay in the allocator's
+# reused memory (no fresh pages faulted in per read, as with a whole 16 MiB range).
+STREAM_PIECE = 1024 * 1024
+
 
 @runtime_checkable
 class Storage(Protocol):
@@ -141,6 +147,13 @@ class Storage(Protocol):
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes from ``start``."""
+        ...
+
+    def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
+        """``length`` bytes from ``start``, handed to ``sink(pos, piece)`` in order, in
+        pieces of at most ``STREAM_PIECE`` bytes (``pos`` counts from ``start``), so a
+        reader holds one piece, never the whole range. A short object is an error. A
+        retry calls the sink again from ``pos == 0``."""
         ...
 
     def head(self, key: str) -> ObjectInfo | None:

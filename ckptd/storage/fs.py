@@ -18,12 +18,14 @@ from pathlib import Path
 
 from ckptd import checksum
 from ckptd.storage.base import (
+    STREAM_PIECE,
     FileRange,
     NotFoundError,
     ObjectInfo,
     PartBody,
     PartInfo,
     PreconditionFailedError,
+    RangeSink,
     StorageError,
 )
 
@@ -134,6 +136,23 @@ class FileStorage:
         try:
             with open(self._path(key), "rb") as fh:
                 return os.pread(fh.fileno(), length, start)
+        except OSError as exc:
+            raise _error(exc, f"get {key}") from exc
+
+    def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
+        try:
+            with open(self._path(key), "rb", buffering=0) as fh:
+                pos = 0
+                while pos < length:
+                    piece = os.pread(fh.fileno(), min(STREAM_PIECE, length - pos), start + pos)
+                    if not piece:
+                        raise StorageError(
+                            f"get {key}: {pos} of {length} bytes at {start}, then the file ended",
+                            transient=False,
+                            code="ShortRead",
+                        )
+                    sink(pos, piece)
+                    pos += len(piece)
         except OSError as exc:
             raise _error(exc, f"get {key}") from exc
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ckptd.storage.base import ObjectInfo, PartBody, PartInfo, Storage
+from ckptd.storage.base import ObjectInfo, PartBody, PartInfo, RangeSink, Storage
 
 
 class RateLimiter:
@@ -78,6 +78,9 @@ class LimitedStorage:
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self.inner.get_range(key, start, length)
+
+    def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
+        self.inner.stream_range(key, start, length, sink)
 
     def head(self, key: str) -> ObjectInfo | None:
         return self.inner.head(key)

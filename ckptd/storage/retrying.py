@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ckptd.storage.base import ObjectInfo, PartBody, PartInfo, Storage, StorageError
+from ckptd.storage.base import ObjectInfo, PartBody, PartInfo, RangeSink, Storage, StorageError
 
 T = TypeVar("T")
 
@@ -73,6 +73,9 @@ class RetryingStorage:
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self._run("get", lambda: self.inner.get_range(key, start, length))
+
+    def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
+        self._run("get", lambda: self.inner.stream_range(key, start, length, sink))
 
     def head(self, key: str) -> ObjectInfo | None:
         return self._run("head", lambda: self.inner.head(key))

@@ -34,12 +34,14 @@ from botocore.exceptions import (
 
 from ckptd import checksum
 from ckptd.storage.base import (
+    STREAM_PIECE,
     FileRange,
     NotFoundError,
     ObjectInfo,
     PartBody,
     PartInfo,
     PreconditionFailedError,
+    RangeSink,
     StorageError,
 )
 
@@ -203,6 +205,46 @@ class S3Storage:
             return bytes(resp["Body"].read())
         except Exception as exc:
             raise classify(exc, f"get {key}") from exc
+
+    def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
+        if length <= 0:
+            return
+        resp = self._call(
+            f"get {key}",
+            self._client.get_object,
+            Bucket=self.bucket,
+            Key=self._key(key),
+            Range=f"bytes={start}-{start + length - 1}",
+        )
+        body = resp["Body"]
+        if int(resp.get("ContentLength", length)) != length:
+            body.close()
+            # The store clipped the range: the object is shorter than asked, which no
+            # retry will change.
+            raise StorageError(
+                f"get {key}: asked {length} bytes at {start}, the store has "
+                f"{resp.get('ContentLength')}",
+                transient=False,
+                code="ShortObject",
+            )
+        pos = 0
+        try:
+            while pos < length:
+                piece = body.read(min(STREAM_PIECE, length - pos))
+                if not piece:
+                    raise StorageError(
+                        f"get {key}: {pos} of {length} bytes at {start}, then the body ended",
+                        transient=True,
+                        code="IncompleteBody",
+                    )
+                sink(pos, piece)
+                pos += len(piece)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise classify(exc, f"get {key}") from exc
+        finally:
+            body.close()
 
     def head(self, key: str) -> ObjectInfo | None:
         try:
