@@ -67,12 +67,13 @@ from ckptd.locals3 import LocalS3, free_port
 BUCKET = "ckpt"
 PREFIX = "bench"
 MANIFEST = "ckptd.manifest.json"
-ALL_TOOLS = ("ckptd", "aws", "rclone", "s5cmd")
+ALL_TOOLS = ("ckptd", "aws", "rclone", "s5cmd", "disk")
 LABELS = {
     "ckptd": "ckptd restore",
     "aws": "aws s3 cp --recursive",
     "rclone": "rclone copy",
     "s5cmd": "s5cmd cp",
+    "disk": "ref: dd write + fsync, same bytes",
 }
 
 
@@ -189,6 +190,14 @@ def command(
     env = dict(env)
     src = f"{BUCKET}/{PREFIX}/{shape.name}/{shape.checkpoint}"
     dst = str(out / shape.checkpoint)
+    if tool == "disk":
+        # The floor of any durable restore here: the same number of bytes written to
+        # this disk and fsynced, no network, no server.
+        blocks = -(-shape.total_bytes // MIB)
+        script = (
+            'mkdir -p "$0" && dd if=/dev/zero of="$0/bytes" bs=1M count="$1" conv=fsync status=none'
+        )
+        return ["sh", "-c", script, dst, str(blocks)], env
     if tool == "ckptd":
         cmd = [
             sys.executable,
@@ -363,6 +372,14 @@ def render(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[st
                 ],
             )
         )
+    disk = rows.get("disk")
+    if disk is not None and disk.wall:
+        lines.append(
+            f"- disk limit: writing and fsyncing the same bytes takes {fmt(disk.wall)} s here, "
+            "the floor of any restore that is durable when it returns; ckptd process = "
+            f"{fmt(ratio(ours.wall if ours else None, disk.wall))}x, restore() in-process = "
+            f"{fmt(ratio(inner, disk.wall))}x (peers do not fsync unless --sync-peers)."
+        )
     for r in results:
         if r.shape == shape.name and r.error:
             lines.append(f"- {LABELS[r.tool]} run {r.run} failed: {r.error}")
@@ -467,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = Result(tool, shape.name, run, shape.total_bytes, m)
                         if m.rc != 0:
                             r.error = f"exit {m.rc}: {tail(m.stderr, 5)}"
-                        else:
+                        elif tool != "disk":
                             r.error = check_restored(
                                 shape, source, out / shape.checkpoint, bytes_too=run == 1
                             )
