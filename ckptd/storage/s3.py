@@ -193,16 +193,19 @@ class S3Storage:
         except Exception as exc:
             raise classify(exc, f"get {key}") from exc
 
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        if length <= 0:
-            return b""
-        resp = self._call(
+    def _get_range_response(self, key: str, start: int, length: int) -> Any:
+        return self._call(
             f"get {key}",
             self._client.get_object,
             Bucket=self.bucket,
             Key=self._key(key),
             Range=f"bytes={start}-{start + length - 1}",
         )
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        resp = self._get_range_response(key, start, length)
         try:
             return bytes(resp["Body"].read())
         except Exception as exc:
@@ -211,13 +214,7 @@ class S3Storage:
     def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
         if length <= 0:
             return
-        resp = self._call(
-            f"get {key}",
-            self._client.get_object,
-            Bucket=self.bucket,
-            Key=self._key(key),
-            Range=f"bytes={start}-{start + length - 1}",
-        )
+        resp = self._get_range_response(key, start, length)
         body = resp["Body"]
         if int(resp.get("ContentLength", length)) != length:
             body.close()
