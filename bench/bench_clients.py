@@ -23,6 +23,7 @@ the part size each client really used.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import secrets
@@ -38,26 +39,30 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find common
 
-from bench_upload import delete_prefix, fmt, list_prefix, ratio, workdir
 from common import (
     BENCH_DIR,
+    BUCKET,
     GIB,
     MIB,
     Measurement,
     Shape,
     command_version,
     dcp_shape,
+    delete_prefix,
+    fmt,
+    list_prefix,
     machine_line,
     measure,
+    ratio,
     tail,
     vacuum,
     weed_master_port,
+    workdir,
     write_shape,
 )
 
 from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
 
-BUCKET = "ckpt"
 CLIENTS = ("classic", "crt")
 CHILD = BENCH_DIR / "_client_transfer.py"
 
@@ -240,20 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work dir (data, logs)")
     args = p.parse_args(argv)
 
-    import awscrt
     import awscrt.s3
     import boto3
-    import botocore
-    import s3transfer
 
     machine = machine_line()
     target = args.crt_target_gbps or awscrt.s3.get_recommended_throughput_target_gbps()
     versions = {
         "python": sys.version.split()[0],
-        "boto3": boto3.__version__,
-        "botocore": botocore.__version__,
-        "s3transfer": s3transfer.__version__,
-        "awscrt": awscrt.__version__,
+        "boto3": importlib.metadata.version("boto3"),
+        "botocore": importlib.metadata.version("botocore"),
+        "s3transfer": importlib.metadata.version("s3transfer"),
+        "awscrt": importlib.metadata.version("awscrt"),
         "seaweedfs": command_version(
             [str(Path(sys.executable).parent / "weed"), "version"], r"(?<=version )\S+ \S+"
         ),
@@ -318,8 +320,12 @@ def main(argv: list[str] | None = None) -> int:
             lines += table(shape, direction, mine)
     print("\n".join(lines))
     if args.json is not None:
-        doc = {"machine": machine, "versions": versions, "args": vars(args) | {"json": None}}
-        doc["runs"] = [asdict(r) for r in runs]
+        doc: dict[str, Any] = {
+            "machine": machine,
+            "versions": versions,
+            "args": vars(args) | {"json": None},
+            "runs": [asdict(r) for r in runs],
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc | {"table": lines}, indent=2, default=str) + "\n")
     return 1 if any(r.error for r in runs) else 0

@@ -75,9 +75,11 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # run as a script: find the tests' fakes and daemon driver
+sys.path.insert(0, str(BENCH_DIR))  # and common
 
 import boto3  # noqa: E402
 import botocore.exceptions  # noqa: E402
+from common import BUCKET, MIB, delete_prefix  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd.config import PreemptionConfig, WatchConfig  # noqa: E402
@@ -88,8 +90,6 @@ from tests.fakes.aws_imds import FakeAwsImds, rfc3339  # noqa: E402
 from tests.fakes.azure_metadata import FakeAzureMetadata  # noqa: E402
 from tests.fakes.gcp_metadata import FakeGcpMetadata  # noqa: E402
 
-MIB = 1024 * 1024
-BUCKET = "ckpt"
 RECEIVER = BENCH_DIR / "_signal_receiver.py"
 TRAINER = BENCH_DIR / "_emergency_trainer.py"
 ALL_PROVIDERS = ("aws", "gcp", "azure", "gcp-maintenance")
@@ -845,14 +845,6 @@ def object_exists(s3: Any, key: str) -> bool:
     return True
 
 
-def delete_prefix(s3: Any, prefix: str) -> None:
-    paginator = s3.get_paginator("list_objects_v2")
-    for page in paginator.paginate(Bucket=BUCKET, Prefix=prefix + "/"):
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-        if keys:
-            s3.delete_objects(Bucket=BUCKET, Delete={"Objects": keys, "Quiet": True})
-
-
 def run_commit_trial(
     i: int, options: Options, workdir: Path, local_s3: LocalS3, s3: Any, rng: random.Random
 ) -> CommitTrial:
@@ -866,7 +858,7 @@ def run_commit_trial(
     poll = options.effective_poll
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, watch, True)  # the data; the logs stay with --keep
-        stack.callback(delete_prefix, s3, prefix)
+        stack.callback(delete_prefix, s3, prefix + "/")
         trainer = subprocess.Popen(
             [
                 sys.executable,

@@ -28,15 +28,12 @@ objects; ``--sync-peers`` adds a ``sync -f`` to their timed runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import filecmp
 import json
 import os
 import shutil
-import statistics
 import sys
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find common
 
 from common import (
+    BUCKET,
     GIB,
     MIB,
     PEERS,
@@ -52,19 +50,22 @@ from common import (
     command_version,
     dcp_shape,
     find_peer_binaries,
+    fmt,
     hf_shape,
     loopback_limit_line,
     machine_line,
     measure,
+    median_of,
+    ratio,
     rclone_env,
     server_floor_s,
     tail,
+    workdir,
     write_shape,
 )
 
 from ckptd.locals3 import LocalS3, free_port
 
-BUCKET = "ckpt"
 PREFIX = "bench"
 MANIFEST = "ckptd.manifest.json"
 ALL_TOOLS = ("ckptd", "aws", "rclone", "s5cmd", "disk")
@@ -248,18 +249,6 @@ def check_restored(shape: Shape, source: Path, restored: Path, *, bytes_too: boo
 # --- reporting -------------------------------------------------------------------------------
 
 
-def fmt(value: float | None, spec: str = ".2f") -> str:
-    return "—" if value is None else format(value, spec)
-
-
-def med(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 @dataclass
 class Row:
     wall: float | None
@@ -277,11 +266,11 @@ def render(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[st
     for tool in tools:
         mine = [r for r in results if r.tool == tool and r.shape == shape.name]
         good = [r for r in mine if r.error is None]
-        server = med([r.m.server_cpu_s for r in good])
+        server = median_of([r.m.server_cpu_s for r in good])
         rows[tool] = Row(
-            med([r.m.wall_s for r in good]),
-            med([r.m.cpu_s for r in good]),
-            med([r.m.maxrss_kib / 1024 for r in good]),
+            median_of([r.m.wall_s for r in good]),
+            median_of([r.m.cpu_s for r in good]),
+            median_of([r.m.maxrss_kib / 1024 for r in good]),
             server / gib if server is not None else None,
             len(good),
             len(mine),
@@ -306,7 +295,9 @@ def render(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[st
             f"| {fmt(row.rss, '.0f')} | {fmt(row.server_per_gib)} | {fmt(speed_ratio)} "
             f"| {fmt(cpu_ratio)} | {row.ok}/{row.runs} |"
         )
-    inner = med([r.inner_s for r in results if r.shape == shape.name and r.inner_s is not None])
+    inner = median_of(
+        [r.inner_s for r in results if r.shape == shape.name and r.inner_s is not None]
+    )
     if inner:
         lines.append(
             f"| ckptd restore() in-process | {fmt(inner)} | {fmt(mb / inner, '.0f')} "
@@ -362,17 +353,6 @@ def render(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[st
 # --- main ------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def workdir(given: Path | None, keep: bool) -> Iterator[Path]:
-    path = given or Path(tempfile.mkdtemp(prefix="ckptd-bench-restore-"))
-    path.mkdir(parents=True, exist_ok=True)
-    try:
-        yield path
-    finally:
-        if not keep:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -402,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = machine_line()
     results: list[Result] = []
-    with workdir(args.workdir, args.keep) as work:
+    with workdir(args.workdir, args.keep, "ckptd-bench-restore-") as work:
         args.work = work
         (work / "none.toml").write_text("")  # ckptd restore: everything from the flags
         shapes: list[tuple[Shape, Path]] = []

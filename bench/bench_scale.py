@@ -37,6 +37,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find common
+
+from common import BUCKET, event_time, fmt, log_events
+
 from ckptd import checksum, logs
 from ckptd.locals3 import LocalS3, free_port
 from ckptd.manifest import Latest, build_manifest, latest_key, manifest_key, object_key
@@ -44,7 +48,6 @@ from ckptd.remote import list_committed
 from ckptd.retention import apply_retention, plan_retention
 from ckptd.storage import open_storage
 
-BUCKET = "ckpt"
 PY = sys.executable
 FILE_SIZE = 4096
 
@@ -74,34 +77,11 @@ def load_now() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def parse_events(path: Path) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    for line in path.read_text(errors="replace").splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and "event" in doc:
-            events.append(doc)
-    return events
-
-
-def ts(event: dict[str, Any]) -> float:
-    return dt.datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
-
-
 def first(events: Sequence[dict[str, Any]], name: str, **match: str) -> dict[str, Any] | None:
     for e in events:
         if e.get("event") == name and all(e.get(k) == v for k, v in match.items()):
             return e
     return None
-
-
-def fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -164,9 +144,9 @@ def run_once(
         except subprocess.TimeoutExpired:
             rc = "timeout"
     t_exit = time.time()
-    ev = parse_events(err)
+    ev = log_events(err)
     marks = {
-        name: (lambda e: ts(e) if e else None)(first(ev, name))
+        name: (lambda e: event_time(e) if e else None)(first(ev, name))
         for name in (
             "ckptd_starting",
             "checkpoint_detected",
@@ -443,17 +423,17 @@ def bench_latency(work: Path, server: LocalS3, trials: int) -> list[str]:
             deadline = time.monotonic() + 30
             done = None
             while time.monotonic() < deadline:
-                ev = parse_events(err)
+                ev = log_events(err)
                 done = first(ev, "checkpoint_committed", checkpoint=name)
                 if done is not None:
                     break
                 time.sleep(0.05)
-            ev = parse_events(err)
+            ev = log_events(err)
             up = first(ev, "checkpoint_uploading", checkpoint=name)
             cp = first(ev, "checkpoint_complete", checkpoint=name)
-            d_up = None if up is None else ts(up) - t0
-            d_cp = None if cp is None else ts(cp) - t0
-            d_cm = None if done is None else ts(done) - t0
+            d_up = None if up is None else event_time(up) - t0
+            d_cp = None if cp is None else event_time(cp) - t0
+            d_cm = None if done is None else event_time(done) - t0
             if d_up is not None:
                 lat_upl.append(d_up)
             if d_cp is not None:

@@ -29,13 +29,10 @@ import contextlib
 import json
 import os
 import secrets
-import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: fin
 
 from common import (
     BENCH_DIR,
+    BUCKET,
     GIB,
     MIB,
     PEERS,
@@ -52,13 +50,18 @@ from common import (
     ckptd_command,
     command_version,
     dcp_shape,
+    delete_prefix,
     dir_size,
     find_peer_binaries,
+    fmt,
     hf_shape,
+    list_prefix,
     log_events,
     loopback_limit_line,
     machine_line,
     measure,
+    median_of,
+    ratio,
     rclone_env,
     seconds_between,
     server_floor_s,
@@ -69,12 +72,12 @@ from common import (
     wait_until_older,
     weed_master_port,
     which,
+    workdir,
     write_shape,
 )
 
 from ckptd.locals3 import LocalS3
 
-BUCKET = "ckpt"
 VENV_BIN = Path(sys.executable).parent
 ALL_TOOLS = ("ckptd", "aws", "rclone", "s5cmd", "boto3", "socket")
 LABELS = {
@@ -226,23 +229,6 @@ def s3_client(bench: Bench) -> Any:
     )
 
 
-def list_prefix(client: Any, prefix: str) -> dict[str, int]:
-    """key -> size of every object under ``prefix/``."""
-    out: dict[str, int] = {}
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
-        for obj in page.get("Contents", []):
-            out[obj["Key"]] = int(obj["Size"])
-    return out
-
-
-def delete_prefix(client: Any, prefix: str) -> None:
-    keys = list(list_prefix(client, prefix))
-    for i in range(0, len(keys), 1000):
-        client.delete_objects(
-            Bucket=BUCKET, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]]}
-        )
-
-
 def check_upload(client: Any, job: Job, shape: Shape) -> str | None:
     """None if every file is in the store with its size; else what is wrong."""
     if job.prefix is None:
@@ -352,10 +338,6 @@ def warm_up(bench: Bench, client: Any) -> None:
     settle_store(bench)
 
 
-def summarise(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 @dataclass
 class Row:
     label: str
@@ -382,7 +364,7 @@ def rows_for(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[
         errors = [r.error for r in mine if r.error]
 
         def med(get: Callable[[Result], float], pool: list[Result] = good) -> float | None:
-            return summarise([get(r) for r in pool])
+            return median_of([get(r) for r in pool])
 
         wall = med(lambda r: r.m.wall_s)
         best = min((r.m.wall_s for r in good), default=None)
@@ -407,8 +389,8 @@ def rows_for(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[
         )
         if tool == "ckptd":
             commits = [r.commit_s for r in good if r.commit_s is not None]
-            commit = summarise(commits)
-            commit_cpu = summarise([r.commit_cpu_s for r in good if r.commit_cpu_s is not None])
+            commit = median_of(commits)
+            commit_cpu = median_of([r.commit_cpu_s for r in good if r.commit_cpu_s is not None])
             rows.append(
                 Row(
                     LABELS["ckptd-commit"],
@@ -427,14 +409,6 @@ def rows_for(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[
                 )
             )
     return rows
-
-
-def fmt(value: float | None, spec: str = ".2f") -> str:
-    return "—" if value is None else format(value, spec)
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def render_shape(shape: Shape, rows: list[Row]) -> list[str]:
@@ -637,17 +611,6 @@ def _frame_name(frame: str) -> str:
     parts = Path(path).parts
     short = "/".join(parts[-2:]) if parts else path
     return f"{name} ({short})" if where else name
-
-
-@contextlib.contextmanager
-def workdir(given: Path | None, keep: bool) -> Iterator[Path]:
-    path = given or Path(tempfile.mkdtemp(prefix="ckptd-bench-"))
-    path.mkdir(parents=True, exist_ok=True)
-    try:
-        yield path
-    finally:
-        if not keep:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

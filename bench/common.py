@@ -17,9 +17,10 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ MIB = 1024 * KIB
 GIB = 1024 * MIB
 
 BENCH_DIR = Path(__file__).resolve().parent
+BUCKET = "ckpt"  # the bucket ckptd.locals3 creates
 MEASURE = BENCH_DIR / "_measure.py"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -411,6 +413,56 @@ def loopback_limit_line(floor_s: float, walls: Sequence[tuple[str, float | None]
         + ("; " + ", ".join(multiples) if multiples else "")
         + "."
     )
+
+
+# --- the store: listing and clearing a prefix ------------------------------------------------
+
+
+def list_prefix(client: Any, prefix: str) -> dict[str, int]:
+    """key -> size of every object under ``prefix``."""
+    out: dict[str, int] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            out[obj["Key"]] = int(obj["Size"])
+    return out
+
+
+def delete_prefix(client: Any, prefix: str) -> None:
+    """Delete every object under ``prefix``."""
+    keys = list(list_prefix(client, prefix))
+    for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+        client.delete_objects(
+            Bucket=BUCKET, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]]}
+        )
+
+
+# --- reporting -------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def median_of(values: Iterable[float | None]) -> float | None:
+    """The median of the values present, None if there are none."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+@contextlib.contextmanager
+def workdir(given: Path | None, keep: bool, prefix: str = "ckptd-bench-") -> Iterator[Path]:
+    """``given`` or a fresh temp dir; removed at the end unless ``keep``."""
+    path = given or Path(tempfile.mkdtemp(prefix=prefix))
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if not keep:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # --- the store ---------------------------------------------------------------------------------
