@@ -40,8 +40,8 @@ from typing import Any
 import aiohttp
 import structlog
 
-from ckptd.notices.client import BadResponse, describe_error, session_scope
-from ckptd.notices.model import Clock, Notice, RateLimitedLog, Sleep, parse_time, utc_now
+from ckptd.notices.client import BadResponse, MetadataSource, describe_error, session_scope
+from ckptd.notices.model import Clock, Notice, Sleep, parse_time, utc_now
 
 TOKEN_PATH = "/latest/api/token"
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
@@ -70,7 +70,7 @@ class _Response:
     text: str
 
 
-class AwsImdsSource:
+class AwsImdsSource(MetadataSource):
     """Polls IMDSv2 for spot interruption, rebalance and scheduled-maintenance notices."""
 
     name = "aws"
@@ -92,17 +92,20 @@ class AwsImdsSource:
     ) -> None:
         if not 1 <= token_ttl <= MAX_TOKEN_TTL:
             raise ValueError(f"token_ttl must be 1..{MAX_TOKEN_TTL} seconds, got {token_ttl}")
-        self.endpoint = endpoint.rstrip("/")
+        super().__init__(
+            endpoint,
+            session=session,
+            clock=clock,
+            sleep=sleep,
+            monotonic=monotonic,
+            log=log,
+            log_interval=log_interval,
+        )
         self.poll_interval = poll_interval
         self.token_ttl = token_ttl
         self.imdsv1_fallback = imdsv1_fallback
         self.request_timeout = request_timeout
         self.token_retry_interval = token_retry_interval
-        self._session = session
-        self._clock = clock
-        self._sleep = sleep
-        self._monotonic = monotonic
-        self._warn = RateLimitedLog(log, log_interval, monotonic)
         self._token: str | None = None
         self._token_refresh_at = 0.0
         self._skip_token_until = 0.0
@@ -147,13 +150,7 @@ class AwsImdsSource:
             for notice in notices:
                 if notice.id not in self._seen:
                     self._seen.add(notice.id)
-                    log.warning(
-                        "notice received",
-                        source="aws",
-                        kind=notice.kind,
-                        id=notice.id,
-                        deadline=notice.to_json()["deadline"],
-                    )
+                    self._announce(notice)
                     fresh.append(notice)
         return fresh
 

@@ -42,8 +42,8 @@ from typing import Any
 import aiohttp
 import structlog
 
-from ckptd.notices.client import BadResponse, describe_error, session_scope
-from ckptd.notices.model import Clock, Notice, RateLimitedLog, Sleep, utc_now
+from ckptd.notices.client import BadResponse, MetadataSource, describe_error, session_scope
+from ckptd.notices.model import Clock, Notice, Sleep, utc_now
 
 SCHEDULED_EVENTS_PATH = "/metadata/scheduledevents"
 SCHEDULED_EVENTS_API_VERSION = "2020-07-01"
@@ -63,7 +63,7 @@ EVENT_KINDS: dict[str, str] = {
 log = structlog.get_logger("ckptd.notices.azure")
 
 
-class AzureScheduledEventsSource:
+class AzureScheduledEventsSource(MetadataSource):
     """Polls Scheduled Events; yields new events for this VM, and their cancellation."""
 
     name = "azure"
@@ -83,18 +83,21 @@ class AzureScheduledEventsSource:
         monotonic: Callable[[], float] = time.monotonic,
         log_interval: float = 60.0,
     ) -> None:
-        self.endpoint = endpoint.rstrip("/")
+        super().__init__(
+            endpoint,
+            session=session,
+            clock=clock,
+            sleep=sleep,
+            monotonic=monotonic,
+            log=log,
+            log_interval=log_interval,
+        )
         self.vm_name = vm_name
         self.poll_interval = poll_interval
         self.request_timeout = request_timeout
         self.first_request_timeout = first_request_timeout
         self.name_retry_interval = name_retry_interval
-        self._session = session
         self._active_session: aiohttp.ClientSession | None = None
-        self._clock = clock
-        self._sleep = sleep
-        self._monotonic = monotonic
-        self._warn = RateLimitedLog(log, log_interval, monotonic)
         self._answered_once = False
         self._next_name_lookup = 0.0
         self._known: dict[str, Notice] = {}
@@ -261,13 +264,7 @@ class AzureScheduledEventsSource:
                 },
             )
             self._known[event_id] = notice
-            log.warning(
-                "notice received",
-                source="azure",
-                kind=notice.kind,
-                id=notice.id,
-                deadline=notice.to_json()["deadline"],
-            )
+            self._announce(notice)
             notices.append(notice)
         for event_id in [i for i in self._known if i not in current]:
             # Gone from the document (completed, or cancelled by Azure before it started),

@@ -1,13 +1,53 @@
-"""What the HTTP notice sources (AWS, GCP, Azure) share: the error for a response that
-breaks the documented protocol, how a failure is described in a log line, and the
-session a poll runs in."""
+"""What the HTTP notice sources (AWS, GCP, Azure) share: their common state, the error
+for a response that breaks the documented protocol, how a failure is described in a log
+line, and the session a poll runs in."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
+
+from ckptd.notices.model import Clock, Notice, RateLimitedLog, Sleep
+
+
+class MetadataSource:
+    """The state every cloud metadata source keeps: its endpoint, the caller's session
+    (None: one of its own per poll), time as injected by the tests (wall clock, sleep,
+    monotonic), and warnings rate-limited to one per ``log_interval`` per failure."""
+
+    name: str  # "aws", "gcp", "azure": the ``source`` of its log lines
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        session: aiohttp.ClientSession | None,
+        clock: Clock,
+        sleep: Sleep,
+        monotonic: Callable[[], float],
+        log: Any,
+        log_interval: float,
+    ) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self._session = session
+        self._clock = clock
+        self._sleep = sleep
+        self._monotonic = monotonic
+        self._log = log
+        self._warn = RateLimitedLog(log, log_interval, monotonic)
+
+    def _announce(self, notice: Notice) -> None:
+        """Log a notice seen for the first time."""
+        self._log.warning(
+            "notice received",
+            source=self.name,
+            kind=notice.kind,
+            id=notice.id,
+            deadline=notice.to_json()["deadline"],
+        )
 
 
 class BadResponse(Exception):

@@ -35,8 +35,8 @@ from datetime import datetime, timedelta
 import aiohttp
 import structlog
 
-from ckptd.notices.client import BadResponse, describe_error, session_scope
-from ckptd.notices.model import Clock, Notice, RateLimitedLog, Sleep, format_time, utc_now
+from ckptd.notices.client import BadResponse, MetadataSource, describe_error, session_scope
+from ckptd.notices.model import Clock, Notice, Sleep, format_time, utc_now
 
 INSTANCE_PATH = "/computeMetadata/v1/instance/"
 FLAVOR_HEADER = "Metadata-Flavor"
@@ -58,7 +58,7 @@ class _Response:
     headers: Mapping[str, str]
 
 
-class GcpMetadataSource:
+class GcpMetadataSource(MetadataSource):
     """Hanging GETs on ``instance/preempted`` and ``instance/maintenance-event``."""
 
     name = "gcp"
@@ -78,17 +78,20 @@ class GcpMetadataSource:
         monotonic: Callable[[], float] = time.monotonic,
         log_interval: float = 60.0,
     ) -> None:
-        self.endpoint = endpoint.rstrip("/")
+        super().__init__(
+            endpoint,
+            session=session,
+            clock=clock,
+            sleep=sleep,
+            monotonic=monotonic,
+            log=log,
+            log_interval=log_interval,
+        )
         self.retry_interval = retry_interval
         self.hang_timeout = max(1, int(hang_timeout))
         self.request_timeout = request_timeout
         self.max_backoff = max(max_backoff, retry_interval)
         self.preemption_notice = timedelta(seconds=preemption_notice)
-        self._session = session
-        self._clock = clock
-        self._sleep = sleep
-        self._monotonic = monotonic
-        self._warn = RateLimitedLog(log, log_interval, monotonic)
         self._preempted = False
         self._maintenance: str | None = None
 
@@ -216,13 +219,7 @@ class GcpMetadataSource:
             self._warn.recovered(key, "metadata read works again", url=self._url(key))
             backoff = self.retry_interval
             if notice is not None:
-                log.warning(
-                    "notice received",
-                    source="gcp",
-                    kind=notice.kind,
-                    id=notice.id,
-                    deadline=notice.to_json()["deadline"],
-                )
+                self._announce(notice)
                 await queue.put(notice)
             unchanged = waiting and new_etag is not None and new_etag == etag
             etag, waiting = new_etag, True
