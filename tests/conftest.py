@@ -12,6 +12,7 @@ import boto3
 import pytest
 
 from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
+from ckptd.storage import RetryingStorage, open_storage
 from tests.faultproxy import FaultProxy
 
 BUCKET = "ckpt"
@@ -72,3 +73,14 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     os.environ["AWS_CONFIG_FILE"] = str(Path(os.devnull))
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(Path(os.devnull))
+
+
+@pytest.fixture(params=["s3", "file"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> RetryingStorage:
+    """A retrying destination on SeaweedFS, then on a directory (``file://``); a test
+    module with a ``storage`` fixture of its own uses that one instead."""
+    if request.param == "s3":
+        local_s3: LocalS3 = request.getfixturevalue("local_s3")
+        dest: str = request.getfixturevalue("s3_dest")
+        return open_storage(dest, endpoint_url=local_s3.endpoint_url, max_attempts=2)
+    return open_storage(f"file://{tmp_path / 'shared'}")

@@ -20,16 +20,22 @@ from ckptd.locals3 import free_port
 
 
 def wait_until(
-    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
+    predicate: Callable[[], Any],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    details: Callable[[], str] | None = None,
 ) -> Any:
-    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout``."""
+    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout``
+    (the message adds ``details()``, e.g. the tail of a process's log)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            extra = f"\n{details()}" if details is not None else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
         time.sleep(interval)
 
 

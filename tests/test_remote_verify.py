@@ -7,8 +7,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from ckptd.locals3 import LocalS3
 from ckptd.remote import READ_CHUNK, resolve, verify_checkpoint
 from ckptd.storage import RetryingStorage, open_storage
@@ -16,15 +14,6 @@ from tests.test_restore import commit_files, ship_once
 from tests.writers import write_hf
 
 MiB = 1024 * 1024
-
-
-@pytest.fixture(params=["s3", "file"])
-def storage(request: pytest.FixtureRequest, tmp_path: Path) -> RetryingStorage:
-    if request.param == "s3":
-        local_s3: LocalS3 = request.getfixturevalue("local_s3")
-        dest: str = request.getfixturevalue("s3_dest")
-        return open_storage(dest, endpoint_url=local_s3.endpoint_url, max_attempts=2)
-    return open_storage(f"file://{tmp_path / 'shared'}")
 
 
 def _replace(storage: RetryingStorage, key: str, data: bytes) -> None:

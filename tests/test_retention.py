@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from ckptd import checksum
-from ckptd.locals3 import LocalS3
 from ckptd.manifest import Latest, latest_key, manifest_key
 from ckptd.remote import list_committed
 from ckptd.retention import (
@@ -28,7 +27,7 @@ from ckptd.retention import (
     plan_retention,
     take_restore_lease,
 )
-from ckptd.storage import RetryingStorage, open_storage
+from ckptd.storage import RetryingStorage
 from tests.test_restore import commit_files
 
 # -- plan_retention -----------------------------------------------------------------------
@@ -184,15 +183,6 @@ def test_policy_module_imports_no_io_frameworks() -> None:
 
 
 # -- apply_retention against real stores ---------------------------------------------------
-
-
-@pytest.fixture(params=["s3", "file"])
-def storage(request: pytest.FixtureRequest, tmp_path: Path) -> RetryingStorage:
-    if request.param == "s3":
-        local_s3: LocalS3 = request.getfixturevalue("local_s3")
-        dest: str = request.getfixturevalue("s3_dest")
-        return open_storage(dest, endpoint_url=local_s3.endpoint_url, max_attempts=2)
-    return open_storage(f"file://{tmp_path / 'shared'}")
 
 
 STEPS = list(range(100, 2100, 100))  # 20 checkpoints

@@ -18,7 +18,8 @@ import pytest
 
 import ckptd.trainer
 from ckptd.trainer import PreemptionListener, notice_path, parse_notice, parse_signal
-from tests.trainers.procs import REPO, Script, script_env, wait_until
+from tests.daemon import wait_until
+from tests.trainers.procs import REPO, Script, script_env
 
 NOTICE = {
     "source": "aws",

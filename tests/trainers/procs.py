@@ -6,15 +6,13 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+
+from tests.daemon import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent
-
-T = TypeVar("T")
 
 
 def script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -75,7 +73,7 @@ class Script:
             step = self.step()
             return step if step is not None and step >= at_least else None
 
-        return wait_until(reached, timeout, f"step {at_least}", self.log_tail)
+        return wait_until(reached, timeout, f"step {at_least}", 0.02, self.log_tail)
 
     def wait_exit(self, timeout: float) -> int:
         try:
@@ -94,23 +92,6 @@ class Script:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
-
-
-def wait_until(
-    predicate: Callable[[], T | None],
-    timeout: float,
-    what: str,
-    details: Callable[[], str] = lambda: "",
-) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{details()}")
-        time.sleep(0.02)
 
 
 def write_atomically(path: Path, text: str) -> None:
