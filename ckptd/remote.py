@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ckptd import checksum
 from ckptd.manifest import Manifest, ManifestError, manifest_key, object_key
-from ckptd.storage.base import NotFoundError, Storage
+from ckptd.storage.base import NotFoundError, ShortObjectError, Storage
 from ckptd.sync.commit import read_latest, read_manifest
 
 READ_CHUNK = 16 * 1024 * 1024
@@ -101,10 +101,14 @@ def _crc_of_object(storage: Storage, key: str, size: int, pool: ThreadPoolExecut
     ranges = [(start, min(READ_CHUNK, size - start)) for start in range(0, size, READ_CHUNK)]
 
     def read(rng: tuple[int, int]) -> tuple[int, int]:
-        data = storage.get_range(key, rng[0], rng[1])
-        if len(data) != rng[1]:
-            raise ValueError(f"short read at {rng[0]}: {len(data)} of {rng[1]} bytes")
-        return checksum.crc32c(data), len(data)
+        crc = 0
+
+        def fold(pos: int, piece: bytes) -> None:
+            nonlocal crc
+            crc = checksum.crc32c(piece, crc if pos else 0)  # a retry starts from pos 0
+
+        storage.stream_range(key, rng[0], rng[1], fold)
+        return crc, rng[1]
 
     return checksum.combine_parts(pool.map(read, ranges))
 
@@ -126,7 +130,7 @@ def verify_checkpoint(
                 continue
             try:
                 crc = checksum.to_hex(_crc_of_object(storage, key, f.size, pool))
-            except (ValueError, NotFoundError) as exc:
+            except (ShortObjectError, NotFoundError) as exc:
                 problems.append(FileProblem(f.path, str(exc)))
                 continue
             if crc != f.crc32c:

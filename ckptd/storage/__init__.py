@@ -12,6 +12,7 @@ from ckptd.storage.base import (
     ObjectInfo,
     PartInfo,
     PreconditionFailedError,
+    ShortObjectError,
     Storage,
     StorageError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "PreconditionFailedError",
     "RateLimiter",
     "RetryingStorage",
+    "ShortObjectError",
     "Storage",
     "StorageError",
     "open_backend",

@@ -35,6 +35,13 @@ class NotFoundError(StorageError):
         super().__init__(message, transient=False, code=code)
 
 
+class ShortObjectError(StorageError):
+    """The object ends before the range asked for: no retry will change that."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=False, code="ShortObject")
+
+
 class PreconditionFailedError(StorageError):
     """A conditional write lost: the key already exists."""
 
@@ -145,15 +152,11 @@ class Storage(Protocol):
         """The whole object; NotFoundError if absent."""
         ...
 
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        """``length`` bytes from ``start``."""
-        ...
-
     def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
         """``length`` bytes from ``start``, handed to ``sink(pos, piece)`` in order, in
         pieces of at most ``STREAM_PIECE`` bytes (``pos`` counts from ``start``), so a
-        reader holds one piece, never the whole range. A short object is an error. A
-        retry calls the sink again from ``pos == 0``."""
+        reader holds one piece, never the whole range. An object that ends inside the
+        range is a ShortObjectError. A retry calls the sink again from ``pos == 0``."""
         ...
 
     def head(self, key: str) -> ObjectInfo | None:

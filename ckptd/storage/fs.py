@@ -26,6 +26,7 @@ from ckptd.storage.base import (
     PartInfo,
     PreconditionFailedError,
     RangeSink,
+    ShortObjectError,
     StorageError,
 )
 
@@ -132,13 +133,6 @@ class FileStorage:
         except OSError as exc:
             raise _error(exc, f"get {key}") from exc
 
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        try:
-            with open(self._path(key), "rb") as fh:
-                return os.pread(fh.fileno(), length, start)
-        except OSError as exc:
-            raise _error(exc, f"get {key}") from exc
-
     def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
         try:
             with open(self._path(key), "rb", buffering=0) as fh:
@@ -146,10 +140,8 @@ class FileStorage:
                 while pos < length:
                     piece = os.pread(fh.fileno(), min(STREAM_PIECE, length - pos), start + pos)
                     if not piece:
-                        raise StorageError(
-                            f"get {key}: {pos} of {length} bytes at {start}, then the file ended",
-                            transient=False,
-                            code="ShortRead",
+                        raise ShortObjectError(
+                            f"get {key}: {pos} of {length} bytes at {start}, then the file ended"
                         )
                     sink(pos, piece)
                     pos += len(piece)

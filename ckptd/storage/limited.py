@@ -76,9 +76,6 @@ class LimitedStorage:
     def get_bytes(self, key: str) -> bytes:
         return self.inner.get_bytes(key)
 
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self.inner.get_range(key, start, length)
-
     def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
         self.inner.stream_range(key, start, length, sink)
 

@@ -71,9 +71,6 @@ class RetryingStorage:
     def get_bytes(self, key: str) -> bytes:
         return self._run("get", lambda: self.inner.get_bytes(key))
 
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self._run("get", lambda: self.inner.get_range(key, start, length))
-
     def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
         self._run("get", lambda: self.inner.stream_range(key, start, length, sink))
 

@@ -42,6 +42,7 @@ from ckptd.storage.base import (
     PartInfo,
     PreconditionFailedError,
     RangeSink,
+    ShortObjectError,
     StorageError,
 )
 
@@ -193,38 +194,23 @@ class S3Storage:
         except Exception as exc:
             raise classify(exc, f"get {key}") from exc
 
-    def _get_range_response(self, key: str, start: int, length: int) -> Any:
-        return self._call(
+    def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
+        if length <= 0:
+            return
+        resp = self._call(
             f"get {key}",
             self._client.get_object,
             Bucket=self.bucket,
             Key=self._key(key),
             Range=f"bytes={start}-{start + length - 1}",
         )
-
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        if length <= 0:
-            return b""
-        resp = self._get_range_response(key, start, length)
-        try:
-            return bytes(resp["Body"].read())
-        except Exception as exc:
-            raise classify(exc, f"get {key}") from exc
-
-    def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
-        if length <= 0:
-            return
-        resp = self._get_range_response(key, start, length)
         body = resp["Body"]
         if int(resp.get("ContentLength", length)) != length:
             body.close()
-            # The store clipped the range: the object is shorter than asked, which no
-            # retry will change.
-            raise StorageError(
+            # The store clipped the range: the object is shorter than asked.
+            raise ShortObjectError(
                 f"get {key}: asked {length} bytes at {start}, the store has "
-                f"{resp.get('ContentLength')}",
-                transient=False,
-                code="ShortObject",
+                f"{resp.get('ContentLength')}"
             )
         pos = 0
         try:
