@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from ckptd.locals3 import LocalS3
-from tests.daemon import wait_until
+from tests.daemon import run_cli, wait_until
 from tests.ops_helpers import DEPLOY, REPO, hf_daemon, tool
 
 DOCKERFILE = DEPLOY / "Dockerfile"
@@ -394,10 +394,5 @@ def test_daemonset_watches_a_host_path_and_keeps_its_journal() -> None:
 def test_manifest_configmaps_are_valid_ckptd_configs(path: Path, tmp_path: Path) -> None:
     toml = tmp_path / "ckptd.toml"
     toml.write_text(_of_kind(path, "ConfigMap")["data"]["ckptd.toml"])
-    result = subprocess.run(
-        [sys.executable, "-m", "ckptd", "config", "check", "--config", str(toml)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cli("config", "check", config=toml, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +11,7 @@ from rich.console import Console
 
 from ckptd.locals3 import LocalS3
 from ckptd.statusview import human_bytes, human_seconds, progress_text, render_status
-from tests.daemon import wait_until
+from tests.daemon import run_cli, wait_until
 from tests.ops_helpers import hf_daemon
 from tests.writers import write_hf
 
@@ -150,9 +148,8 @@ def test_ckptd_status_prints_the_rich_table(
             30,
             "commit",
         )
-        args = [sys.executable, "-m", "ckptd", "status", "--config", str(daemon.config)]
-        table = subprocess.run(args, capture_output=True, text=True, timeout=60)
-        as_json = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=60)
+        table = run_cli("status", config=daemon.config, timeout=60)
+        as_json = run_cli("status", "--json", config=daemon.config, timeout=60)
         assert daemon.stop() == 0
     assert table.returncode == 0, table.stderr
     for header in ("RUN", "PENDING", "UPLOADING", "LAST COMMITTED", "LAG"):

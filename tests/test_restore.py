@@ -33,7 +33,7 @@ from ckptd.restore import (
 from ckptd.retention import LEASE_DIR, apply_retention
 from ckptd.storage import NotFoundError, RetryingStorage, open_storage
 from ckptd.sync.commit import commit
-from tests.daemon import wait_until, write_config
+from tests.daemon import run_cli, wait_until, write_config
 from tests.faultproxy import FaultProxy
 from tests.writers import local_files, write_bytes, write_dcp, write_deepspeed, write_hf
 
@@ -58,12 +58,7 @@ def ship_once(tmp_path: Path, root: Path | list[Path], dest: str, endpoint_url: 
         port=free_port(),
         part_size_mib=5,
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "ckptd", "run", "--once", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cli("run", "--once", config=cfg, timeout=60)
     assert result.returncode == 0, result.stderr
 
 

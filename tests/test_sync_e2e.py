@@ -14,7 +14,7 @@ import crc32c as independent_crc  # a second CRC-32C implementation, not the one
 import pytest
 
 from ckptd.locals3 import LocalS3
-from tests.daemon import Daemon, committed_manifest, wait_until
+from tests.daemon import Daemon, committed_manifest, run_cli, wait_until
 from tests.faultproxy import FaultProxy
 from tests.writers import (
     dcp_steps,
@@ -404,12 +404,7 @@ def test_invalid_config_exits_2_naming_the_key(tmp_path: Path, toml: str, key: s
     cfg = tmp_path / "bad.toml"
     cfg.write_text(toml)
     for command in (["config", "check"], ["run"]):
-        result = subprocess.run(
-            [sys.executable, "-m", "ckptd", *command, "--config", str(cfg)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = run_cli(*command, config=cfg, timeout=60)
         assert result.returncode == 2, (command, result.stderr)
         assert key in result.stderr, (command, result.stderr)
 
