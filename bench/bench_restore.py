@@ -36,7 +36,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find common
 
@@ -45,8 +44,8 @@ from common import (
     GIB,
     MIB,
     PEERS,
-    Measurement,
     Shape,
+    ToolRun,
     command_version,
     dcp_shape,
     find_peer_binaries,
@@ -116,30 +115,8 @@ def commit_with_daemon(
 
 
 @dataclass
-class Result:
-    tool: str
-    shape: str
-    run: int
-    bytes: int
-    m: Measurement
-    error: str | None = None
-    inner_s: float | None = None  # ckptd only: restore() itself, without start-up
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "tool": self.tool,
-            "shape": self.shape,
-            "run": self.run,
-            "bytes": self.bytes,
-            "ok": self.error is None,
-            "error": self.error,
-            "wall_s": self.m.wall_s,
-            "restore_s": self.inner_s,
-            "user_s": self.m.user_s,
-            "sys_s": self.m.sys_s,
-            "maxrss_kib": self.m.maxrss_kib,
-            "server_cpu_s": self.m.server_cpu_s,
-        }
+class Result(ToolRun):
+    restore_s: float | None = None  # ckptd only: restore() itself, without start-up
 
 
 def command(
@@ -296,7 +273,7 @@ def render(shape: Shape, results: list[Result], tools: Sequence[str]) -> list[st
             f"| {fmt(cpu_ratio)} | {row.ok}/{row.runs} |"
         )
     inner = median_of(
-        [r.inner_s for r in results if r.shape == shape.name and r.inner_s is not None]
+        [r.restore_s for r in results if r.shape == shape.name and r.restore_s is not None]
     )
     if inner:
         lines.append(
@@ -439,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                                 shape, source, out / shape.checkpoint, bytes_too=run == 1
                             )
                         if tool == "ckptd" and r.error is None and m.stdout is not None:
-                            r.inner_s = float(json.loads(m.stdout.read_text())["seconds"])
+                            r.restore_s = float(json.loads(m.stdout.read_text())["seconds"])
                         results.append(r)
                         print(
                             f"run {run} {shape.name:<4} {tool:<7} {m.wall_s:7.2f}s "

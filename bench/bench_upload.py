@@ -45,8 +45,8 @@ from common import (
     GIB,
     MIB,
     PEERS,
-    Measurement,
     Shape,
+    ToolRun,
     ckptd_command,
     command_version,
     dcp_shape,
@@ -254,36 +254,9 @@ def check_upload(client: Any, job: Job, shape: Shape) -> str | None:
 
 
 @dataclass
-class Result:
-    tool: str
-    shape: str
-    run: int
-    bytes: int
-    m: Measurement
-    error: str | None = None
+class Result(ToolRun):
     commit_s: float | None = None  # ckptd only: checkpoint_complete -> checkpoint_committed
     commit_cpu_s: float | None = None  # ckptd only: its own CPU over the upload (log field)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "tool": self.tool,
-            "shape": self.shape,
-            "run": self.run,
-            "bytes": self.bytes,
-            "ok": self.error is None,
-            "error": self.error,
-            "wall_s": self.m.wall_s,
-            "commit_s": self.commit_s,
-            "commit_cpu_s": self.commit_cpu_s,
-            "user_s": self.m.user_s,
-            "sys_s": self.m.sys_s,
-            "maxrss_kib": self.m.maxrss_kib,
-            "server_cpu_s": self.m.server_cpu_s,
-            "other_cpu_s": self.m.other_cpu_s,
-            "rc": self.m.rc,
-            "start_unix": self.m.start_unix,
-            "end_unix": self.m.end_unix,
-        }
 
 
 def run_one(

@@ -21,7 +21,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -413,6 +413,34 @@ def loopback_limit_line(floor_s: float, walls: Sequence[tuple[str, float | None]
         + ("; " + ", ".join(multiples) if multiples else "")
         + "."
     )
+
+
+@dataclass
+class ToolRun:
+    """One measured run of one tool on one shape; ``error`` is None when it counted.
+    Benchmarks subclass it with their own figures, which ``as_dict`` includes."""
+
+    tool: str
+    shape: str
+    run: int
+    bytes: int
+    m: Measurement
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "m"}
+        return own | {
+            "ok": self.error is None,
+            "wall_s": self.m.wall_s,
+            "user_s": self.m.user_s,
+            "sys_s": self.m.sys_s,
+            "maxrss_kib": self.m.maxrss_kib,
+            "server_cpu_s": self.m.server_cpu_s,
+            "other_cpu_s": self.m.other_cpu_s,
+            "rc": self.m.rc,
+            "start_unix": self.m.start_unix,
+            "end_unix": self.m.end_unix,
+        }
 
 
 # --- the store: listing and clearing a prefix ------------------------------------------------
