@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
@@ -31,12 +30,9 @@ def test_sigusr1_makes_the_trainer_save_checkpoint_at_current_step_and_exit_0(
         str(MAX_STEPS),  # no regular save: any checkpoint is the preemption one
         env=script_env(tmp_path),
     )
-    try:
-        script.wait_for_step(3, timeout=60)
-        os.kill(script.proc.pid, signal.SIGUSR1)
-        assert script.wait_exit(timeout=30) == 0, script.log_tail()
-    finally:
-        script.kill()
+    script.interrupt_at_step(
+        3, lambda: script.signal(signal.SIGUSR1), step_timeout=60, exit_timeout=30
+    )
 
     result = script.result_json()
     step = result["global_step"]
@@ -53,14 +49,13 @@ def test_notice_file_in_output_dir_stops_the_trainer(tmp_path: Path) -> None:
     # No watch dir configured: the callback watches args.output_dir.
     output_dir = tmp_path / "out"
     script = Script(tmp_path, "hf_train", "--output-dir", str(output_dir), env=script_env(tmp_path))
-    try:
-        script.wait_for_step(3, timeout=60)
-        notice = output_dir / ".ckptd" / "preemption.json"
+    notice = output_dir / ".ckptd" / "preemption.json"
+
+    def write_notice() -> None:
         notice.parent.mkdir(parents=True, exist_ok=True)
         notice.write_text(json.dumps({"source": "gcp", "kind": "preempted", "deadline": None}))
-        assert script.wait_exit(timeout=30) == 0, script.log_tail()
-    finally:
-        script.kill()
+
+    script.interrupt_at_step(3, write_notice, step_timeout=60, exit_timeout=30)
 
     result = script.result_json()
     step = result["global_step"]

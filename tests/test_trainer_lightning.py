@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -28,12 +27,9 @@ SLURM_ENV = {
 
 def run_until_signalled(tmp_path: Path, *args: str, env: dict[str, str]) -> Script:
     script = Script(tmp_path, "lightning_train", *args, env=env)
-    try:
-        script.wait_for_step(3, timeout=60)
-        os.kill(script.proc.pid, signal.SIGUSR1)
-        assert script.wait_exit(timeout=30) == 0, script.log_tail()
-    finally:
-        script.kill()
+    script.interrupt_at_step(
+        3, lambda: script.signal(signal.SIGUSR1), step_timeout=60, exit_timeout=30
+    )
     return script
 
 

@@ -406,12 +406,7 @@ def test_plain_loop_saves_and_stops_when_the_notice_file_appears(tmp_path: Path)
     script = Script(
         tmp_path, "plain_loop", "--checkpoint-root", str(root), env=script_env(tmp_path)
     )
-    try:
-        script.wait_for_step(3, timeout=20)
-        write_notice(root)
-        assert script.wait_exit(timeout=20) == 0, script.log_tail()
-    finally:
-        script.kill()
+    script.interrupt_at_step(3, lambda: write_notice(root), step_timeout=20, exit_timeout=20)
 
     result = script.result_json()
     step = result["global_step"]
@@ -426,12 +421,9 @@ def test_plain_loop_honours_the_configured_signal(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     env = script_env(tmp_path, CKPTD_SIGNAL="SIGUSR2")
     script = Script(tmp_path, "plain_loop", "--checkpoint-root", str(root), env=env)
-    try:
-        script.wait_for_step(3, timeout=20)
-        os.kill(script.proc.pid, signal.SIGUSR2)
-        assert script.wait_exit(timeout=20) == 0, script.log_tail()
-    finally:
-        script.kill()
+    script.interrupt_at_step(
+        3, lambda: script.signal(signal.SIGUSR2), step_timeout=20, exit_timeout=20
+    )
 
     step = script.result_json()["global_step"]
     assert (root / f"step-{step}" / "COMPLETE").exists()

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,26 @@ class Script:
             raise AssertionError(
                 f"script still running after {timeout}s:\n{self.log_tail()}"
             ) from None
+
+    def interrupt_at_step(
+        self,
+        step: int,
+        interrupt: Callable[[], object],
+        *,
+        step_timeout: float,
+        exit_timeout: float,
+    ) -> None:
+        """Wait until the trainer reports ``step``, call ``interrupt`` (a signal, a notice
+        file), and require a clean exit 0; the child is killed whatever happens."""
+        try:
+            self.wait_for_step(step, timeout=step_timeout)
+            interrupt()
+            assert self.wait_exit(timeout=exit_timeout) == 0, self.log_tail()
+        finally:
+            self.kill()
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.proc.pid, signum)
 
     def result_json(self) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(self.result.read_text())
