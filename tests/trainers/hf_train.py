@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
 from ckptd.trainer.hf import CkptdCallback
 from tests.trainers.procs import write_atomically
-from tests.trainers.tiny_gpt2 import RandomTokens, tiny_gpt2
+from tests.trainers.tiny_gpt2 import RandomTokens, cpu_training_args, tiny_gpt2
 
 
 class Progress(TrainerCallback):
@@ -42,18 +42,11 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = tiny_gpt2(n_layer=1, n_embd=16, vocab_size=64)
-    args = TrainingArguments(
-        output_dir=options.output_dir,
+    args = cpu_training_args(
+        options.output_dir,
         max_steps=options.max_steps,
         save_strategy="steps",
         save_steps=options.save_steps,
-        per_device_train_batch_size=4,
-        logging_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
     )
     trainer = Trainer(
         model=model,

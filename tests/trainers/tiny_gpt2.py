@@ -3,8 +3,10 @@ fed random tokens, small enough to train on CPU in seconds."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 
 class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -33,3 +35,19 @@ def tiny_gpt2(*, n_layer: int, n_embd: int, vocab_size: int) -> GPT2LMHeadModel:
         eos_token_id=0,
     )
     return GPT2LMHeadModel(config)
+
+
+def cpu_training_args(output_dir: str, **overrides: Any) -> TrainingArguments:
+    """The Trainer settings every test run shares: CPU, batch 4, seed 0, no logging,
+    reporting, progress bar or loader workers; ``overrides`` add the run's own."""
+    return TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=4,
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        **overrides,
+    )

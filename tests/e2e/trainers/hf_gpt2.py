@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
 from ckptd.trainer.hf import CkptdCallback
 from tests.e2e.trainers.common import (
@@ -18,7 +18,7 @@ from tests.e2e.trainers.common import (
     parser,
     write_json,
 )
-from tests.trainers.tiny_gpt2 import RandomTokens, tiny_gpt2
+from tests.trainers.tiny_gpt2 import RandomTokens, cpu_training_args, tiny_gpt2
 
 
 class Steps(TrainerCallback):
@@ -47,22 +47,15 @@ def main() -> None:
 
     # Dropout stays at GPT-2's 0.1: the RNG state must come back too.
     model = tiny_gpt2(n_layer=2, n_embd=32, vocab_size=96)
-    args = TrainingArguments(
-        output_dir=str(options.ckpt_dir),
+    args = cpu_training_args(
+        str(options.ckpt_dir),
         max_steps=options.max_steps,
         save_strategy="steps",
         save_steps=options.save_every,
         save_total_limit=2,
-        per_device_train_batch_size=4,
         learning_rate=1e-3,
         lr_scheduler_type="cosine",
         warmup_steps=5,
-        logging_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
         full_determinism=True,
     )
     resumed_from = 0
