@@ -43,8 +43,8 @@ from common import BUCKET, event_time, fmt, log_events
 
 from ckptd import checksum, logs
 from ckptd.locals3 import LocalS3, free_port
-from ckptd.manifest import Latest, build_manifest, latest_key, manifest_key, object_key
-from ckptd.remote import list_committed
+from ckptd.manifest import Latest, build_manifest
+from ckptd.repository import Repository, latest_key, manifest_key, object_key
 from ckptd.retention import apply_retention, plan_retention
 from ckptd.storage import open_storage
 
@@ -305,13 +305,13 @@ def bench_many(server: LocalS3, counts: Sequence[int]) -> list[str]:
             listed = f"rc={proc.returncode}: {proc.stderr.decode(errors='replace')[-200:]}"
 
         t = time.perf_counter()
-        committed = list_committed(storage, run)
+        committed = Repository(storage).list_committed(run)
         lc_s = time.perf_counter() - t
 
         t = time.perf_counter()
         deleted = apply_retention(storage, run, keep_last=5, keep_every_steps=0)
         ret_s = time.perf_counter() - t
-        left = len(list_committed(storage, run))
+        left = len(Repository(storage).list_committed(run))
         rows.append(
             [
                 str(n),

@@ -192,13 +192,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from ckptd.remote import list_committed, list_runs
+    from ckptd.repository import Repository
 
     storage = _storage(_settings(args))
-    runs = [args.run_id] if args.run_id else list_runs(storage)
+    repo = Repository(storage)
+    runs = [args.run_id] if args.run_id else repo.list_runs()
     rows: list[dict[str, Any]] = []
     for run_id in runs:
-        for c in list_committed(storage, run_id):
+        for c in repo.list_committed(run_id):
             m = c.manifest
             rows.append(
                 {
@@ -240,11 +241,12 @@ def _human(n: int) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ckptd.remote import resolve, verify_checkpoint
+    from ckptd.repository import Repository
+    from ckptd.verify import verify_checkpoint
 
     settings = _settings(args)
     storage = _storage(settings)
-    manifest = resolve(storage, args.run_id, None if args.latest else args.checkpoint)
+    manifest = Repository(storage).resolve(args.run_id, None if args.latest else args.checkpoint)
     problems = verify_checkpoint(storage, manifest, concurrency=settings.destination.concurrency)
     if args.json:
         _print_json(

@@ -185,15 +185,3 @@ def should_move_latest(current: Latest | None, step: int | None) -> bool:
     if step is None:
         return current.step is None
     return current.step is None or step >= current.step
-
-
-def manifest_key(run_id: str, checkpoint: str) -> str:
-    return f"{run_id}/{checkpoint}/{MANIFEST_NAME}"
-
-
-def object_key(run_id: str, checkpoint: str, path: str) -> str:
-    return f"{run_id}/{checkpoint}/{path}"
-
-
-def latest_key(run_id: str) -> str:
-    return f"{run_id}/{LATEST_NAME}"

@@ -42,7 +42,7 @@ manifest) and some ``lstat``s; the bytes were verified when it was restored. Res
 into one ``DIR`` take turns (``flock`` on ``DIR``): the ranks of a node that all ask for
 the same checkpoint at start-up cause one download.
 
-While it runs, a restore holds a lease (``ckptd.retention``) so retention on another
+While it runs, a restore holds a lease (``ckptd.repository``) so retention on another
 node does not delete the checkpoint under it; taking it is best effort (a node with
 read-only credentials restores without one).
 """
@@ -66,11 +66,18 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import checksum, writeback
-from ckptd.manifest import Manifest, ManifestError, ManifestFile, check_relative_path, object_key
-from ckptd.remote import FileProblem, resolve
+from ckptd.manifest import Manifest, ManifestError, ManifestFile, check_relative_path
+from ckptd.repository import (
+    RANGE_BYTES,
+    FileProblem,
+    RangeCrc,
+    Repository,
+    chunk_ranges,
+    object_key,
+)
 from ckptd.storage.base import Storage, StorageError
 
-CHUNK_BYTES = 16 * 1024 * 1024
+CHUNK_BYTES = RANGE_BYTES
 STAGING_PREFIX = ".ckptd-restore-"
 STATE_NAME = "state.jsonl"
 DATA_NAME = "data"
@@ -120,11 +127,6 @@ def staged_parts(manifest: Manifest, path: str) -> tuple[str, ...]:
     if is_single_file(manifest):
         return (DATA_NAME,)
     return (DATA_NAME, *check_relative_path(path).split("/"))
-
-
-def chunk_ranges(size: int, chunk: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each ranged GET of an object of ``size`` bytes."""
-    return [(start, min(chunk, size - start)) for start in range(0, size, chunk)]
 
 
 def manifest_identity(manifest: Manifest) -> str:
@@ -380,12 +382,9 @@ class _Downloader:
         start, length = job.ranges[index]
         try:
             if job.error is None and not self.stop.is_set():
-                crc = 0
+                crc = RangeCrc()
 
                 def write(pos: int, piece: bytes) -> None:
-                    nonlocal crc
-                    if pos == 0:
-                        crc = 0  # a retried GET hands the range over again from the start
                     if pos + len(piece) > length:
                         # Never write more than the manifest's size.
                         raise RestoreError(f"GET at {start} returned more than {length} bytes")
@@ -393,13 +392,13 @@ class _Downloader:
                     done = 0
                     while done < len(piece):
                         done += os.pwrite(job.fd, view[done:], start + pos + done)
-                    crc = checksum.crc32c(piece, crc)
+                    crc.update(pos, piece)
 
                 # Streamed a piece at a time: memory is concurrency x one piece, whatever
                 # the range size; each byte is CRC'd from the buffer it is written from.
                 self.storage.stream_range(job.key, start, length, write)
                 writeback.start(job.fd, start, length)
-                job.crcs[index] = (crc, length)
+                job.crcs[index] = (crc.value, length)
                 self.events.put(("bytes", length))
             elif job.error is None:
                 raise RestoreError("restore stopped")
@@ -506,25 +505,19 @@ def _check_manifest(manifest: Manifest, run_id: str, checkpoint: str | None) -> 
         check_relative_path(f.path)
 
 
-def _preflight(storage: Storage, manifest: Manifest) -> list[FileProblem]:
-    """Objects missing or of another size than the manifest says, from one listing."""
-    listed = {
-        info.key: info.size
-        for info in storage.list_objects(f"{manifest.run_id}/{manifest.checkpoint}/")
-    }
+def _preflight(repo: Repository, manifest: Manifest) -> list[FileProblem]:
+    """Objects missing or of another size than the manifest says: refused before a byte
+    is written."""
     problems: list[FileProblem] = []
-    for f in manifest.files:
-        key = object_key(manifest.run_id, manifest.checkpoint, f.path)
-        size = listed.get(key)
-        if size is None:
-            info = storage.head(key)  # a listing may lag a write; ask the object itself
-            size = None if info is None else info.size
-        if size is None:
-            problems.append(FileProblem(f.path, "missing"))
-        elif size != f.size:
-            word = "larger" if size > f.size else "smaller"
+    for m in repo.object_mismatches(manifest):
+        if m.found is None:
+            problems.append(FileProblem(m.path, "missing"))
+        else:
+            word = "larger" if m.found > m.expected else "smaller"
             problems.append(
-                FileProblem(f.path, f"object is {size} bytes, {word} than the manifest's {f.size}")
+                FileProblem(
+                    m.path, f"object is {m.found} bytes, {word} than the manifest's {m.expected}"
+                )
             )
     return problems
 
@@ -580,12 +573,12 @@ def restore(
     """
     from ckptd import logs
     from ckptd.environment import describe
-    from ckptd.retention import release_restore_lease, take_restore_lease
 
     if concurrency < 1 or chunk_bytes < 1:
         raise ValueError("concurrency and chunk_bytes must be >= 1")
     started = time.monotonic()
-    manifest = resolve(storage, run_id, checkpoint)
+    repo = Repository(storage)
+    manifest = repo.resolve(run_id, checkpoint)
     _check_manifest(manifest, run_id, checkpoint)
     name = manifest.checkpoint
     log = logs.get_logger(run=run_id, checkpoint=name)
@@ -617,7 +610,7 @@ def restore(
                     + ": remove it first (ckptd never writes into an existing checkpoint)",
                     problems,
                 )
-            problems = _preflight(storage, manifest)
+            problems = _preflight(repo, manifest)
             if problems:
                 raise RestoreError(
                     f"{run_id}/{name}: {len(problems)} object(s) do not match the manifest; "
@@ -626,7 +619,7 @@ def restore(
                 )
             if take_lease:
                 try:
-                    lease = take_restore_lease(storage, run_id, name, now=time.time())
+                    lease = repo.take_lease(run_id, name, now=time.time())
                 except StorageError as exc:
                     log.warning("restore_lease_not_taken", error=str(exc))
             downloaded, reused = _restore_into(
@@ -649,7 +642,7 @@ def restore(
         finally:
             if lease is not None:
                 try:
-                    release_restore_lease(storage, lease)
+                    repo.release_lease(lease)
                 except StorageError as exc:
                     log.warning("restore_lease_not_released", key=lease, error=str(exc))
     finally:

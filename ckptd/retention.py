@@ -18,8 +18,8 @@ policy would delete the moment it committed anyway. An orphan without a step, on
 is protected (in flight on this node, being restored) or one whose manifest exists but
 does not parse (a newer ckptd's format, say) is never touched.
 
-Restores in progress announce themselves with a lease object,
-``<run>/.ckptd-restoring/<NAME>-<uuid>`` (JSON with the time it was taken); a checkpoint
+Restores in progress announce themselves with a lease object (``ckptd.repository``
+writes and reads them, JSON with the time it was taken); a checkpoint
 with a lease younger than ``LEASE_TTL_SECONDS`` is protected, and older leases are
 removed. A retention pass that lists the leases just before a restore writes its own can
 still delete that checkpoint: the restore then fails verification and leaves nothing
@@ -28,25 +28,16 @@ under ``DIR/NAME``; it never yields a wrong checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
 import stat
 import time
-import uuid
 from collections.abc import Iterable, Sequence, Set
 from pathlib import Path
 
-from ckptd import checksum
 from ckptd.layouts.base import step_of
-from ckptd.manifest import manifest_key
-from ckptd.remote import list_committed
-from ckptd.storage.base import NotFoundError, Storage
-from ckptd.sync.commit import read_latest
-
-LEASE_DIR = ".ckptd-restoring"
-LEASE_TTL_SECONDS = 3600.0
+from ckptd.repository import LEASE_TTL_SECONDS, Repository, manifest_key
+from ckptd.storage.base import Storage
 
 Entry = tuple[str, int | None]
 """A checkpoint as the policies see it: ``(name, step)``; step None when unknown."""
@@ -120,91 +111,25 @@ def plan_local_cleanup(
     return [name for name, _ in local if name not in keep and name in committed_verified]
 
 
-def lease_checkpoint(body: bytes, key_name: str) -> str | None:
-    """The checkpoint a lease protects: from its JSON body, else from ``<NAME>-<uuid>``."""
-    try:
-        doc = json.loads(body)
-        name = doc.get("checkpoint") if isinstance(doc, dict) else None
-        if isinstance(name, str) and name:
-            return name
-    except ValueError:
-        pass
-    head, sep, token = key_name.rpartition("-")
-    return head if sep and len(token) == 32 else None
-
-
-def lease_is_fresh(body: bytes, now: float, ttl: float = LEASE_TTL_SECONDS) -> bool:
-    """Whether a lease was taken less than ``ttl`` seconds before ``now``; a lease
-    whose time cannot be read counts as fresh (when unsure, keep)."""
-    try:
-        doc = json.loads(body)
-        taken = float(doc["taken_at"])
-    except (ValueError, KeyError, TypeError):
-        return True
-    return now - taken < ttl
-
-
-# -- restore leases --------------------------------------------------------------------
-
-
-def lease_prefix(run_id: str) -> str:
-    return f"{run_id}/{LEASE_DIR}/"
-
-
-def take_restore_lease(storage: Storage, run_id: str, checkpoint: str, *, now: float) -> str:
-    """Write a lease protecting ``checkpoint`` from retention; returns its key."""
-    key = f"{lease_prefix(run_id)}{checkpoint}-{uuid.uuid4().hex}"
-    body = json.dumps(
-        {"checkpoint": checkpoint, "taken_at": now, "host": socket.gethostname()}
-    ).encode()
-    storage.put_bytes(key, body, crc32c=checksum.crc32c(body))
-    return key
-
-
-def release_restore_lease(storage: Storage, key: str) -> None:
-    storage.delete([key])
-
-
-def read_leases(
-    storage: Storage, run_id: str, *, now: float, ttl: float = LEASE_TTL_SECONDS
-) -> tuple[set[str], list[str]]:
-    """``(checkpoints with a fresh lease, keys of stale leases)``."""
-    fresh: set[str] = set()
-    stale: list[str] = []
-    for info in storage.list_objects(lease_prefix(run_id)):
-        key_name = info.key.rsplit("/", 1)[-1]
-        try:
-            body = storage.get_bytes(info.key)
-        except NotFoundError:
-            continue  # released while we listed
-        name = lease_checkpoint(body, key_name)
-        if lease_is_fresh(body, now, ttl):
-            if name is not None:
-                fresh.add(name)
-        else:
-            stale.append(info.key)
-    return fresh, stale
-
-
 # -- executors -------------------------------------------------------------------------
 
 
-def _delete_prefix(storage: Storage, run_id: str, name: str) -> int:
-    keys = [info.key for info in storage.list_objects(f"{run_id}/{name}/")]
-    if keys:
-        storage.delete(keys)
+def _delete_prefix(repo: Repository, run_id: str, name: str) -> int:
+    keys = [info.key for info in repo.list_objects(run_id, name)]
+    repo.delete(keys)
     return len(keys)
 
 
-def delete_checkpoint(storage: Storage, run_id: str, name: str) -> int:
+def delete_checkpoint(storage: Storage | Repository, run_id: str, name: str) -> int:
     """Delete one committed checkpoint: its manifest first, then its objects."""
+    repo = storage if isinstance(storage, Repository) else Repository(storage)
     # Manifest first: from this instant no reader counts it committed, whatever follows.
-    storage.delete([manifest_key(run_id, name)])
-    return _delete_prefix(storage, run_id, name)
+    repo.delete([manifest_key(run_id, name)])
+    return _delete_prefix(repo, run_id, name)
 
 
 def apply_retention(
-    storage: Storage,
+    storage: Storage | Repository,
     run_id: str,
     *,
     keep_last: int,
@@ -223,15 +148,16 @@ def apply_retention(
     from ckptd import logs  # here, not at the top: structlog imports asyncio
 
     log = logs.get_logger(run=run_id)
+    repo = storage if isinstance(storage, Repository) else Repository(storage)
     clock = time.time() if now is None else now
     guarded = set(protected)
-    latest = read_latest(storage, run_id)
+    latest = repo.read_latest(run_id)
     if latest is not None:
         guarded.add(latest.checkpoint)
-    leased, stale_leases = read_leases(storage, run_id, now=clock, ttl=lease_ttl_seconds)
+    leased, stale_leases = repo.read_leases(run_id, now=clock, ttl=lease_ttl_seconds)
     guarded |= leased
 
-    committed = list_committed(storage, run_id)
+    committed = repo.list_committed(run_id)
     guarded |= {c.manifest.checkpoint for c in committed if c.is_latest}
     entries = [(c.manifest.checkpoint, c.manifest.step) for c in committed]
     victims = plan_retention(
@@ -239,28 +165,27 @@ def apply_retention(
     )
     deleted: list[str] = []
     for name in victims:
-        objects = delete_checkpoint(storage, run_id, name)
+        objects = delete_checkpoint(repo, run_id, name)
         log.info("retention_deleted", checkpoint=name, objects=objects)
         deleted.append(name)
 
     if collect_orphans and keep_last > 0:
         committed_names = {name for name, _ in entries}
         candidates: list[Entry] = []
-        for name in storage.list_children(f"{run_id}/"):
+        for name in repo.list_names(run_id):
             if name.startswith(".") or name in committed_names or name in deleted:
                 continue
             # A manifest that exists but does not parse is not an orphan's: keep it.
-            if storage.head(manifest_key(run_id, name)) is not None:
+            if repo.has_manifest(run_id, name):
                 continue
             candidates.append((name, step_of(name)))
         for name in plan_orphans(candidates, entries, keep_last=keep_last, protected=guarded):
-            objects = _delete_prefix(storage, run_id, name)
+            objects = _delete_prefix(repo, run_id, name)
             if objects:  # some stores list an emptied prefix for a while: nothing to do
                 log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
                 deleted.append(name)
 
-    if stale_leases:
-        storage.delete(stale_leases)
+    repo.delete(stale_leases)
     return deleted
 
 
@@ -309,15 +234,10 @@ def apply_local_cleanup(
 
 
 __all__ = [
-    "LEASE_DIR",
-    "LEASE_TTL_SECONDS",
     "apply_local_cleanup",
     "apply_retention",
     "delete_checkpoint",
     "plan_local_cleanup",
     "plan_orphans",
     "plan_retention",
-    "read_leases",
-    "release_restore_lease",
-    "take_restore_lease",
 ]

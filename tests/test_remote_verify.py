@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.locals3 import LocalS3
-from ckptd.remote import READ_CHUNK, resolve, verify_checkpoint
+from ckptd.repository import RANGE_BYTES as READ_CHUNK
+from ckptd.repository import Repository
 from ckptd.storage import RetryingStorage, open_storage
+from ckptd.verify import verify_checkpoint
 from tests.test_restore import commit_files, ship_once
 from tests.writers import write_hf
 
@@ -35,7 +37,7 @@ def _files() -> dict[str, bytes]:
 
 def test_intact_checkpoint_verifies_clean(storage: RetryingStorage) -> None:
     commit_files(storage, "run", "ck-1", _files(), step=1)
-    assert verify_checkpoint(storage, resolve(storage, "run", None)) == []
+    assert verify_checkpoint(storage, Repository(storage).resolve("run", None)) == []
 
 
 def test_same_size_different_bytes_is_reported_by_path(storage: RetryingStorage) -> None:
@@ -44,7 +46,7 @@ def test_same_size_different_bytes_is_reported_by_path(storage: RetryingStorage)
     bad = bytearray(files["model.bin"])
     bad[READ_CHUNK + 5] ^= 1  # in the second range
     _replace(storage, "run/ck-2/model.bin", bytes(bad))
-    problems = verify_checkpoint(storage, resolve(storage, "run", "ck-2"), concurrency=3)
+    problems = verify_checkpoint(storage, Repository(storage).resolve("run", "ck-2"), concurrency=3)
     assert [p.path for p in problems] == ["model.bin"]
     assert problems[0].problem.startswith("crc32c ")
 
@@ -56,7 +58,8 @@ def test_missing_and_resized_objects_are_reported(storage: RetryingStorage) -> N
     _replace(storage, "run/ck-3/sub/optim.bin", files["sub/optim.bin"] + b"more")
     _replace(storage, "run/ck-3/empty", b"x")
     problems = {
-        p.path: p.problem for p in verify_checkpoint(storage, resolve(storage, "run", None))
+        p.path: p.problem
+        for p in verify_checkpoint(storage, Repository(storage).resolve("run", None))
     }
     assert problems == {
         ".metadata": "missing",
@@ -73,7 +76,7 @@ def test_daemon_committed_multipart_checkpoint_verifies_and_detects_tampering(
     ckpt = write_hf(root, 40, model_bytes=11 * MiB)  # 3 parts of 5 MiB
     ship_once(tmp_path, root, s3_dest, local_s3.endpoint_url)
     storage = open_storage(s3_dest, endpoint_url=local_s3.endpoint_url)
-    manifest = resolve(storage, "hf", None)
+    manifest = Repository(storage).resolve("hf", None)
     assert manifest.checkpoint == ckpt.name
     assert verify_checkpoint(storage, manifest) == []
     original = (ckpt / "optimizer.pt").read_bytes()

@@ -19,20 +19,20 @@ from botocore.exceptions import ClientError
 
 from ckptd import checksum
 from ckptd.locals3 import LocalS3, free_port
-from ckptd.manifest import ManifestError, build_manifest, manifest_key, object_key
-from ckptd.remote import resolve, verify_checkpoint
+from ckptd.manifest import ManifestError, build_manifest
+from ckptd.repository import LEASE_DIR, Repository, chunk_ranges, manifest_key, object_key
 from ckptd.restore import (
     STAGING_PREFIX,
     RestoreError,
-    chunk_ranges,
     environment_differences,
     is_single_file,
     restore,
     staged_parts,
 )
-from ckptd.retention import LEASE_DIR, apply_retention
+from ckptd.retention import apply_retention
 from ckptd.storage import NotFoundError, RetryingStorage, open_storage
 from ckptd.sync.commit import commit
+from ckptd.verify import verify_checkpoint
 from tests.daemon import run_cli, wait_until, write_config
 from tests.faultproxy import FaultProxy
 from tests.writers import local_files, write_bytes, write_dcp, write_deepspeed, write_hf
@@ -210,7 +210,7 @@ def test_lightning_single_file_checkpoint_restores_as_the_file(
     root.mkdir()
     data = write_bytes(root / "epoch=0-step=50.ckpt", 3 * MiB)
     ship_once(tmp_path, root, s3_dest, local_s3.endpoint_url)
-    manifest = resolve(s3, "lit", None)
+    manifest = Repository(s3).resolve("lit", None)
     assert is_single_file(manifest)
     result = restore(s3, "lit", "epoch=0-step=50.ckpt", tmp_path / "out")
     restored = tmp_path / "out" / "epoch=0-step=50.ckpt"
@@ -231,7 +231,7 @@ def test_tampered_object_fails_verify_and_restore_leaves_nothing_at_name(
     tampered[MiB] ^= 0xFF  # same size, one byte different
     put_raw(s3_client, s3_prefix, "run/checkpoint-3/model.bin", bytes(tampered))
 
-    manifest = resolve(s3, "run", "checkpoint-3")
+    manifest = Repository(s3).resolve("run", "checkpoint-3")
     problems = verify_checkpoint(s3, manifest)
     assert [p.path for p in problems] == ["model.bin"]
     assert "crc32c" in problems[0].problem
@@ -262,7 +262,7 @@ def test_object_larger_than_the_manifest_says_is_refused_before_writing(
     files = {"model.bin": os.urandom(2 * MiB), "b": b"1234"}
     commit_files(s3, "run", "step-7", files, step=7)
     put_raw(s3_client, s3_prefix, "run/step-7/model.bin", files["model.bin"] + b"x" * extra)
-    problems = verify_checkpoint(s3, resolve(s3, "run", None))
+    problems = verify_checkpoint(s3, Repository(s3).resolve("run", None))
     assert [p.path for p in problems] == ["model.bin"] and "size" in problems[0].problem
     target = tmp_path / "out"
     with pytest.raises(RestoreError) as err:
@@ -381,7 +381,7 @@ def test_symlinks_planted_in_the_staging_dir_are_discarded_not_followed(
     # that claims a/b is already verified: neither may lead a write outside.
     os.symlink(sentinel, staging / "data" / "a")
     os.symlink(sentinel / "keep.txt", staging / "data" / "keep.txt")
-    manifest = resolve(s3, "run", "ck-4")
+    manifest = Repository(s3).resolve("run", "ck-4")
     from ckptd.restore import manifest_identity
 
     (staging / "state.jsonl").write_text(

@@ -13,19 +13,22 @@ from pathlib import Path
 import pytest
 
 from ckptd import checksum
-from ckptd.manifest import Latest, latest_key, manifest_key
-from ckptd.remote import list_committed
-from ckptd.retention import (
+from ckptd.manifest import Latest
+from ckptd.repository import (
     LEASE_DIR,
+    Repository,
+    latest_key,
+    lease_checkpoint,
+    lease_is_fresh,
+    manifest_key,
+)
+from ckptd.retention import (
     Entry,
     apply_local_cleanup,
     apply_retention,
-    lease_checkpoint,
-    lease_is_fresh,
     plan_local_cleanup,
     plan_orphans,
     plan_retention,
-    take_restore_lease,
 )
 from ckptd.storage import RetryingStorage
 from tests.test_restore import commit_files
@@ -201,7 +204,7 @@ def _commit_run(storage: RetryingStorage) -> None:
 
 def _state(storage: RetryingStorage) -> tuple[list[str], set[str]]:
     """(committed names oldest first, checkpoint prefixes holding any object)."""
-    committed = [c.manifest.checkpoint for c in list_committed(storage, "run")]
+    committed = [c.manifest.checkpoint for c in Repository(storage).list_committed("run")]
     prefixes = {
         info.key.split("/")[1]
         for info in storage.list_objects("run/")
@@ -233,7 +236,7 @@ def test_retention_killed_mid_deletion_is_finished_by_the_next_run(
     # and the pass died before touching the rest.
     storage.delete([manifest_key("run", name) for name in victims[:6]])
     storage.delete(["run/" + victims[2] + "/model.bin"])
-    assert [c.manifest.checkpoint for c in list_committed(storage, "run")] == [
+    assert [c.manifest.checkpoint for c in Repository(storage).list_committed("run")] == [
         name for name, _ in committed if name not in victims[:6]
     ]
     deleted = apply_retention(storage, "run", keep_last=4, keep_every_steps=700)
@@ -276,11 +279,14 @@ def test_fresh_restore_lease_protects_and_stale_one_is_removed(storage: Retrying
     for step in (1, 2, 3, 4):
         commit_files(storage, "run", f"ck-{step}", {"w": b"w"}, step=step)
     now = 1_000_000.0
-    take_restore_lease(storage, "run", "ck-1", now=now - 60)  # fresh
-    stale = take_restore_lease(storage, "run", "ck-2", now=now - 7200)  # an hour+ old
+    Repository(storage).take_lease("run", "ck-1", now=now - 60)  # fresh
+    stale = Repository(storage).take_lease("run", "ck-2", now=now - 7200)  # an hour+ old
     deleted = apply_retention(storage, "run", keep_last=1, keep_every_steps=0, now=now)
     assert deleted == ["ck-2", "ck-3"]
-    assert [c.manifest.checkpoint for c in list_committed(storage, "run")] == ["ck-1", "ck-4"]
+    assert [c.manifest.checkpoint for c in Repository(storage).list_committed("run")] == [
+        "ck-1",
+        "ck-4",
+    ]
     leases = [i.key for i in storage.list_objects(f"run/{LEASE_DIR}/")]
     assert len(leases) == 1 and stale not in leases
 

@@ -18,17 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptd import checksum
-from ckptd.manifest import (
-    Latest,
-    Manifest,
-    ManifestError,
-    latest_key,
-    manifest_key,
-    parse_latest,
-    parse_manifest,
-    should_move_latest,
-)
-from ckptd.storage.base import NotFoundError, PreconditionFailedError, Storage, StorageError
+from ckptd.manifest import Latest, Manifest, parse_manifest, should_move_latest
+from ckptd.repository import Repository
+from ckptd.storage.base import PreconditionFailedError, Storage, StorageError
 
 
 class CommitConflictError(Exception):
@@ -42,55 +34,40 @@ class CommitResult:
     already_committed: bool
 
 
-def _same_content(a: Manifest, b: Manifest) -> bool:
+def same_content(a: Manifest, b: Manifest) -> bool:
+    """Whether two manifests name the same files with the same bytes."""
     return [(f.path, f.size, f.crc32c) for f in a.files] == [
         (f.path, f.size, f.crc32c) for f in b.files
     ]
 
 
-def read_manifest(storage: Storage, run_id: str, checkpoint: str) -> Manifest | None:
-    """The committed manifest of a checkpoint, or None if it is not committed."""
-    try:
-        return parse_manifest(storage.get_bytes(manifest_key(run_id, checkpoint)))
-    except NotFoundError:
-        return None
-
-
-def read_latest(storage: Storage, run_id: str) -> Latest | None:
-    """The run's LATEST pointer, or None if absent or unreadable."""
-    try:
-        return parse_latest(storage.get_bytes(latest_key(run_id)))
-    except (NotFoundError, ManifestError):
-        return None
-
-
-def commit(storage: Storage, manifest: Manifest) -> CommitResult:
+def commit(storage: Storage | Repository, manifest: Manifest) -> CommitResult:
     """Steps 2 and 3 above; the caller has done step 1 for every file in ``manifest``."""
+    repo = storage if isinstance(storage, Repository) else Repository(storage)
     body = manifest.to_bytes()
     crc = checksum.crc32c(body)
     already = False
     try:
-        storage.put_if_absent(manifest_key(manifest.run_id, manifest.checkpoint), body, crc32c=crc)
+        repo.put_manifest_if_absent(manifest, body, crc)
     except PreconditionFailedError:
         # Committed already: by us before a crash or a lost response, or by another node.
-        existing = read_manifest(storage, manifest.run_id, manifest.checkpoint)
-        if existing is None:
+        stored = repo.read_manifest_bytes(manifest.run_id, manifest.checkpoint)
+        if stored is None:
             raise StorageError(
                 "manifest vanished after a failed conditional write", transient=True
             ) from None
-        if not _same_content(existing, manifest):
+        if not same_content(parse_manifest(stored), manifest):
             raise CommitConflictError(
                 f"{manifest.run_id}/{manifest.checkpoint} is already committed with different content"
             ) from None
-        crc = checksum.crc32c(storage.get_bytes(manifest_key(manifest.run_id, manifest.checkpoint)))
+        crc = checksum.crc32c(stored)
         already = True
-    latest = read_latest(storage, manifest.run_id)
+    latest = repo.read_latest(manifest.run_id)
     moved = False
     if should_move_latest(latest, manifest.step):
         pointer = Latest(
             checkpoint=manifest.checkpoint, step=manifest.step, manifest_crc32c=checksum.to_hex(crc)
         )
-        data = pointer.to_bytes()
-        storage.put_bytes(latest_key(manifest.run_id), data, crc32c=checksum.crc32c(data))
+        repo.write_latest(manifest.run_id, pointer)
         moved = True
     return CommitResult(checksum.to_hex(crc), moved, already)

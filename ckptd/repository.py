@@ -1,0 +1,344 @@
+"""The store as ckptd lays it out: every key, and every read of it, in one place.
+
+    <run>/<checkpoint>/<path>                   a checkpoint's objects
+    <run>/<checkpoint>/ckptd.manifest.json      written last: present = committed
+    <run>/LATEST                                the newest committed step's pointer
+    <run>/.ckptd-restoring/<checkpoint>-<uuid>  a restore's lease (retention keeps off)
+
+A ``Repository`` wraps a ``Storage`` and is the only code that spells a key or parses
+what the store holds. Committing (``ckptd.sync.commit``), retention, restore, verify and
+``ckptd list`` all go through it; none of them builds a key by hand. Its reads never
+mistake garbage for a commit: a manifest that does not parse is not a committed
+checkpoint when listing, and is an error when asked for by name.
+
+Objects are checked against a manifest in two ways: ``object_problems`` (present and of
+the manifest's size, from one listing) and ``crc_of_object`` (re-read in ranges, each
+range's CRC-32C folded into the whole file's with ``RangeCrc``, which restarts when a
+retried GET hands a range over again).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckptd import checksum
+from ckptd.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    Latest,
+    Manifest,
+    ManifestError,
+    parse_latest,
+    parse_manifest,
+)
+from ckptd.storage.base import NotFoundError, ObjectInfo, Storage
+
+LEASE_DIR = ".ckptd-restoring"
+LEASE_TTL_SECONDS = 3600.0
+# Ranged reads of one object: large enough that per-request cost vanishes, small
+# enough that a file's ranges spread over the pool.
+RANGE_BYTES = 16 * 1024 * 1024
+# Manifest reads in flight while listing; within the S3 client's default connection pool.
+LIST_CONCURRENCY = 8
+
+
+# -- keys --------------------------------------------------------------------------------
+
+
+def checkpoint_prefix(run_id: str, checkpoint: str) -> str:
+    return f"{run_id}/{checkpoint}/"
+
+
+def object_key(run_id: str, checkpoint: str, path: str) -> str:
+    return f"{run_id}/{checkpoint}/{path}"
+
+
+def manifest_key(run_id: str, checkpoint: str) -> str:
+    return f"{run_id}/{checkpoint}/{MANIFEST_NAME}"
+
+
+def latest_key(run_id: str) -> str:
+    return f"{run_id}/{LATEST_NAME}"
+
+
+def lease_prefix(run_id: str) -> str:
+    return f"{run_id}/{LEASE_DIR}/"
+
+
+# -- pure helpers ------------------------------------------------------------------------
+
+
+def chunk_ranges(size: int, chunk: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each ranged GET of an object of ``size`` bytes."""
+    return [(start, min(chunk, size - start)) for start in range(0, size, chunk)]
+
+
+class RangeCrc:
+    """The CRC-32C of one range as ``Storage.stream_range`` hands it over; a retried GET
+    starts again from ``pos == 0``, and so does the value."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, pos: int, piece: bytes) -> None:
+        self.value = checksum.crc32c(piece, self.value if pos else 0)
+
+
+def lease_checkpoint(body: bytes, key_name: str) -> str | None:
+    """The checkpoint a lease protects: from its JSON body, else from ``<NAME>-<uuid>``."""
+    try:
+        doc = json.loads(body)
+        name = doc.get("checkpoint") if isinstance(doc, dict) else None
+        if isinstance(name, str) and name:
+            return name
+    except ValueError:
+        pass
+    head, sep, token = key_name.rpartition("-")
+    return head if sep and len(token) == 32 else None
+
+
+def lease_is_fresh(body: bytes, now: float, ttl: float = LEASE_TTL_SECONDS) -> bool:
+    """Whether a lease was taken less than ``ttl`` seconds before ``now``; a lease
+    whose time cannot be read counts as fresh (when unsure, keep)."""
+    try:
+        doc = json.loads(body)
+        taken = float(doc["taken_at"])
+    except (ValueError, KeyError, TypeError):
+        return True
+    return now - taken < ttl
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    run_id: str
+    manifest: Manifest
+    is_latest: bool
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    """A manifest file whose object (or local copy) does not match; ``problem`` says how."""
+
+    path: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class ObjectMismatch:
+    """One object that is missing (``found`` None) or of another size than the manifest's."""
+
+    path: str
+    found: int | None
+    expected: int
+
+
+# -- the repository ------------------------------------------------------------------------
+
+
+class Repository:
+    """Reads (and the few layout writes) of the store, by run and checkpoint name."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    # -- manifests and LATEST --------------------------------------------------------------
+
+    def read_manifest_bytes(self, run_id: str, checkpoint: str) -> bytes | None:
+        """The manifest as stored, or None if the checkpoint is not committed."""
+        try:
+            return self.storage.get_bytes(manifest_key(run_id, checkpoint))
+        except NotFoundError:
+            return None
+
+    def read_manifest(self, run_id: str, checkpoint: str) -> Manifest | None:
+        """The committed manifest of a checkpoint, or None if it is not committed;
+        ManifestError if one is there but cannot be trusted."""
+        body = self.read_manifest_bytes(run_id, checkpoint)
+        return None if body is None else parse_manifest(body)
+
+    def has_manifest(self, run_id: str, checkpoint: str) -> bool:
+        """Whether a manifest object exists, parsable or not."""
+        return self.storage.head(manifest_key(run_id, checkpoint)) is not None
+
+    def put_manifest_if_absent(self, manifest: Manifest, body: bytes, crc32c: int) -> None:
+        """The commit write: PreconditionFailedError if a manifest is there already."""
+        self.storage.put_if_absent(
+            manifest_key(manifest.run_id, manifest.checkpoint), body, crc32c=crc32c
+        )
+
+    def read_latest(self, run_id: str) -> Latest | None:
+        """The run's LATEST pointer, or None if absent or unreadable."""
+        try:
+            return parse_latest(self.storage.get_bytes(latest_key(run_id)))
+        except (NotFoundError, ManifestError):
+            return None
+
+    def write_latest(self, run_id: str, pointer: Latest) -> None:
+        data = pointer.to_bytes()
+        self.storage.put_bytes(latest_key(run_id), data, crc32c=checksum.crc32c(data))
+
+    # -- listing and resolving -------------------------------------------------------------
+
+    def list_runs(self) -> list[str]:
+        return self.storage.list_children("")
+
+    def list_names(self, run_id: str) -> list[str]:
+        """Every name directly under the run (checkpoints, orphans, dot-dirs)."""
+        return self.storage.list_children(f"{run_id}/")
+
+    def list_committed(
+        self, run_id: str, *, concurrency: int = LIST_CONCURRENCY
+    ) -> list[CommittedCheckpoint]:
+        """Committed checkpoints of a run, oldest first (by step, then commit time).
+
+        One manifest GET per checkpoint, ``concurrency`` at a time: each is a small
+        request whose time is the round trip, so a run with a thousand checkpoints lists
+        in a fraction of the time one by one would take."""
+        latest = self.read_latest(run_id)
+
+        def read(name: str) -> Manifest | None:
+            try:
+                return self.read_manifest(run_id, name)
+            except ManifestError:
+                return None  # a manifest that does not parse is not a committed checkpoint
+
+        names = self.list_names(run_id)
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            manifests = list(pool.map(read, names))
+        found = [
+            CommittedCheckpoint(run_id, m, latest is not None and latest.checkpoint == name)
+            for name, m in zip(names, manifests, strict=True)
+            if m is not None
+        ]
+        found.sort(
+            key=lambda c: (
+                c.manifest.step if c.manifest.step is not None else -1,
+                c.manifest.committed_at,
+            )
+        )
+        return found
+
+    def resolve(self, run_id: str, checkpoint: str | None) -> Manifest:
+        """The manifest of ``checkpoint``, or with None the newest committed one: LATEST's,
+        falling back to the newest manifest when LATEST is missing or names nothing
+        committed. NotFoundError when there is none."""
+        if checkpoint is not None:
+            manifest = self.read_manifest(run_id, checkpoint)
+            if manifest is None:
+                raise NotFoundError(
+                    f"{run_id}/{checkpoint} is not committed "
+                    f"(no {manifest_key(run_id, checkpoint)})"
+                )
+            return manifest
+        latest = self.read_latest(run_id)
+        if latest is not None:
+            try:
+                named = self.read_manifest(run_id, latest.checkpoint)
+            except ManifestError:
+                named = None
+            if named is not None:
+                return named
+        committed = self.list_committed(run_id)
+        if not committed:
+            raise NotFoundError(f"run {run_id!r} has no committed checkpoint")
+        return committed[-1].manifest
+
+    # -- objects -----------------------------------------------------------------------
+
+    def list_objects(self, run_id: str, checkpoint: str) -> list[ObjectInfo]:
+        return list(self.storage.list_objects(checkpoint_prefix(run_id, checkpoint)))
+
+    def delete(self, keys: list[str]) -> None:
+        if keys:
+            self.storage.delete(keys)
+
+    def object_mismatches(self, manifest: Manifest) -> list[ObjectMismatch]:
+        """Objects missing or of another size than the manifest says, from one listing
+        (and a HEAD of each object the listing lacks: a listing may lag a write)."""
+        listed = {
+            info.key: info.size for info in self.list_objects(manifest.run_id, manifest.checkpoint)
+        }
+        found: list[ObjectMismatch] = []
+        for f in manifest.files:
+            key = object_key(manifest.run_id, manifest.checkpoint, f.path)
+            size = listed.get(key)
+            if size is None:
+                info = self.storage.head(key)
+                size = None if info is None else info.size
+            if size != f.size:
+                found.append(ObjectMismatch(f.path, size, f.size))
+        return found
+
+    def crc_of_object(
+        self, key: str, size: int, pool: Executor, *, range_bytes: int = RANGE_BYTES
+    ) -> int:
+        """The CRC-32C of an object of ``size`` bytes, re-read in ranges on ``pool``."""
+
+        def read(rng: tuple[int, int]) -> tuple[int, int]:
+            crc = RangeCrc()
+            self.storage.stream_range(key, rng[0], rng[1], crc.update)
+            return crc.value, rng[1]
+
+        return checksum.combine_parts(pool.map(read, chunk_ranges(size, range_bytes)))
+
+    # -- restore leases ------------------------------------------------------------------
+
+    def take_lease(self, run_id: str, checkpoint: str, *, now: float) -> str:
+        """Write a lease protecting ``checkpoint`` from retention; returns its key."""
+        key = f"{lease_prefix(run_id)}{checkpoint}-{uuid.uuid4().hex}"
+        body = json.dumps(
+            {"checkpoint": checkpoint, "taken_at": now, "host": socket.gethostname()}
+        ).encode()
+        self.storage.put_bytes(key, body, crc32c=checksum.crc32c(body))
+        return key
+
+    def release_lease(self, key: str) -> None:
+        self.storage.delete([key])
+
+    def read_leases(
+        self, run_id: str, *, now: float, ttl: float = LEASE_TTL_SECONDS
+    ) -> tuple[set[str], list[str]]:
+        """``(checkpoints with a fresh lease, keys of stale leases)``."""
+        fresh: set[str] = set()
+        stale: list[str] = []
+        for info in self.storage.list_objects(lease_prefix(run_id)):
+            key_name = info.key.rsplit("/", 1)[-1]
+            try:
+                body = self.storage.get_bytes(info.key)
+            except NotFoundError:
+                continue  # released while we listed
+            name = lease_checkpoint(body, key_name)
+            if lease_is_fresh(body, now, ttl):
+                if name is not None:
+                    fresh.add(name)
+            else:
+                stale.append(info.key)
+        return fresh, stale
+
+
+__all__ = [
+    "LEASE_DIR",
+    "LEASE_TTL_SECONDS",
+    "RANGE_BYTES",
+    "CommittedCheckpoint",
+    "FileProblem",
+    "ObjectMismatch",
+    "RangeCrc",
+    "Repository",
+    "checkpoint_prefix",
+    "chunk_ranges",
+    "latest_key",
+    "lease_checkpoint",
+    "lease_is_fresh",
+    "lease_prefix",
+    "manifest_key",
+    "object_key",
+]
