@@ -187,7 +187,7 @@ def test_rate_limiter_zero_means_unlimited() -> None:
 
 
 def test_rate_meter_averages_over_its_window_only() -> None:
-    from ckptd.sync.pipeline import RateMeter
+    from ckptd.sync.rate import RateMeter
 
     meter = RateMeter(window=10.0)
     assert meter.rate(0.0) is None  # nothing measured yet

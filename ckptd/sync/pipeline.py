@@ -1,102 +1,47 @@
 """The sync pipeline: from "a checkpoint may have changed" to "it is committed".
 
 Inputs are hints (file events, rescans, start-up): each makes the pipeline look at one
-checkpoint again. A checkpoint whose completion rule holds becomes *pending*; one
-worker takes pending checkpoints one at a time — newest step first, an emergency one
-before all (a preemption's checkpoint is the one that matters) — and ships it with
-every file in parallel. Pure decisions live in ``ckptd.layouts``, ``ckptd.plan`` and
-``ckptd.manifest``; I/O in ``ckptd.storage``, ``transfer``, ``journal``; this module
-only sequences them and keeps the state ``/v1/status`` shows.
+checkpoint again, after a short debounce. A checkpoint whose completion rule holds goes
+into the ``ShipQueue`` (``ckptd.sync.queue``: the order, the backoff, the emergency
+rules); one worker takes the next one and hands it to the ``Shipper``
+(``ckptd.sync.ship``), whose outcome this module acts on (metrics, logs, what to try
+again). So this module keeps only hints, timers, the worker loop and the state
+``/v1/status`` shows; every decision it takes is made by a pure function elsewhere.
+All time is read from one injected ``Clock``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import threading
-import time
-from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from ckptd import checksum, layouts
+from ckptd import layouts
+from ckptd.clock import SYSTEM_CLOCK, Clock
 from ckptd.config import Settings, WatchConfig
-from ckptd.deadline import may_finish_first, plan_flush
-from ckptd.environment import describe
-from ckptd.layouts.base import CheckpointListing, Completion, FileEntry, RuleSettings, step_of
+from ckptd.deadline import plan_flush
+from ckptd.layouts.base import Completion, RuleSettings, step_of
 from ckptd.logs import get_logger
-from ckptd.manifest import Manifest, ManifestError, build_manifest, manifest_key, object_key
+from ckptd.manifest import Manifest, ManifestError
 from ckptd.metrics import Metrics
-from ckptd.plan import plan_upload, resolve_copies
-from ckptd.retention import apply_local_cleanup, apply_retention
+from ckptd.repository import Repository
 from ckptd.storage.base import Storage, StorageError
-from ckptd.sync.commit import CommitConflictError, commit, read_latest, read_manifest
+from ckptd.sync import cleanup
+from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
+from ckptd.sync.queue import InFlight, Pending, ShipQueue, completed_in_emergency, uploads_to_pause
+from ckptd.sync.rate import RateMeter
 from ckptd.sync.scanner import list_candidates, snapshot
-from ckptd.sync.transfer import (
-    CheckpointChangedError,
-    FileResult,
-    TransferContext,
-    TransferPausedError,
-    Transfers,
-    abort_unrecorded_uploads,
-)
-
-T = TypeVar("T")
+from ckptd.sync.ship import Outcome, Shipper, ShipRequest, ShipResult, fingerprint
+from ckptd.sync.transfer import TransferContext, Transfers
 
 # Coalesces the burst of events one save produces into one look at the checkpoint.
 EVENT_DEBOUNCE_SECONDS = 0.2
-# A failed checkpoint is tried again after this backoff (doubling, capped).
-FAILURE_BACKOFF = (2.0, 300.0)
 
-
-class RateMeter:
-    """Bytes per second over a sliding window, from the transfers' byte counts.
-    Fed from the I/O worker threads and read on the event loop, hence the lock; adding
-    is O(1) amortised."""
-
-    def __init__(self, window: float = 10.0) -> None:
-        self.window = window
-        self._samples: deque[tuple[float, int]] = deque()
-        self._lock = threading.Lock()
-
-    def _expire(self, now: float) -> None:
-        cutoff = now - self.window
-        while self._samples and self._samples[0][0] < cutoff:
-            self._samples.popleft()
-
-    def add(self, nbytes: int, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            self._samples.append((now, nbytes))
-            self._expire(now)
-
-    def rate(self, now: float | None = None) -> float | None:
-        """Bytes per second, or None before anything was measured."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            self._expire(now)
-            if len(self._samples) < 2:
-                return None
-            span = max(now - self._samples[0][0], 0.5)
-            return sum(n for _, n in self._samples) / span
-
-
-@dataclass
-class Pending:
-    """A complete checkpoint waiting to be (or being) shipped."""
-
-    name: str
-    step: int | None
-    completed_at: float  # wall clock, for sync lag
-    emergency: bool = False
-    total_bytes: int = 0
-    failures: int = 0
-    not_before: float = 0.0  # monotonic; backoff after a failure
+CommitHook = Callable[[str, str, int, bool], Awaitable[None]]
 
 
 @dataclass
@@ -117,7 +62,6 @@ class RunState:
     run_id: str
     rules: RuleSettings
     seen: set[str] = field(default_factory=set)
-    pending: dict[str, Pending] = field(default_factory=dict)
     committed: set[str] = field(default_factory=set)
     failed_for_good: dict[str, str] = field(default_factory=dict)
     previous: Manifest | None = None
@@ -135,10 +79,6 @@ class RunState:
         return Path(self.watch.dir)
 
 
-def _fingerprint(files: tuple[FileEntry, ...]) -> list[tuple[str, int, int]]:
-    return sorted((f.path, f.size, f.mtime_ns) for f in files)
-
-
 class SyncPipeline:
     """Detects complete checkpoints and commits them to ``storage``."""
 
@@ -149,14 +89,16 @@ class SyncPipeline:
         journal: Journal,
         metrics: Metrics,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.settings = settings
-        self.storage = storage
+        self.repo = Repository(storage)
         self.journal = journal
         self.metrics = metrics
         self.clock = clock
+        self.log = get_logger()
         dest = settings.destination
+        self.rate = RateMeter(clock=clock.monotonic)
         self.transfers = Transfers(
             storage,
             journal,
@@ -164,6 +106,15 @@ class SyncPipeline:
             concurrency=dest.concurrency,
             on_bytes=self._count_bytes,
         )
+        self.shipper = Shipper(
+            self.repo,
+            self.transfers,
+            journal,
+            clock,
+            file_slots=max(4, dest.concurrency * 2),
+            log=self.log,
+        )
+        self.queue = ShipQueue()
         self.runs: dict[str, RunState] = {}
         for w in settings.watch:
             rules = RuleSettings(
@@ -172,21 +123,16 @@ class SyncPipeline:
                 settle_seconds=w.settle_seconds,
             )
             self.runs[w.effective_run_id] = RunState(w, w.effective_run_id, rules)
-        self.host = socket.gethostname()
-        self.environment = describe()
         self._wake = asyncio.Event()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._evaluating = 0
-        self._file_slots = asyncio.Semaphore(max(4, dest.concurrency * 2))
-        self.log = get_logger()
-        self.rate = RateMeter()
         # Emergency mode (a preemption notice): checkpoints completed after the notice go
         # first, and the deadline decides whether an older upload may finish.
         self.emergency_since: float | None = None
-        self.emergency_deadline: Any = None  # aware datetime or None
+        self.emergency_deadline: datetime | None = None
         self.on_emergency_complete: Callable[[str, str], None] = lambda run, name: None
-        self.on_commit: Callable[[str, str, int, bool], Awaitable[None]] | None = None
+        self.on_commit: CommitHook | None = None
 
     def _count_bytes(self, run: str, n: int) -> None:
         self.metrics.upload_bytes.labels(run=run).inc(n)
@@ -195,38 +141,17 @@ class SyncPipeline:
         if state is not None and state.current is not None:
             state.current.sent_bytes += n
 
+    def watch_dirs(self) -> list[Path]:
+        """Every watched run's directory (where the responder writes notice files)."""
+        return [state.dir for state in self.runs.values()]
+
     # -- start-up --------------------------------------------------------------------
 
     async def recover(self) -> None:
-        """Settle what a previous process left in the journal: keep uploads that can
-        resume, abort the rest (including ones created but never recorded)."""
-        for rec in await asyncio.to_thread(self.journal.all_uploads):
-            state = self.runs.get(rec.run)
-            local = None
-            if state is not None:
-                checkpoint = state.dir / rec.checkpoint
-                # A file checkpoint (Lightning *.ckpt) is its own only file.
-                local = checkpoint / rec.path if checkpoint.is_dir() else checkpoint
-            keep = False
-            if rec.upload_id is not None and local is not None:
-                with contextlib.suppress(OSError):
-                    st = local.stat()
-                    keep = (st.st_size, st.st_mtime_ns) == (rec.size, rec.mtime_ns)
-            if keep and not await asyncio.to_thread(
-                self.journal.is_committed, rec.run, rec.checkpoint
-            ):
-                continue
-            try:
-                if rec.upload_id is None:
-                    await asyncio.to_thread(abort_unrecorded_uploads, self.storage, rec.key, set())
-                else:
-                    await asyncio.to_thread(self.storage.abort_upload, rec.key, rec.upload_id)
-                await asyncio.to_thread(self.journal.forget_upload, rec.key)
-                self.log.info(
-                    "orphan_upload_aborted", run=rec.run, checkpoint=rec.checkpoint, key=rec.key
-                )
-            except StorageError as exc:
-                self.log.warning("orphan_abort_failed", key=rec.key, error=str(exc))
+        """Settle what a previous process left in the journal (``cleanup.recover``) and
+        learn what is committed already."""
+        dirs = {run: state.dir for run, state in self.runs.items()}
+        await asyncio.to_thread(cleanup.recover, self.repo, self.journal, dirs, self.log)
         for state in self.runs.values():
             state.committed.update(name for name, _ in self.journal.committed(state.run_id))
 
@@ -247,12 +172,12 @@ class SyncPipeline:
         old = self._timers.pop(key, None)
         if old is not None:
             old.cancel()
+        if name in state.committed:
+            return
         loop = asyncio.get_running_loop()
         self._timers[key] = loop.call_later(delay, lambda: self._spawn(self.evaluate(run_id, name)))
-        if name in state.committed:
-            self._timers.pop(key).cancel()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -283,16 +208,15 @@ class SyncPipeline:
         if name in state.committed or name in state.failed_for_good:
             return None
         listing = await asyncio.to_thread(snapshot, state.dir, name)
-        if (
-            state.current_ctx is not None
-            and state.current is not None
-            and state.current.name == name
-        ) and (listing is None or _fingerprint(listing.files) != state.current_files):
+        current, ctx = state.current, state.current_ctx
+        if (ctx is not None and current is not None and current.name == name) and (
+            listing is None or fingerprint(listing.files) != state.current_files
+        ):
             # Deleted (save_total_limit rotation) or rewritten mid-upload: stop
             # sending now rather than at the final check.
-            state.current_ctx.cancel.set()
+            ctx.cancel.set()
         if listing is None:
-            if state.pending.pop(name, None) is not None:
+            if self.queue.remove(run_id, name) is not None:
                 self.log.info("checkpoint_vanished", run=run_id, checkpoint=name)
             state.seen.discard(name)
             return None
@@ -301,43 +225,45 @@ class SyncPipeline:
             self.log.info(
                 "checkpoint_detected", run=run_id, checkpoint=name, files=len(listing.files)
             )
-        verdict = layouts.evaluate(state.watch.layout, listing, time.time_ns(), state.rules)
-        if verdict.complete:
-            if name not in state.pending:
-                now = self.clock()
-                emergency = (
-                    self.emergency_since is not None
-                    and listing.newest_mtime_ns / 1e9 >= self.emergency_since - 1.0
-                )
-                state.pending[name] = Pending(
-                    name,
-                    step_of(name),
-                    now,
-                    emergency=emergency,
-                    total_bytes=sum(f.size for f in verdict.files),
-                )
-                if emergency:
-                    self.log.warning("emergency_checkpoint_complete", run=run_id, checkpoint=name)
-                    self.on_emergency_complete(run_id, name)
-                    self._make_way(sum(f.size for f in verdict.files))
-                self.log.info(
-                    "checkpoint_complete",
-                    run=run_id,
-                    checkpoint=name,
-                    layout=verdict.layout,
-                    bytes=sum(f.size for f in verdict.files),
-                    files=len(verdict.files),
-                )
-                self._update_gauges()
-                self._wake.set()
-        else:
+        verdict = layouts.evaluate(
+            state.watch.layout, listing, int(self.clock.time() * 1e9), state.rules
+        )
+        if not verdict.complete:
             if verdict.recheck_after is not None:
                 self.hint(run_id, name, delay=verdict.recheck_after + 0.05)
+            return verdict
+        total = sum(f.size for f in verdict.files)
+        pending = Pending(
+            run_id,
+            name,
+            step_of(name),
+            self.clock.time(),
+            emergency=completed_in_emergency(listing.newest_mtime_ns / 1e9, self.emergency_since),
+            total_bytes=total,
+        )
+        if not self.queue.add(pending):
+            return verdict
+        if pending.emergency:
+            self.log.warning("emergency_checkpoint_complete", run=run_id, checkpoint=name)
+            self.on_emergency_complete(run_id, name)
+            self._make_way(total)
+        self.log.info(
+            "checkpoint_complete",
+            run=run_id,
+            checkpoint=name,
+            layout=verdict.layout,
+            bytes=total,
+            files=len(verdict.files),
+        )
+        self.update_gauges()
+        self._wake.set()
         return verdict
 
-    def enter_emergency(self, deadline: Any, since: float) -> None:
-        """A notice arrived at wall time ``since``: what completes from now on goes first."""
-        self.emergency_since = since
+    # -- emergency mode ------------------------------------------------------------------
+
+    def enter_emergency(self, deadline: datetime | None) -> None:
+        """A notice arrived now: what completes from now on goes first."""
+        self.emergency_since = self.clock.time()
         self.emergency_deadline = deadline
         for state in self.runs.values():
             for name in state.seen - state.committed:
@@ -352,43 +278,51 @@ class SyncPipeline:
     def _seconds_left(self) -> float | None:
         if self.emergency_deadline is None:
             return None
-        return float((self.emergency_deadline - datetime.now(UTC)).total_seconds())
+        return self.emergency_deadline.timestamp() - self.clock.time()
 
-    def _is_emergency(self, state: RunState, name: str) -> bool:
-        pending = state.pending.get(name)
-        return pending is not None and pending.emergency
+    def _in_flight(self) -> list[tuple[InFlight, TransferContext]]:
+        found = []
+        for state in self.runs.values():
+            current, ctx = state.current, state.current_ctx
+            if current is None or ctx is None:
+                continue
+            pending = self.queue.get(state.run_id, current.name)
+            upload = InFlight(
+                state.run_id,
+                current.name,
+                current.total_bytes,
+                current.sent_bytes,
+                emergency=pending is not None and pending.emergency,
+            )
+            found.append((upload, ctx))
+        return found
 
     def _make_way(self, emergency_bytes: int) -> None:
         """Pause an older upload in flight unless both can finish before the deadline;
         its finished parts stay in the journal and it resumes afterwards."""
-        for state in self.runs.values():
-            current, ctx = state.current, state.current_ctx
-            if current is None or ctx is None or self._is_emergency(state, current.name):
-                continue
-            left = current.total_bytes - current.sent_bytes
-            if may_finish_first(left, emergency_bytes, self.rate.rate(), self._seconds_left()):
-                self.log.info(
-                    "older_upload_continues",
-                    run=state.run_id,
-                    checkpoint=current.name,
-                    bytes_left=left,
-                )
-                continue
-            self.log.warning(
-                "older_upload_paused", run=state.run_id, checkpoint=current.name, bytes_left=left
+        in_flight = self._in_flight()
+        pause, keep = uploads_to_pause(
+            [u for u, _ in in_flight], emergency_bytes, self.rate.rate(), self._seconds_left()
+        )
+        for u in keep:
+            self.log.info(
+                "older_upload_continues", run=u.run, checkpoint=u.name, bytes_left=u.bytes_left
             )
-            ctx.pause.set()
+        for u, ctx in in_flight:
+            if u in pause:
+                self.log.warning(
+                    "older_upload_paused", run=u.run, checkpoint=u.name, bytes_left=u.bytes_left
+                )
+                ctx.pause.set()
         self._update_eta()
 
     def _update_eta(self) -> None:
         """Log and export when the emergency work will be committed at the measured rate."""
         if self.emergency_since is None:
             return
-        left = 0
-        for state in self.runs.values():
-            left += sum(p.total_bytes for p in state.pending.values() if p.emergency)
-            if state.current is not None and self._is_emergency(state, state.current.name):
-                left -= state.current.sent_bytes
+        left = self.queue.emergency_bytes() - sum(
+            u.sent_bytes for u, _ in self._in_flight() if u.emergency
+        )
         plan = plan_flush(max(0, left), self.rate.rate(), self._seconds_left())
         if plan.eta_seconds is not None:
             self.metrics.emergency_eta.set(plan.eta_seconds)
@@ -401,272 +335,141 @@ class SyncPipeline:
 
     # -- the worker ------------------------------------------------------------------
 
-    def _next(self) -> tuple[RunState, Pending] | None:
-        now = time.monotonic()
-        best: tuple[tuple[int, int, float], RunState, Pending] | None = None
-        for state in self.runs.values():
-            for p in state.pending.values():
-                if p.not_before > now:
-                    continue
-                rank = (
-                    1 if p.emergency else 0,
-                    p.step if p.step is not None else -1,
-                    p.completed_at,
-                )
-                if best is None or rank > best[0]:
-                    best = (rank, state, p)
-        return None if best is None else (best[1], best[2])
-
-    def _next_wakeup(self) -> float | None:
-        times = [p.not_before for s in self.runs.values() for p in s.pending.values()]
-        if not times:
-            return None
-        return max(0.0, min(times) - time.monotonic())
-
     async def work(self, stop: asyncio.Event) -> None:
         """Ship pending checkpoints until ``stop`` is set (the current one finishes first)."""
         while not stop.is_set():
-            picked = self._next()
-            if picked is None:
+            pending = self.queue.next(self.clock.monotonic())
+            if pending is None:
                 self._wake.clear()
                 waiters = [
                     asyncio.ensure_future(self._wake.wait()),
                     asyncio.ensure_future(stop.wait()),
                 ]
                 await asyncio.wait(
-                    waiters, timeout=self._next_wakeup(), return_when=asyncio.FIRST_COMPLETED
+                    waiters,
+                    timeout=self.queue.next_wakeup(self.clock.monotonic()),
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 for w in waiters:
                     w.cancel()
                 continue
-            state, pending = picked
-            await self.ship(state, pending)
+            await self.ship(pending)
 
     async def drain_once(self) -> bool:
         """Ship everything pending now (``ckptd run --once``); True if all committed."""
         ok = True
-        while (picked := self._next()) is not None:
-            state, pending = picked
-            ok = await self.ship(state, pending) and ok
+        while (pending := self.queue.next(self.clock.monotonic())) is not None:
+            ok = await self.ship(pending) and ok
         # Failures left in backoff count as not done.
-        return ok and not any(s.pending for s in self.runs.values())
+        return ok and not len(self.queue)
 
     # -- shipping one checkpoint --------------------------------------------------------
 
-    async def ship(self, state: RunState, pending: Pending) -> bool:
-        """Upload, verify and commit one checkpoint; True when committed."""
-        run, name = state.run_id, pending.name
-        log = self.log.bind(run=run, checkpoint=name)
+    async def ship(self, pending: Pending) -> bool:
+        """Ship one queued checkpoint and act on the outcome; True when committed."""
+        state = self.runs[pending.run]
+        run, name = pending.run, pending.name
         listing = await asyncio.to_thread(snapshot, state.dir, name)
         verdict = (
-            layouts.evaluate(state.watch.layout, listing, time.time_ns(), state.rules)
+            layouts.evaluate(state.watch.layout, listing, int(self.clock.time() * 1e9), state.rules)
             if listing
             else None
         )
         if listing is None or verdict is None or not verdict.complete:
-            state.pending.pop(name, None)
-            self._update_gauges()
+            self.queue.remove(run, name)
+            self.update_gauges()
             if listing is not None:
                 self.hint(run, name)
             return False
-        started, cpu_started = time.monotonic(), time.process_time()
+        ctx = TransferContext(run, name)
+
+        def started(total_bytes: int) -> None:
+            state.current = Progress(name, self.clock.time(), total_bytes)
+
+        request = ShipRequest(
+            run,
+            state.dir,
+            listing,
+            verdict,
+            await self._previous_manifest(state),
+            ctx,
+            on_started=started,
+            on_copied=lambda n: self.metrics.copied_bytes.labels(run=run).inc(n),
+        )
+        state.current_files, state.current_ctx = fingerprint(listing.files), ctx
         try:
-            existing = await asyncio.to_thread(read_manifest, self.storage, run, name)
-            if existing is not None:
-                self._mark_committed(state, pending, existing, log, already=True)
-                if self.on_commit is not None:
-                    await self.on_commit(run, name, existing.total_bytes, pending.emergency)
-                return True
-            previous = await self._previous_manifest(state)
-            results = await self._transfer_all(state, listing, verdict, previous, log)
-            after = await asyncio.to_thread(snapshot, state.dir, name)
-            if after is None or _fingerprint(after.files) != _fingerprint(listing.files):
-                raise CheckpointChangedError("files changed while uploading")
-            step = step_of(name)
-            manifest = build_manifest(
-                run_id=run,
-                checkpoint=name,
-                step=step,
-                layout=verdict.layout,
-                host=self.host,
-                created_at=listing.newest_mtime_ns / 1e9,
-                committed_at=self.clock(),
-                files=[(r.path, r.size, checksum.to_hex(r.crc32c)) for r in results],
-                environment=self.environment,
-            )
-            log.info("checkpoint_verified", files=len(results), bytes=manifest.total_bytes)
-            result = await asyncio.to_thread(commit, self.storage, manifest)
-        except TransferPausedError:
-            # Made way for an emergency checkpoint; the journal keeps every finished part.
-            log.warning("checkpoint_paused")
-            return False
-        except CheckpointChangedError as exc:
-            await self._abandon(state, pending, str(exc), log)
-            return False
-        except CommitConflictError as exc:
-            state.pending.pop(name, None)
-            state.failed_for_good[name] = str(exc)
-            self.metrics.failed.labels(run=run, reason="conflict").inc()
-            log.error("checkpoint_conflict", error=str(exc))
-            self._update_gauges()
-            return False
-        except (StorageError, ManifestError, OSError) as exc:
-            self._failed(state, pending, exc, log)
-            return False
+            result = await self.shipper.ship(request)
         finally:
-            state.current = None
-            state.current_ctx = None
-            state.current_files = None
-        self._mark_committed(state, pending, manifest, log, already=result.already_committed)
+            state.current = state.current_ctx = state.current_files = None
+        log = self.log.bind(run=run, checkpoint=name)
+        if result.outcome is Outcome.COMMITTED:
+            await self._committed(state, pending, result, log)
+            return True
+        if result.outcome is Outcome.PAUSED:
+            log.warning("checkpoint_paused")
+        elif result.outcome is Outcome.CHANGED:
+            await self._abandon(state, pending, str(result.error), log)
+        elif result.outcome is Outcome.CONFLICT:
+            self.queue.remove(run, name)
+            state.failed_for_good[name] = str(result.error)
+            self.metrics.failed.labels(run=run, reason="conflict").inc()
+            log.error("checkpoint_conflict", error=str(result.error))
+            self.update_gauges()
+        else:
+            self._failed(state, pending, result, log)
+        return False
+
+    async def _committed(
+        self, state: RunState, pending: Pending, result: ShipResult, log: Any
+    ) -> None:
+        manifest = result.manifest
+        assert manifest is not None  # an Outcome.COMMITTED always carries it
+        self._mark_committed(state, manifest, log, already=result.already_committed)
         if self.on_commit is not None:
-            await self.on_commit(run, name, manifest.total_bytes, pending.emergency)
-        seconds = time.monotonic() - started
-        # The whole process's CPU over the upload: the price of shipping this checkpoint
-        # on a node whose cores the trainer wants (other work in the daemon is idle then).
-        cpu_seconds = time.process_time() - cpu_started
+            await self.on_commit(
+                state.run_id, pending.name, manifest.total_bytes, pending.emergency
+            )
+        if result.commit is None:
+            return  # committed before this attempt: nothing was shipped now
         if self.emergency_since is None:  # never spend a preemption's seconds on deletes
-            await self._retention(state, log)
+            protected = set(self.queue.names(state.run_id))
+            removed = await after_commit(
+                self.repo,
+                self.settings.retention,
+                state.run_id,
+                state.dir,
+                protected=protected,
+                committed_here=state.committed,
+                log=log,
+            )
+            state.seen.difference_update(removed)
+        run = state.run_id
         self.metrics.upload_duration.labels(run=run).observe(
-            max(0.0, self.clock() - pending.completed_at)
+            max(0.0, self.clock.time() - pending.completed_at)
         )
         self.metrics.checkpoint_bytes.labels(run=run).observe(manifest.total_bytes)
-        sent = sum(r.bytes_sent for r in results)
+        files = result.files
         log.info(
             "checkpoint_committed",
             step=manifest.step,
             bytes=manifest.total_bytes,
-            bytes_sent=sent,
-            copied=sum(1 for r in results if r.how == "copied"),
-            resumed=sum(1 for r in results if r.how == "resumed"),
-            skipped=sum(1 for r in results if r.how == "skipped"),
-            seconds=round(seconds, 3),
-            cpu_seconds=round(cpu_seconds, 3),
-            latest_moved=result.latest_moved,
-            manifest_crc32c=result.manifest_crc32c,
+            bytes_sent=sum(r.bytes_sent for r in files),
+            copied=sum(1 for r in files if r.how == "copied"),
+            resumed=sum(1 for r in files if r.how == "resumed"),
+            skipped=sum(1 for r in files if r.how == "skipped"),
+            seconds=round(result.seconds, 3),
+            cpu_seconds=round(result.cpu_seconds, 3),
+            latest_moved=result.commit.latest_moved,
+            manifest_crc32c=result.commit.manifest_crc32c,
         )
-        return True
-
-    async def _transfer_all(
-        self,
-        state: RunState,
-        listing: CheckpointListing,
-        verdict: Completion,
-        previous: Manifest | None,
-        log: Any,
-    ) -> list[FileResult]:
-        run, name = state.run_id, listing.name
-        done_records = await asyncio.to_thread(self.journal.objects_for, run, name)
-        done = {p: (r.size, r.mtime_ns) for p, r in done_records.items()}
-        plan = plan_upload(verdict.files, previous, done)
-        total = sum(f.size for f in verdict.files)
-        state.current = Progress(name, self.clock(), total)
-        log.info(
-            "checkpoint_uploading",
-            files=len(verdict.files),
-            bytes=total,
-            to_upload=len(plan.upload),
-            copy_candidates=len(plan.copy_candidates),
-            already_done=len(plan.done),
-        )
-        ctx = TransferContext(run, name)
-        state.current_files = _fingerprint(listing.files)
-        state.current_ctx = ctx
-
-        def local_path(f: FileEntry) -> Path:
-            return state.dir / name / f.path if listing.is_dir else state.dir / name
-
-        async def bounded(work: Awaitable[T]) -> T:
-            # Coroutines are created up front but start only here, so at most
-            # _file_slots files are open (and hold buffers) at once.
-            async with self._file_slots:
-                return await work
-
-        results: list[FileResult] = [
-            FileResult(f.path, f.size, done_records[f.path].crc32c, "skipped") for f in plan.done
-        ]
-        uploads = list(plan.upload)
-        jobs: list[Any] = []
-        if plan.copy_candidates and previous is not None:
-            crcs = await asyncio.gather(
-                *(
-                    bounded(self.transfers.crc_of(local_path(f), f, ctx))
-                    for f in plan.copy_candidates
-                )
-            )
-            crc_map = {f.path: c for f, c in zip(plan.copy_candidates, crcs, strict=True)}
-            copies, more = resolve_copies(
-                plan.copy_candidates, {p: checksum.to_hex(c) for p, c in crc_map.items()}, previous
-            )
-            uploads.extend(more)
-            for c in copies:
-                src = object_key(previous.run_id, previous.checkpoint, c.source_path)
-                dst = object_key(run, name, c.file.path)
-                jobs.append(
-                    bounded(self.transfers.copy(src, dst, c.file, crc_map[c.file.path], ctx))
-                )
-        for f in uploads:
-            key = object_key(run, name, f.path)
-            jobs.append(bounded(self.transfers.upload(key, local_path(f), f, ctx)))
-        tasks = [asyncio.ensure_future(j) for j in jobs]
-        try:
-            results.extend(await asyncio.gather(*tasks))
-        except BaseException:
-            ctx.cancel.set()  # the other files stop at their next part...
-            if tasks:
-                await asyncio.wait(tasks)  # ...and none is still sending when we clean up
-            raise
-        for r in results:
-            if r.how == "copied":
-                self.metrics.copied_bytes.labels(run=run).inc(r.size)
-        return results
-
-    async def _retention(self, state: RunState, log: Any) -> None:
-        """After a commit: remote retention, then (opt-in) local cleanup. A failure here
-        is logged; it never fails the commit that came before it."""
-        policy = self.settings.retention
-        protected = set(state.pending)
-        if state.current is not None:
-            protected.add(state.current.name)
-        try:
-            deleted = await asyncio.to_thread(
-                apply_retention,
-                self.storage,
-                state.run_id,
-                keep_last=policy.keep_last,
-                keep_every_steps=policy.keep_every_steps,
-                protected=protected,
-            )
-            if deleted:
-                log.info("retention_deleted", deleted=deleted)
-        except (StorageError, ManifestError) as exc:
-            log.warning("retention_failed", error=str(exc))
-        if policy.local_keep_last > 0:
-            try:
-                names = await asyncio.to_thread(list_candidates, state.dir)
-                local = sorted(
-                    ((n, step_of(n)) for n in names),
-                    key=lambda e: (e[1] if e[1] is not None else -1, e[0]),
-                )
-                removed = await asyncio.to_thread(
-                    apply_local_cleanup,
-                    state.dir,
-                    local,
-                    set(state.committed),
-                    local_keep_last=policy.local_keep_last,
-                )
-                if removed:
-                    state.seen.difference_update(removed)
-                    log.info("local_cleanup_deleted", deleted=removed)
-            except OSError as exc:
-                log.warning("local_cleanup_failed", error=str(exc))
 
     async def _previous_manifest(self, state: RunState) -> Manifest | None:
         if not state.previous_loaded:
             try:
-                latest = await asyncio.to_thread(read_latest, self.storage, state.run_id)
+                latest = await asyncio.to_thread(self.repo.read_latest, state.run_id)
                 if latest is not None:
                     state.previous = await asyncio.to_thread(
-                        read_manifest, self.storage, state.run_id, latest.checkpoint
+                        self.repo.read_manifest, state.run_id, latest.checkpoint
                     )
             except (StorageError, ManifestError) as exc:
                 self.log.warning("previous_manifest_unreadable", run=state.run_id, error=str(exc))
@@ -675,23 +478,22 @@ class SyncPipeline:
         return state.previous
 
     def _mark_committed(
-        self, state: RunState, pending: Pending, manifest: Manifest, log: Any, *, already: bool
+        self, state: RunState, manifest: Manifest, log: Any, *, already: bool
     ) -> None:
         self.journal.mark_committed(state.run_id, manifest.checkpoint, manifest.step)
         state.committed.add(manifest.checkpoint)
-        state.pending.pop(manifest.checkpoint, None)
+        self.queue.remove(state.run_id, manifest.checkpoint)
         if state.previous is None or (manifest.step or -1) >= (state.previous.step or -1):
             state.previous = manifest
             state.previous_loaded = True
         run = state.run_id
-        now = self.clock()
         self.metrics.committed.labels(run=run).inc()
         if manifest.step is not None and (
             state.last_step is None or manifest.step > state.last_step
         ):
             state.last_step = manifest.step
             self.metrics.last_step.labels(run=run).set(manifest.step)
-        self.metrics.last_commit_ts.labels(run=run).set(now)
+        self.metrics.last_commit_ts.labels(run=run).set(self.clock.time())
         state.last_committed = {
             "checkpoint": manifest.checkpoint,
             "step": manifest.step,
@@ -700,51 +502,29 @@ class SyncPipeline:
         }
         if already:
             log.info("checkpoint_already_committed", step=manifest.step)
-        self._update_gauges()
+        self.update_gauges()
 
     async def _abandon(self, state: RunState, pending: Pending, reason: str, log: Any) -> None:
-        """Drop a checkpoint that changed under us: abort its multipart uploads and
-        delete what it had sent, unless (by a race) it is committed already."""
+        """Drop a checkpoint that changed under us (``cleanup.discard``), and look at it
+        again later: if it was rewritten rather than deleted, it may become complete."""
         run, name = state.run_id, pending.name
-        state.pending.pop(name, None)
+        self.queue.remove(run, name)
         self.metrics.abandoned.labels(run=run).inc()
         log.warning("checkpoint_abandoned", reason=reason)
-        try:
-            for rec in await asyncio.to_thread(self.journal.all_uploads):
-                if rec.run == run and rec.checkpoint == name:
-                    if rec.upload_id:
-                        await asyncio.to_thread(self.storage.abort_upload, rec.key, rec.upload_id)
-                    else:
-                        await asyncio.to_thread(
-                            abort_unrecorded_uploads, self.storage, rec.key, set()
-                        )
-            if await asyncio.to_thread(self.storage.head, manifest_key(run, name)) is None:
-                sent = await asyncio.to_thread(self.journal.objects_for, run, name)
-                if sent:
-                    await asyncio.to_thread(self.storage.delete, [r.key for r in sent.values()])
-            await asyncio.to_thread(self.journal.forget_checkpoint, run, name)
-        except StorageError as exc:
-            log.warning("abandon_cleanup_failed", error=str(exc))
-        self._update_gauges()
-        # If it was rewritten rather than deleted, it may become complete again.
+        await asyncio.to_thread(cleanup.discard, self.repo, self.journal, run, name, log)
+        self.update_gauges()
         self.hint(run, name, delay=max(1.0, state.rules.settle_seconds))
 
-    def _failed(self, state: RunState, pending: Pending, exc: Exception, log: Any) -> None:
-        code = getattr(exc, "code", "") or type(exc).__name__
-        pending.failures += 1
-        base, cap = FAILURE_BACKOFF
-        delay = min(cap, base * 2 ** (pending.failures - 1))
-        pending.not_before = time.monotonic() + delay
+    def _failed(self, state: RunState, pending: Pending, result: ShipResult, log: Any) -> None:
+        exc, code = result.error, result.reason
+        delay = self.queue.failed(pending, self.clock.monotonic())
         self.metrics.failed.labels(run=state.run_id, reason=code).inc()
-        self.metrics.storage_errors.labels(operation="checkpoint", code=code).inc()
-        if code in (
-            "NoSuchBucket",
-            "AccessDenied",
-            "InvalidAccessKeyId",
-            "SignatureDoesNotMatch",
-            "NoCredentials",
-        ):
-            self.metrics.destination_up.set(0)
+        # Counted as a storage error only when the store said no; a local I/O error or
+        # a manifest that would not build is a failed checkpoint, not a storage error.
+        if isinstance(exc, StorageError):
+            self.metrics.storage_errors.labels(operation="checkpoint", code=code).inc()
+            if getattr(exc, "destination_unusable", False):
+                self.metrics.destination_up.set(0)
         log.error(
             "checkpoint_failed",
             error=str(exc),
@@ -752,19 +532,18 @@ class SyncPipeline:
             attempt=pending.failures,
             retry_in=round(delay, 1),
         )
-        self._update_gauges()
+        self.update_gauges()
 
     # -- state for metrics and /v1/status -------------------------------------------------
 
-    def _sync_lag(self, state: RunState, now: float) -> float:
-        oldest = min((p.completed_at for p in state.pending.values()), default=None)
-        return 0.0 if oldest is None else max(0.0, now - oldest)
-
-    def _update_gauges(self) -> None:
-        now = self.clock()
+    def update_gauges(self) -> None:
+        now = self.clock.time()
         for state in self.runs.values():
-            self.metrics.pending.labels(run=state.run_id).set(len(state.pending))
-            self.metrics.sync_lag.labels(run=state.run_id).set(self._sync_lag(state, now))
+            self.metrics.pending.labels(run=state.run_id).set(len(self.queue.of_run(state.run_id)))
+            self.metrics.sync_lag.labels(run=state.run_id).set(
+                self.queue.sync_lag(state.run_id, now)
+            )
+        self.metrics.upload_rate.set(self.rate.rate() or 0.0)
 
     def idle(self) -> bool:
         """Nothing pending, nothing uploading, nothing waiting to be looked at again."""
@@ -772,20 +551,21 @@ class SyncPipeline:
         return (
             not busy_timers
             and not self._evaluating
-            and all(not s.pending and s.current is None for s in self.runs.values())
+            and not len(self.queue)
+            and all(s.current is None for s in self.runs.values())
         )
 
     def status(self) -> dict[str, Any]:
         """Per-run state for ``/v1/status``."""
-        self._update_gauges()
-        now = self.clock()
+        self.update_gauges()
+        now = self.clock.time()
         runs = {}
         for state in self.runs.values():
             current = state.current
             runs[state.run_id] = {
                 "dir": str(state.dir),
                 "layout": state.watch.layout,
-                "pending": sorted(state.pending),
+                "pending": self.queue.names(state.run_id),
                 "uploading": None
                 if current is None
                 else {
@@ -795,7 +575,7 @@ class SyncPipeline:
                 },
                 "last_committed": state.last_committed,
                 "failed": state.failed_for_good,
-                "sync_lag_seconds": self._sync_lag(state, now),
+                "sync_lag_seconds": self.queue.sync_lag(state.run_id, now),
             }
         return {"runs": runs}
 

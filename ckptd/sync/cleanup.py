@@ -1,0 +1,76 @@
+"""Putting the store back in order after uploads that will not complete.
+
+Two moments call for it: start-up (``recover``: what a previous process left in the
+journal) and a checkpoint that changed under its upload (``discard``). Both abort the
+multipart uploads the journal knows of (and, for one created but never recorded, every
+upload the store lists under its key). ``discard`` also deletes the objects already
+sent, unless the checkpoint is committed (a race with another node, or with ourselves
+before a crash): objects a manifest names are never deleted here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ckptd.repository import Repository
+from ckptd.storage.base import StorageError
+from ckptd.sync.journal import Journal, UploadRecord
+from ckptd.sync.transfer import abort_unrecorded_uploads
+
+
+def _local_file(dirs: Mapping[str, Path], rec: UploadRecord) -> Path | None:
+    run_dir = dirs.get(rec.run)
+    if run_dir is None:
+        return None
+    checkpoint = run_dir / rec.checkpoint
+    # A file checkpoint (Lightning *.ckpt) is its own only file.
+    return checkpoint / rec.path if checkpoint.is_dir() else checkpoint
+
+
+def _can_resume(dirs: Mapping[str, Path], rec: UploadRecord) -> bool:
+    local = _local_file(dirs, rec)
+    if rec.upload_id is None or local is None:
+        return False
+    with contextlib.suppress(OSError):
+        st = local.stat()
+        return (st.st_size, st.st_mtime_ns) == (rec.size, rec.mtime_ns)
+    return False
+
+
+def _abort(repo: Repository, rec: UploadRecord) -> None:
+    if rec.upload_id is None:
+        abort_unrecorded_uploads(repo.storage, rec.key, set())
+    else:
+        repo.storage.abort_upload(rec.key, rec.upload_id)
+
+
+def recover(repo: Repository, journal: Journal, dirs: Mapping[str, Path], log: Any) -> None:
+    """Keep the uploads that can resume (their file unchanged, not yet committed); abort
+    the rest. ``dirs`` maps each watched run to its directory. Blocking."""
+    for rec in journal.all_uploads():
+        if _can_resume(dirs, rec) and not journal.is_committed(rec.run, rec.checkpoint):
+            continue
+        try:
+            _abort(repo, rec)
+            journal.forget_upload(rec.key)
+            log.info("orphan_upload_aborted", run=rec.run, checkpoint=rec.checkpoint, key=rec.key)
+        except StorageError as exc:
+            log.warning("orphan_abort_failed", key=rec.key, error=str(exc))
+
+
+def discard(repo: Repository, journal: Journal, run: str, name: str, log: Any) -> None:
+    """Abort ``run/name``'s uploads and delete what it sent, unless it is committed;
+    then forget it in the journal. Blocking; a storage failure is logged."""
+    try:
+        for rec in journal.all_uploads():
+            if rec.run == run and rec.checkpoint == name:
+                _abort(repo, rec)
+        if not repo.has_manifest(run, name):
+            sent = journal.objects_for(run, name)
+            repo.delete([r.key for r in sent.values()])
+        journal.forget_checkpoint(run, name)
+    except StorageError as exc:
+        log.warning("abandon_cleanup_failed", error=str(exc))

@@ -1,0 +1,68 @@
+"""After a commit: remote retention, then (opt-in) local cleanup.
+
+A failure here is logged and never fails the commit that came before it. Checkpoints
+this node has pending or in flight are protected from remote retention; locally, only
+checkpoints committed by this daemon are ever deleted (``ckptd.retention`` says which).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Set
+from pathlib import Path
+from typing import Any
+
+from ckptd.config import RetentionConfig
+from ckptd.layouts.base import step_of
+from ckptd.manifest import ManifestError
+from ckptd.repository import Repository
+from ckptd.retention import apply_local_cleanup, apply_retention
+from ckptd.storage.base import StorageError
+from ckptd.sync.scanner import list_candidates
+
+
+async def after_commit(
+    repo: Repository,
+    policy: RetentionConfig,
+    run: str,
+    watch_dir: Path,
+    *,
+    protected: Set[str],
+    committed_here: Set[str],
+    log: Any,
+) -> list[str]:
+    """Apply retention to ``run``; returns the local checkpoints deleted (if any)."""
+    try:
+        deleted = await asyncio.to_thread(
+            apply_retention,
+            repo,
+            run,
+            keep_last=policy.keep_last,
+            keep_every_steps=policy.keep_every_steps,
+            protected=protected,
+        )
+        if deleted:
+            log.info("retention_deleted", deleted=deleted)
+    except (StorageError, ManifestError) as exc:
+        log.warning("retention_failed", error=str(exc))
+    if policy.local_keep_last <= 0:
+        return []
+    try:
+        names = await asyncio.to_thread(list_candidates, watch_dir)
+        local = sorted(
+            ((n, step_of(n)) for n in names),
+            key=lambda e: (e[1] if e[1] is not None else -1, e[0]),
+        )
+        removed = await asyncio.to_thread(
+            apply_local_cleanup,
+            watch_dir,
+            local,
+            set(committed_here),
+            local_keep_last=policy.local_keep_last,
+        )
+        if removed:
+            log.info("local_cleanup_deleted", deleted=removed)
+        return removed
+    except OSError as exc:
+        log.warning("local_cleanup_failed", error=str(exc))
+        return []

@@ -1,0 +1,235 @@
+"""Shipping one complete checkpoint: plan, transfer, re-check, build the manifest, commit.
+
+``Shipper.ship`` returns an ``Outcome`` and never raises for what can happen to a
+checkpoint in the normal course of things (the caller decides what each means):
+
+    committed   the manifest is in the store (now, or already before this call)
+    paused      made way for an emergency checkpoint; the journal keeps every finished part
+    changed     the local files changed or vanished while shipping: never committed
+    conflict    another manifest with other content holds the name: never overwritten
+    failed      the store or the local disk failed; worth another try later
+
+The files are listed before and after the transfer: a checkpoint whose listing differs
+is ``changed``, so a manifest only ever describes files that stood still while sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ckptd import checksum
+from ckptd.clock import Clock
+from ckptd.environment import describe
+from ckptd.layouts.base import CheckpointListing, Completion, FileEntry, step_of
+from ckptd.manifest import Manifest, ManifestError, build_manifest
+from ckptd.plan import plan_upload, resolve_copies
+from ckptd.repository import Repository, object_key
+from ckptd.storage.base import StorageError
+from ckptd.sync.commit import CommitConflictError, CommitResult, commit
+from ckptd.sync.journal import Journal
+from ckptd.sync.scanner import snapshot
+from ckptd.sync.transfer import (
+    CheckpointChangedError,
+    FileResult,
+    TransferContext,
+    TransferPausedError,
+    Transfers,
+)
+
+T = TypeVar("T")
+
+
+class Outcome(Enum):
+    COMMITTED = "committed"
+    PAUSED = "paused"
+    CHANGED = "changed"
+    CONFLICT = "conflict"
+    FAILED = "failed"
+
+
+@dataclass
+class ShipResult:
+    """What became of one checkpoint; ``manifest`` is set when committed."""
+
+    outcome: Outcome
+    manifest: Manifest | None = None
+    already_committed: bool = False
+    commit: CommitResult | None = None
+    files: list[FileResult] = field(default_factory=list)
+    error: Exception | None = None
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+    @property
+    def reason(self) -> str:
+        """The failure's code (a storage error's) or its type's name."""
+        if self.error is None:
+            return ""
+        return getattr(self.error, "code", "") or type(self.error).__name__
+
+
+@dataclass
+class ShipRequest:
+    """One checkpoint to ship, as its completion rule saw it."""
+
+    run: str
+    dir: Path
+    listing: CheckpointListing
+    verdict: Completion
+    previous: Manifest | None
+    context: TransferContext
+    on_started: Callable[[int], None] = lambda total_bytes: None
+    on_copied: Callable[[int], None] = lambda nbytes: None
+
+    @property
+    def name(self) -> str:
+        return self.listing.name
+
+
+def fingerprint(files: tuple[FileEntry, ...]) -> list[tuple[str, int, int]]:
+    """What must not change while a checkpoint ships: each file's path, size, mtime."""
+    return sorted((f.path, f.size, f.mtime_ns) for f in files)
+
+
+class Shipper:
+    """Ships checkpoints to one repository through one set of transfers."""
+
+    def __init__(
+        self,
+        repo: Repository,
+        transfers: Transfers,
+        journal: Journal,
+        clock: Clock,
+        *,
+        file_slots: int,
+        log: Any,
+    ) -> None:
+        self.repo = repo
+        self.transfers = transfers
+        self.journal = journal
+        self.clock = clock
+        self.log = log
+        self.host = socket.gethostname()
+        self.environment = describe()
+        self._file_slots = asyncio.Semaphore(file_slots)
+
+    async def ship(self, request: ShipRequest) -> ShipResult:
+        """Upload, verify and commit ``request``'s checkpoint (module doc)."""
+        run, name = request.run, request.name
+        log = self.log.bind(run=run, checkpoint=name)
+        started, cpu_started = self.clock.monotonic(), time.process_time()
+        try:
+            existing = await asyncio.to_thread(self.repo.read_manifest, run, name)
+            if existing is not None:
+                return ShipResult(Outcome.COMMITTED, existing, already_committed=True)
+            files = await self._transfer_all(request, log)
+            after = await asyncio.to_thread(snapshot, request.dir, name)
+            if after is None or fingerprint(after.files) != fingerprint(request.listing.files):
+                return ShipResult(
+                    Outcome.CHANGED, error=CheckpointChangedError("files changed while uploading")
+                )
+            manifest = build_manifest(
+                run_id=run,
+                checkpoint=name,
+                step=step_of(name),
+                layout=request.verdict.layout,
+                host=self.host,
+                created_at=request.listing.newest_mtime_ns / 1e9,
+                committed_at=self.clock.time(),
+                files=[(r.path, r.size, checksum.to_hex(r.crc32c)) for r in files],
+                environment=self.environment,
+            )
+            log.info("checkpoint_verified", files=len(files), bytes=manifest.total_bytes)
+            result = await asyncio.to_thread(commit, self.repo, manifest)
+        except TransferPausedError as exc:
+            return ShipResult(Outcome.PAUSED, error=exc)
+        except CheckpointChangedError as exc:
+            return ShipResult(Outcome.CHANGED, error=exc)
+        except CommitConflictError as exc:
+            return ShipResult(Outcome.CONFLICT, error=exc)
+        except (StorageError, ManifestError, OSError) as exc:
+            return ShipResult(Outcome.FAILED, error=exc)
+        return ShipResult(
+            Outcome.COMMITTED,
+            manifest,
+            already_committed=result.already_committed,
+            commit=result,
+            files=files,
+            seconds=self.clock.monotonic() - started,
+            # The whole process's CPU over the upload: the price of shipping this
+            # checkpoint on a node whose cores the trainer wants.
+            cpu_seconds=time.process_time() - cpu_started,
+        )
+
+    async def _transfer_all(self, request: ShipRequest, log: Any) -> list[FileResult]:
+        run, name, listing, ctx = request.run, request.name, request.listing, request.context
+        files_to_ship = request.verdict.files
+        done_records = await asyncio.to_thread(self.journal.objects_for, run, name)
+        done = {p: (r.size, r.mtime_ns) for p, r in done_records.items()}
+        plan = plan_upload(files_to_ship, request.previous, done)
+        total = sum(f.size for f in files_to_ship)
+        request.on_started(total)
+        log.info(
+            "checkpoint_uploading",
+            files=len(files_to_ship),
+            bytes=total,
+            to_upload=len(plan.upload),
+            copy_candidates=len(plan.copy_candidates),
+            already_done=len(plan.done),
+        )
+
+        def local_path(f: FileEntry) -> Path:
+            return request.dir / name / f.path if listing.is_dir else request.dir / name
+
+        async def bounded(work: Awaitable[T]) -> T:
+            # Coroutines are created up front but start only here, so at most
+            # file_slots files are open (and hold buffers) at once.
+            async with self._file_slots:
+                return await work
+
+        results: list[FileResult] = [
+            FileResult(f.path, f.size, done_records[f.path].crc32c, "skipped") for f in plan.done
+        ]
+        uploads = list(plan.upload)
+        jobs: list[Awaitable[FileResult]] = []
+        previous = request.previous
+        if plan.copy_candidates and previous is not None:
+            crcs = await asyncio.gather(
+                *(
+                    bounded(self.transfers.crc_of(local_path(f), f, ctx))
+                    for f in plan.copy_candidates
+                )
+            )
+            crc_map = {f.path: c for f, c in zip(plan.copy_candidates, crcs, strict=True)}
+            copies, more = resolve_copies(
+                plan.copy_candidates, {p: checksum.to_hex(c) for p, c in crc_map.items()}, previous
+            )
+            uploads.extend(more)
+            for c in copies:
+                src = object_key(previous.run_id, previous.checkpoint, c.source_path)
+                dst = object_key(run, name, c.file.path)
+                jobs.append(
+                    bounded(self.transfers.copy(src, dst, c.file, crc_map[c.file.path], ctx))
+                )
+        for f in uploads:
+            key = object_key(run, name, f.path)
+            jobs.append(bounded(self.transfers.upload(key, local_path(f), f, ctx)))
+        tasks = [asyncio.ensure_future(j) for j in jobs]
+        try:
+            results.extend(await asyncio.gather(*tasks))
+        except BaseException:
+            ctx.cancel.set()  # the other files stop at their next part...
+            if tasks:
+                await asyncio.wait(tasks)  # ...and none is still sending when we clean up
+            raise
+        for r in results:
+            if r.how == "copied":
+                request.on_copied(r.size)
+        return results
