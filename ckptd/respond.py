@@ -19,12 +19,12 @@ import contextlib
 import itertools
 import json
 import os
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from ckptd.clock import SYSTEM_CLOCK, Clock
 from ckptd.config import Settings
 from ckptd.logs import get_logger
 from ckptd.metrics import Metrics
@@ -95,11 +95,11 @@ class Response:
     bytes: int = 0
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def timings(self) -> dict[str, Any]:
+    def timings(self, now: datetime) -> dict[str, Any]:
         def rel(t: float | None) -> float | None:
             return None if t is None else round(t - self.noticed, 3)
 
-        left = self.notice.seconds_left(datetime.now(UTC))
+        left = self.notice.seconds_left(now)
         return {
             "notice": self.notice.to_json(),
             "signalled_after_s": rel(self.signalled),
@@ -118,18 +118,40 @@ class Response:
         }
 
 
+class EmergencyMode(Protocol):
+    """What the responder needs of the pipeline: where to write notice files, and a
+    switch for emergency mode (module doc, step 4)."""
+
+    def watch_dirs(self) -> list[Path]: ...
+
+    def enter_emergency(self, deadline: datetime | None) -> None: ...
+
+    def leave_emergency(self) -> None: ...
+
+
 class Responder:
     """Turns Notices into actions; the pipeline calls ``on_commit`` after each commit."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, pipeline: Any) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        pipeline: EmergencyMode,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.pipeline = pipeline
+        self.clock = clock
         self.current: Response | None = None
         self.handled: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._files_lock = asyncio.Lock()  # notice-file writes and removals, in order
         self.log = get_logger()
+
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock.time(), UTC)
 
     def preemption_json(self) -> dict[str, Any]:
         """What ``GET /v1/preemption`` answers."""
@@ -147,7 +169,7 @@ class Responder:
         if notice.id in self.handled:
             return None
         self.handled.add(notice.id)
-        response = Response(notice, source, time.monotonic())
+        response = Response(notice, source, self.clock.monotonic())
         self.current = response
         body = notice.to_json()
         self.log.warning(
@@ -155,7 +177,7 @@ class Responder:
             source=notice.source,
             kind=notice.kind,
             deadline=body["deadline"],
-            seconds_left=notice.seconds_left(datetime.now(UTC)),
+            seconds_left=notice.seconds_left(self._now()),
         )
         self.metrics.preemption_notice.set(1)
         if notice.deadline is not None:
@@ -172,7 +194,7 @@ class Responder:
                 response.pids.append(pid)
             except OSError as exc:
                 self.log.error("trainer_signal_failed", pid=pid, error=str(exc))
-        response.signalled = time.monotonic()
+        response.signalled = self.clock.monotonic()
         if response.pids:
             self.log.warning("trainer_signalled", pids=response.pids, signal=trainer.signal)
         elif trainer.pidfile or trainer.match:
@@ -180,33 +202,33 @@ class Responder:
         task = asyncio.get_running_loop().create_task(self._write_notice_files(body))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        self.pipeline.enter_emergency(notice.deadline, time.time())
+        self.pipeline.enter_emergency(notice.deadline)
         return response
 
     async def _write_notice_files(self, body: dict[str, Any]) -> None:
         async with self._files_lock:
-            for state in self.pipeline.runs.values():
+            for watch_dir in self.pipeline.watch_dirs():
                 try:
-                    await asyncio.to_thread(write_notice_file, state.dir, body)
+                    await asyncio.to_thread(write_notice_file, watch_dir, body)
                 except OSError as exc:
-                    self.log.error("notice_file_failed", dir=str(state.dir), error=str(exc))
+                    self.log.error("notice_file_failed", dir=str(watch_dir), error=str(exc))
 
     def on_complete(self, run: str, name: str) -> None:
         """The pipeline found the emergency checkpoint complete."""
         r = self.current
         if r is not None and r.complete is None:
-            r.complete, r.checkpoint, r.run = time.monotonic(), name, run
+            r.complete, r.checkpoint, r.run = self.clock.monotonic(), name, run
 
     async def on_commit(self, run: str, name: str, total_bytes: int, emergency: bool) -> None:
         """A checkpoint was committed; if it was the emergency one, finish the response."""
         r = self.current
         if r is None or not emergency or r.committed is not None:
             return
-        r.committed = time.monotonic()
+        r.committed = self.clock.monotonic()
         r.checkpoint, r.run, r.bytes = name, run, total_bytes
         if r.complete is None:
             r.complete = r.committed
-        timings = r.timings()
+        timings = r.timings(self._now())
         self.log.warning(
             "emergency_checkpoint_committed", **{k: v for k, v in timings.items() if k != "notice"}
         )
@@ -223,7 +245,7 @@ class Responder:
         self.metrics.preemption_notice.set(0)
         self.metrics.preemption_deadline.set(0)
         self.pipeline.leave_emergency()
-        paths = [state.dir / NOTICE_FILE for state in self.pipeline.runs.values()]
+        paths = [watch_dir / NOTICE_FILE for watch_dir in self.pipeline.watch_dirs()]
 
         def unlink_all() -> None:
             for path in paths:
@@ -241,7 +263,7 @@ class Responder:
 
     async def drill(self, deadline_seconds: float) -> dict[str, Any]:
         """A simulated notice end to end; returns the timings (``ckptd drill``)."""
-        now = datetime.now(UTC)
+        now = self._now()
         notice = Notice(
             source="drill",
             kind="drill",
@@ -253,6 +275,6 @@ class Responder:
         assert response is not None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(response.done.wait(), timeout=deadline_seconds)
-        result = response.timings()
+        result = response.timings(self._now())
         self.clear()
         return result

@@ -1,11 +1,18 @@
-"""The daemon's lifecycle, and nothing else: start-up, the task group, shutdown order.
+"""The daemon's lifecycle, and nothing else: build, start-up, main loop, shutdown.
 
-    start-up   journal -> storage (+check) -> recover journal -> HTTP -> watcher -> scan
-    running    worker (ships checkpoints) + ticker (gauges, rescans, destination check)
+    build      every part, wired (``Service.__init__``): journal, storage, pipeline,
+               responder, watcher, notice sources; nothing runs yet
+    start-up   SIGTERM handled as a notice from here on -> destination check ->
+               recover the journal -> HTTP
+    main loop  watcher + rescan, then worker (ships checkpoints), ticker (gauges,
+               rescans, destination check) and notices (every source, SIGTERM included,
+               through one loop into the responder) until a stop
     shutdown   stop intake (watcher) -> let the checkpoint in flight finish or journal
                it (bounded by ``shutdown_timeout``) -> stop HTTP -> close
 
-As in uvicorn, a signal handler only sets a flag; the main coroutine acts on it.
+As in uvicorn, a signal handler only sets a flag; the main loop acts on it. The first
+SIGTERM is a notice (Kubernetes, systemd: flush first, exit last); SIGINT, or a second
+SIGTERM, stops after the upload in flight.
 """
 
 from __future__ import annotations
@@ -14,25 +21,27 @@ import asyncio
 import contextlib
 import signal
 import threading
-import time
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from ckptd.clock import SYSTEM_CLOCK, Clock
 from ckptd.config import Settings
+from ckptd.health import DestinationHealth
 from ckptd.logs import get_logger
 from ckptd.metrics import Metrics
 from ckptd.notices.detect import make_source
 from ckptd.notices.model import Notice, NoticeSource
+from ckptd.notices.sigterm import SigtermSource
 from ckptd.respond import Responder
 from ckptd.sdnotify import SystemdNotifier, summarize
 from ckptd.storage import StorageError, open_storage
-from ckptd.storage.retrying import RetryingStorage
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from ckptd.sync.watcher import Watcher
 
 TICK_SECONDS = 1.0
+# The journal's row counts (a sqlite query, run off the event loop) are exported this often.
+JOURNAL_STATS_SECONDS = 10.0
 # `run --once` waits this long at most for checkpoints still in a quiet window.
 ONCE_MAX_WAIT_SECONDS = 120.0
 # After SIGTERM: exit once nothing is pending, uploading or being written for this long.
@@ -43,25 +52,49 @@ class Service:
     """One daemon: ``await Service(settings).serve()`` returns the exit code."""
 
     def __init__(
-        self, settings: Settings, *, once: bool = False, shutdown_timeout: float = 60.0
+        self,
+        settings: Settings,
+        *,
+        once: bool = False,
+        shutdown_timeout: float = 60.0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.settings = settings
         self.once = once
         self.shutdown_timeout = shutdown_timeout
+        self.clock = clock
         self.metrics = Metrics()
         self.log = get_logger()
         self.stop_event = asyncio.Event()
-        self._io_stop = threading.Event()
-        self.destination_ok = False
-        self.destination_error = ""
-        self.watching: list[str] = []
-        self.http: Any = None  # ckptd.http.HttpServer, imported only when serving
-        self.storage: RetryingStorage | None = None
-        self.pipeline: SyncPipeline | None = None
-        self.responder: Responder | None = None
         self.sigterm = asyncio.Event()
-        self._signals = 0
+        self._io_stop = threading.Event()
         self.sd = SystemdNotifier.from_env()  # systemd Type=notify; inert elsewhere
+        dest = settings.destination
+        self.journal = Journal(Path(settings.state.dir))
+        self.storage = open_storage(
+            dest.url,
+            endpoint_url=dest.endpoint_url,
+            region=dest.region,
+            concurrency=dest.concurrency,
+            max_upload_bytes_per_s=dest.max_upload_mib_per_s * 1024 * 1024,
+            max_attempts=dest.max_attempts,
+            on_retry=self._on_retry,
+            stop=self._io_stop,
+        )
+        self.destination = DestinationHealth(self.storage, self.metrics, self.log)
+        self.pipeline = SyncPipeline(
+            settings, self.storage, self.journal, self.metrics, clock=clock
+        )
+        self.responder = Responder(settings, self.metrics, self.pipeline, clock=clock)
+        self.pipeline.on_commit = self.responder.on_commit
+        self.pipeline.on_emergency_complete = self.responder.on_complete
+        self.watcher = Watcher(
+            {r: s.dir for r, s in self.pipeline.runs.items()}, self.pipeline.hint
+        )
+        self.watching: list[str] = []
+        # SIGTERM's deadline is our own grace period: what we may spend flushing.
+        self.sigterm_source = SigtermSource(grace=shutdown_timeout, on_repeat=self.request_stop)
+        self.http: Any = None  # ckptd.http.HttpServer, imported only when serving
 
     def _on_retry(self, operation: str, exc: StorageError, attempt: int, delay: float) -> None:
         self.metrics.retries.labels(operation=operation).inc()
@@ -74,48 +107,32 @@ class Service:
         )
 
     def request_stop(self) -> None:
-        """Stop after the upload in flight (SIGINT; a second signal of any kind)."""
+        """Stop after the upload in flight (SIGINT; a second SIGTERM)."""
         self.stop_event.set()
 
-    def _on_sigterm(self) -> None:
-        # Only flags, as in uvicorn: the main coroutine acts on them.
-        self._signals += 1
-        if self._signals == 1:
-            self.sigterm.set()
-        else:
-            self.stop_event.set()
+    # -- lifecycle ---------------------------------------------------------------------
 
     async def serve(self) -> int:
-        settings = self.settings
-        dest = settings.destination
-        journal = Journal(Path(settings.state.dir))
-        self.storage = open_storage(
-            dest.url,
-            endpoint_url=dest.endpoint_url,
-            region=dest.region,
-            concurrency=dest.concurrency,
-            max_upload_bytes_per_s=dest.max_upload_mib_per_s * 1024 * 1024,
-            max_attempts=dest.max_attempts,
-            on_retry=self._on_retry,
-            stop=self._io_stop,
-        )
-        self.pipeline = pipeline = SyncPipeline(settings, self.storage, journal, self.metrics)
+        """Start up, run until stopped (or, with ``once``, until shipped), shut down."""
+        try:
+            await self.startup()
+            return await (self.run_once() if self.once else self.main_loop())
+        finally:
+            await self.shutdown()
+
+    async def startup(self) -> None:
         loop = asyncio.get_running_loop()
-        # SIGTERM is a notice (Kubernetes, systemd): flush first, exit last.
-        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        self.sigterm_source.install()  # from here on SIGTERM is a notice, never lost
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
-        self.responder = responder = Responder(settings, self.metrics, pipeline)
-        pipeline.on_commit = responder.on_commit
-        pipeline.on_emergency_complete = responder.on_complete
         self.log.info(
             "ckptd_starting",
             destination=self.storage.url,
-            runs=list(pipeline.runs),
-            state_dir=str(settings.state.dir),
+            runs=list(self.pipeline.runs),
+            state_dir=str(self.settings.state.dir),
             once=self.once,
         )
-        await self._check_destination()
-        await pipeline.recover()
+        await self.destination.check()
+        await self.pipeline.recover()
         if not self.once:
             from ckptd.http import HttpServer  # aiohttp costs ~0.3 s of start-up; --once needs none
 
@@ -123,112 +140,123 @@ class Service:
                 self.metrics,
                 status=self.status,
                 ready=self.ready,
-                preemption=responder.preemption_json,
-                drill=responder.drill,
-                token=settings.http.token.get_secret_value(),
+                preemption=self.responder.preemption_json,
+                drill=self.responder.drill,
+                token=self.settings.http.token.get_secret_value(),
             )
-            port = await self.http.start(settings.metrics.host, settings.metrics.port)
-            self.log.info("http_listening", host=settings.metrics.host, port=port)
-        watcher = Watcher({r: s.dir for r, s in pipeline.runs.items()}, pipeline.hint)
-        try:
-            if self.once:
-                for run_id in pipeline.runs:
-                    await pipeline.rescan(run_id)
-                ok = await pipeline.drain_once()
-                # Checkpoints complete but for a quiet window (settle/quiescence) are
-                # waited for, within ONCE_MAX_WAIT, then shipped too.
-                waited_until = time.monotonic() + ONCE_MAX_WAIT_SECONDS
-                while not pipeline.idle() and time.monotonic() < waited_until:
-                    await asyncio.sleep(0.1)
-                    ok = await pipeline.drain_once() and ok
-                return 0 if ok else 1
-            watcher.start(loop)
-            self.watching = watcher.refresh()
-            for run_id in pipeline.runs:
-                await pipeline.rescan(run_id)
-            worker = asyncio.create_task(pipeline.work(self.stop_event), name="worker")
-            ticker = asyncio.create_task(self._tick(watcher), name="ticker")
-            notices = asyncio.create_task(self._watch_notices(), name="notices")
-            self.log.info("ckptd_ready", watching=self.watching)
-            self.sd.ready(summarize(self.status()))
-            stop_wait = asyncio.ensure_future(self.stop_event.wait())
-            term_wait = asyncio.ensure_future(self.sigterm.wait())
-            await asyncio.wait([stop_wait, term_wait], return_when=asyncio.FIRST_COMPLETED)
-            self.sd.stopping("stopping: shipping what is in flight")
-            if self.sigterm.is_set() and not self.stop_event.is_set():
-                await self._flush_on_sigterm()
-            stop_wait.cancel()
-            term_wait.cancel()
-            self.stop_event.set()
-            self.log.info("ckptd_stopping")
-            watcher.stop()
-            ticker.cancel()
-            notices.cancel()
-            try:
-                await asyncio.wait_for(worker, timeout=self.shutdown_timeout)
-            except TimeoutError:
-                # The journal holds every finished part: the next start resumes there.
-                self.log.warning("shutdown_timeout", seconds=self.shutdown_timeout)
-            return 0
-        finally:
-            self._io_stop.set()
-            watcher.stop()
-            if self.http is not None:
-                await self.http.stop()
-            await pipeline.close()
-            journal.close()
-            self.log.info("ckptd_stopped")
+            port = await self.http.start(self.settings.metrics.host, self.settings.metrics.port)
+            self.log.info("http_listening", host=self.settings.metrics.host, port=port)
 
-    async def _watch_notices(self) -> None:
-        """Feed the cloud's notices to the responder; a source never ends the daemon."""
-        assert self.responder is not None
+    async def run_once(self) -> int:
+        """Ship what is complete now, then return 0, or 1 if any checkpoint failed."""
+        pipeline = self.pipeline
+        for run_id in pipeline.runs:
+            await pipeline.rescan(run_id)
+        ok = await pipeline.drain_once()
+        # Checkpoints complete but for a quiet window (settle/quiescence) are waited
+        # for, within ONCE_MAX_WAIT, then shipped too.
+        waited_until = self.clock.monotonic() + ONCE_MAX_WAIT_SECONDS
+        while not pipeline.idle() and self.clock.monotonic() < waited_until:
+            await asyncio.sleep(0.1)
+            ok = await pipeline.drain_once() and ok
+        return 0 if ok else 1
+
+    async def main_loop(self) -> int:
+        pipeline = self.pipeline
+        self.watcher.start(asyncio.get_running_loop())
+        self.watching = self.watcher.refresh()
+        for run_id in pipeline.runs:
+            await pipeline.rescan(run_id)
+        worker = asyncio.create_task(pipeline.work(self.stop_event), name="worker")
+        ticker = asyncio.create_task(self._tick(), name="ticker")
+        notices = asyncio.create_task(self._watch_notices(), name="notices")
+        self.log.info("ckptd_ready", watching=self.watching)
+        self.sd.ready(summarize(self.status()))
+        stop_wait = asyncio.ensure_future(self.stop_event.wait())
+        term_wait = asyncio.ensure_future(self.sigterm.wait())
+        await asyncio.wait([stop_wait, term_wait], return_when=asyncio.FIRST_COMPLETED)
+        self.sd.stopping("stopping: shipping what is in flight")
+        if self.sigterm.is_set() and not self.stop_event.is_set():
+            await self._drain_after_sigterm()
+        stop_wait.cancel()
+        term_wait.cancel()
+        self.stop_event.set()
+        self.log.info("ckptd_stopping")
+        self.watcher.stop()
+        ticker.cancel()
+        notices.cancel()
+        try:
+            await asyncio.wait_for(worker, timeout=self.shutdown_timeout)
+        except TimeoutError:
+            # The journal holds every finished part: the next start resumes there.
+            self.log.warning("shutdown_timeout", seconds=self.shutdown_timeout)
+        return 0
+
+    async def shutdown(self) -> None:
+        self._io_stop.set()
+        self.watcher.stop()
+        if self.http is not None:
+            await self.http.stop()
+        await self.pipeline.close()
+        self.journal.close()
+        self.sigterm_source.close()
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+        self.log.info("ckptd_stopped")
+
+    # -- notices -----------------------------------------------------------------------
+
+    def _sources(self) -> list[NoticeSource]:
+        sources: list[NoticeSource] = [self.sigterm_source]
         p = self.settings.preemption
         try:
-            source: NoticeSource | None = make_source(
-                p.provider, p.endpoint, p.poll_interval_seconds, p.imdsv1_fallback
-            )
+            cloud = make_source(p.provider, p.endpoint, p.poll_interval_seconds, p.imdsv1_fallback)
         except (ValueError, OSError) as exc:
             self.log.error("notice_source_unavailable", provider=p.provider, error=str(exc))
-            return
-        if source is None:
-            self.log.info("notice_source", provider=p.provider, source=None)
-            return
-        self.log.info("notice_source", provider=p.provider, source=source.name)
+            return sources
+        self.log.info("notice_source", provider=p.provider, source=cloud and cloud.name)
+        if cloud is not None:
+            sources.append(cloud)
+        return sources
+
+    async def _watch_notices(self) -> None:
+        """Every notice source, SIGTERM's included, into the responder."""
+        async with asyncio.TaskGroup() as group:
+            for source in self._sources():
+                group.create_task(self._follow(source), name=f"notices-{source.name}")
+
+    async def _follow(self, source: NoticeSource) -> None:
+        """Feed one source's notices to the responder; a source never ends the daemon."""
         while True:
             try:
                 async for notice in source.watch():
-                    await self.responder.handle(notice, source)
+                    await self._on_notice(notice, source)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep listening whatever a source does
                 self.log.error("notice_source_failed", source=source.name, error=repr(exc))
-            await asyncio.sleep(p.poll_interval_seconds)
+            await asyncio.sleep(self.settings.preemption.poll_interval_seconds)
 
-    async def _flush_on_sigterm(self) -> None:
-        """SIGTERM: act on it as a notice, keep shipping (the trainer may be saving its
-        emergency checkpoint right now), and return once all is committed and quiet, or
-        when ``shutdown_timeout`` runs out (the journal then keeps finished parts)."""
-        assert self.responder is not None and self.pipeline is not None
-        now = datetime.now(UTC)
-        notice = Notice(
-            source="sigterm",
-            kind="sigterm",
-            id=f"sigterm:{now.isoformat()}",
-            noticed_at=now,
-            deadline=now + timedelta(seconds=self.shutdown_timeout),
-        )
-        await self.responder.handle(notice)
-        deadline = time.monotonic() + self.shutdown_timeout
+    async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
+        await self.responder.handle(notice, source)
+        if notice.source == "sigterm":
+            self.sigterm.set()  # the main loop flushes, then stops
+
+    async def _drain_after_sigterm(self) -> None:
+        """SIGTERM: keep shipping (the trainer may be saving its emergency checkpoint
+        right now), and return once all is committed and quiet, or when
+        ``shutdown_timeout`` runs out (the journal then keeps finished parts)."""
+        deadline = self.clock.monotonic() + self.shutdown_timeout
         quiet_since: float | None = None
-        while time.monotonic() < deadline and not self.stop_event.is_set():
-            if not self.destination_ok:
+        while self.clock.monotonic() < deadline and not self.stop_event.is_set():
+            if not self.destination.ok:
                 # Nothing can be flushed to a destination that refuses us; the journal
                 # keeps what was sent, and waiting out the grace period helps no one.
-                self.log.error("sigterm_flush_impossible", error=self.destination_error)
+                self.log.error("sigterm_flush_impossible", error=self.destination.error)
                 return
             if self.pipeline.idle():
-                quiet_since = quiet_since or time.monotonic()
-                if time.monotonic() - quiet_since >= DRAIN_QUIET_SECONDS:
+                quiet_since = quiet_since or self.clock.monotonic()
+                if self.clock.monotonic() - quiet_since >= DRAIN_QUIET_SECONDS:
                     self.log.info("flushed_on_sigterm")
                     return
             else:
@@ -237,69 +265,49 @@ class Service:
         if not self.stop_event.is_set():
             self.log.warning("sigterm_flush_timeout", seconds=self.shutdown_timeout)
 
-    async def _check_destination(self) -> None:
-        assert self.storage is not None
-        try:
-            await asyncio.to_thread(self.storage.check)
-        except StorageError as exc:
-            if self.destination_ok or not self.destination_error:
-                self.log.error(
-                    "destination_unusable",
-                    destination=self.storage.url,
-                    error=str(exc),
-                    code=exc.code,
-                )
-            self.destination_ok = False
-            self.destination_error = str(exc)
-            self.metrics.destination_up.set(0)
-            return
-        if not self.destination_ok:
-            self.log.info("destination_ok", destination=self.storage.url)
-        self.destination_ok = True
-        self.destination_error = ""
-        self.metrics.destination_up.set(1)
+    # -- periodic work -----------------------------------------------------------------
 
-    async def _tick(self, watcher: Watcher) -> None:
-        assert self.pipeline is not None
+    async def _tick(self) -> None:
         pipeline = self.pipeline
-        last_scan = {run_id: time.monotonic() for run_id in pipeline.runs}
-        last_check = time.monotonic()
+        now = self.clock.monotonic()
+        last_scan = {run_id: now for run_id in pipeline.runs}
+        last_check = now
+        last_stats = now - JOURNAL_STATS_SECONDS  # the first tick exports them
         while True:
             await asyncio.sleep(TICK_SECONDS)
-            pipeline._update_gauges()
-            self.metrics.upload_rate.set(pipeline.rate.rate() or 0.0)
+            pipeline.update_gauges()
             self.sd.tick(summarize(self.status()))
-            for table, rows in pipeline.journal.stats().items():
-                self.metrics.journal_rows.labels(table=table).set(rows)
-            now = time.monotonic()
-            self.watching = watcher.refresh()
+            now = self.clock.monotonic()
+            if now - last_stats >= JOURNAL_STATS_SECONDS:
+                last_stats = now
+                stats = await asyncio.to_thread(self.journal.stats)
+                for table, rows in stats.items():
+                    self.metrics.journal_rows.labels(table=table).set(rows)
+            self.watching = self.watcher.refresh()
             for run_id, state in pipeline.runs.items():
                 if now - last_scan[run_id] >= state.watch.rescan_seconds:
                     last_scan[run_id] = now
                     with contextlib.suppress(OSError):
                         await pipeline.rescan(run_id)
-            if now - last_check >= (5.0 if not self.destination_ok else 60.0):
+            if now - last_check >= self.destination.recheck_seconds:
                 last_check = now
-                await self._check_destination()
+                await self.destination.check()
+
+    # -- what HTTP shows -----------------------------------------------------------------
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """Ready: config loaded, destination reachable, watcher running."""
-        runs = list(self.pipeline.runs) if self.pipeline else []
-        ok = self.destination_ok and set(self.watching) == set(runs)
+        runs = list(self.pipeline.runs)
+        ok = self.destination.ok and set(self.watching) == set(runs)
         return ok, {
-            "destination": self.destination_ok,
-            "destination_error": self.destination_error,
+            "destination": self.destination.ok,
+            "destination_error": self.destination.error,
             "watching": self.watching,
             "runs": runs,
         }
 
     def status(self) -> dict[str, Any]:
-        body: dict[str, Any] = self.pipeline.status() if self.pipeline else {"runs": {}}
-        body["destination"] = {
-            "url": self.storage.url if self.storage else "",
-            "ok": self.destination_ok,
-        }
-        body["preemption"] = (
-            self.responder.preemption_json() if self.responder else {"notice": False}
-        )
+        body = self.pipeline.status()
+        body["destination"] = self.destination.to_json()
+        body["preemption"] = self.responder.preemption_json()
         return body

@@ -31,7 +31,8 @@ class SigtermSource:
 
     The handler only records the time and sets an event (uvicorn's rule: a signal
     handler sets a flag, the main loop acts). It stays installed after the first signal,
-    so a second SIGTERM cannot kill the daemon mid-flush; ``close()`` (or the end of
+    so a second SIGTERM cannot kill the daemon mid-flush: it calls ``on_repeat`` instead
+    (when given), which should only set a flag too. ``close()`` (or the end of
     ``watch()``) restores the handler that was there before.
     """
 
@@ -44,6 +45,7 @@ class SigtermSource:
         *,
         signum: int = signal.SIGTERM,
         clock: Clock = utc_now,
+        on_repeat: Callable[[], None] | None = None,
     ) -> None:
         self.grace = timedelta(seconds=grace)
         self.signum = signum
@@ -52,6 +54,7 @@ class SigtermSource:
         self._event = asyncio.Event()
         self._received_at: datetime | None = None
         self.count = 0
+        self._on_repeat = on_repeat
         self._installed_on: asyncio.AbstractEventLoop | None = None
         self._previous: _Handler = None
 
@@ -82,6 +85,8 @@ class SigtermSource:
         self.count += 1
         if self._received_at is None:
             self._received_at = self._clock()
+        elif self._on_repeat is not None:
+            self._on_repeat()  # e.g. the daemon's "stop now": only sets a flag
         self._event.set()
 
     async def acknowledge(self, notice: Notice) -> None:

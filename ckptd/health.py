@@ -1,0 +1,60 @@
+"""Whether the destination works, as the daemon last found it.
+
+``DestinationHealth.check`` asks the store (``Storage.check``) and keeps the answer for
+``/readyz``, ``/v1/status``, ``ckptd_destination_up`` and the SIGTERM flush (which does
+not wait on a destination that refuses it). The first failure, and the recovery, are
+logged once each, not at every check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ckptd.metrics import Metrics
+from ckptd.storage.base import Storage, StorageError
+
+# How often to ask again: soon while it fails (to notice the recovery), rarely when fine.
+RECHECK_FAILING_SECONDS = 5.0
+RECHECK_OK_SECONDS = 60.0
+
+
+class DestinationHealth:
+    """The destination's last known state."""
+
+    def __init__(self, storage: Storage, metrics: Metrics, log: Any) -> None:
+        self.storage = storage
+        self.metrics = metrics
+        self.log = log
+        self.ok = False
+        self.error = ""
+
+    @property
+    def recheck_seconds(self) -> float:
+        return RECHECK_OK_SECONDS if self.ok else RECHECK_FAILING_SECONDS
+
+    async def check(self) -> bool:
+        """Ask the store now; returns whether it is usable."""
+        try:
+            await asyncio.to_thread(self.storage.check)
+        except StorageError as exc:
+            if self.ok or not self.error:
+                self.log.error(
+                    "destination_unusable",
+                    destination=self.storage.url,
+                    error=str(exc),
+                    code=exc.code,
+                )
+            self.ok = False
+            self.error = str(exc)
+            self.metrics.destination_up.set(0)
+            return False
+        if not self.ok:
+            self.log.info("destination_ok", destination=self.storage.url)
+        self.ok = True
+        self.error = ""
+        self.metrics.destination_up.set(1)
+        return True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.storage.url, "ok": self.ok}
