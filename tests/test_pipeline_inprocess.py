@@ -1,0 +1,150 @@
+"""The pipeline in-process, on a real directory as the store: an older upload in flight
+is paused for an emergency checkpoint, which commits first; the older one then resumes
+from its journalled parts and commits too. Also: the outcome of each kind of failure."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from ckptd.config import load_settings
+from ckptd.metrics import Metrics
+from ckptd.repository import Repository
+from ckptd.storage import open_storage
+from ckptd.sync.journal import Journal
+from ckptd.sync.pipeline import SyncPipeline
+from tests.fakes import wait_until
+
+MiB = 1024 * 1024
+PART = 5 * MiB
+
+
+def write_marked(root: Path, name: str, size: int) -> Path:
+    ckpt = root / name
+    ckpt.mkdir(parents=True)
+    with open(ckpt / "weights.bin", "wb") as fh:
+        fh.write(os.urandom(size))
+    (ckpt / "COMPLETE").write_text("")
+    return ckpt
+
+
+def sent_bytes(pipeline: SyncPipeline) -> float:
+    value = pipeline.metrics.registry.get_sample_value("ckptd_upload_bytes_total", {"run": "run"})
+    return value or 0.0
+
+
+def make_pipeline(tmp_path: Path, *, mib_per_s: float) -> tuple[SyncPipeline, Journal, Path]:
+    watch, store, state = tmp_path / "watch", tmp_path / "store", tmp_path / "state"
+    for d in (watch, store, state):
+        d.mkdir()
+    settings = load_settings(
+        overrides={
+            "watch": [{"dir": str(watch), "run_id": "run", "layout": "marker"}],
+            "destination": {"url": f"file://{store}", "part_size_mib": 5, "concurrency": 1},
+            "state": {"dir": str(state)},
+            "retention": {"keep_last": 0},
+        },
+        environ={},
+    )
+    storage = open_storage(
+        settings.destination.url, concurrency=1, max_upload_bytes_per_s=mib_per_s * MiB
+    )
+    journal = Journal(state)
+    return SyncPipeline(settings, storage, journal, Metrics()), journal, watch
+
+
+async def test_emergency_checkpoint_pauses_an_older_upload_commits_first_and_the_older_resumes(
+    tmp_path: Path,
+) -> None:
+    # 8 MiB/s: the 40 MiB older checkpoint takes ~5 s, so it is mid-upload when the
+    # notice comes, and with a 1 s deadline both cannot finish: it must make way.
+    pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8)
+    order: list[tuple[str, bool]] = []
+
+    async def on_commit(run: str, name: str, nbytes: int, emergency: bool) -> None:
+        order.append((name, emergency))
+
+    pipeline.on_commit = on_commit
+    stop = asyncio.Event()
+    worker = asyncio.create_task(pipeline.work(stop))
+    try:
+        older = write_marked(watch, "ck-1", 8 * PART)
+        await pipeline.evaluate("run", "ck-1")
+        state = pipeline.runs["run"]
+        await wait_until(
+            lambda: state.current is not None and state.current.sent_bytes >= PART,
+            timeout=30,
+            what="the older upload under way",
+        )
+        pipeline.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
+        write_marked(watch, "ck-2", MiB)
+        await pipeline.evaluate("run", "ck-2")
+        assert pipeline.queue.get("run", "ck-2").emergency  # type: ignore[union-attr]
+        assert not pipeline.queue.get("run", "ck-1").emergency  # type: ignore[union-attr]
+        await wait_until(lambda: len(order) == 2, timeout=60, what="both committed")
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+        await pipeline.close()
+        journal.close()
+
+    assert order == [("ck-2", True), ("ck-1", False)]
+    repo = pipeline.repo
+    assert [c.manifest.checkpoint for c in Repository(repo.storage).list_committed("run")] == [
+        "ck-1",
+        "ck-2",
+    ]
+    # The older upload resumed: its finished parts were not sent again. At most the part
+    # that was in flight when it paused goes twice.
+    sent = sent_bytes(pipeline)
+    total = 8 * PART + MiB
+    assert total <= sent <= total + PART
+    assert (older / "weights.bin").stat().st_size == 8 * PART
+
+
+async def test_a_checkpoint_already_committed_elsewhere_is_marked_committed_without_shipping(
+    tmp_path: Path,
+) -> None:
+    first, journal, watch = make_pipeline(tmp_path, mib_per_s=0)
+    write_marked(watch, "ck-3", MiB)
+    await first.evaluate("run", "ck-3")
+    assert await first.drain_once()
+    await first.close()
+    journal.close()
+    # A second pipeline with a fresh journal (a new node) finds the manifest in the store.
+    state2 = tmp_path / "state2"
+    state2.mkdir()
+    journal2 = Journal(state2)
+    second = SyncPipeline(first.settings, first.repo.storage, journal2, Metrics())
+    try:
+        await second.evaluate("run", "ck-3")
+        assert await second.drain_once()
+        assert "ck-3" in second.runs["run"].committed
+        assert sent_bytes(second) == 0
+    finally:
+        await second.close()
+        journal2.close()
+
+
+async def test_a_failing_store_backs_off_and_counts_a_storage_error(tmp_path: Path) -> None:
+    pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=0)
+    # The destination's root is now a plain file: every write under it fails for good.
+    (tmp_path / "store").rmdir()
+    (tmp_path / "store").write_text("not a directory")
+    write_marked(watch, "ck-4", MiB)
+    try:
+        await pipeline.evaluate("run", "ck-4")
+        assert not await pipeline.drain_once()
+        pending = pipeline.queue.get("run", "ck-4")
+        assert pending is not None and pending.failures == 1
+        assert pending.not_before > pipeline.clock.monotonic()  # held back by the backoff
+        errors = pipeline.metrics.storage_errors.collect()[0].samples
+        assert any(s.labels.get("operation") == "checkpoint" and s.value == 1 for s in errors), (
+            errors
+        )
+        assert pipeline.status()["runs"]["run"]["pending"] == ["ck-4"]
+    finally:
+        await pipeline.close()
+        journal.close()
