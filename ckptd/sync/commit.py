@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptd import checksum
+from ckptd.errors import CkptdError
 from ckptd.manifest import (
     Latest,
     Manifest,
@@ -31,7 +32,7 @@ from ckptd.manifest import (
 from ckptd.storage.base import NotFoundError, PreconditionFailedError, Storage, StorageError
 
 
-class CommitConflictError(Exception):
+class CommitConflictError(CkptdError):
     """A different manifest is already committed under this checkpoint's name."""
 
 
