@@ -8,6 +8,7 @@ and a good one beside them. Also: every error class under ``ckptd/`` derives fro
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import json
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import ckptd
+import ckptd.errors
 from ckptd import checksum
 from ckptd.cli import DaemonUnreachableError, UsageError
 from ckptd.config import ConfigError
@@ -178,3 +180,14 @@ def test_exit_codes_of_the_error_classes() -> None:
         "DaemonUnreachableError": 1,
     }
     assert issubclass(ManifestError, ValueError)  # callers still catch it as one
+
+
+def test_the_errors_module_imports_nothing_so_every_module_may_import_it() -> None:
+    tree = ast.parse(Path(ckptd.errors.__file__).read_text())
+    imported = {
+        alias.name if isinstance(node, ast.Import) else node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert imported <= {"__future__", "typing"}
