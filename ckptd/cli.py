@@ -15,7 +15,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,21 @@ class UsageError(CkptdError):
 
 class DaemonUnreachableError(CkptdError):
     """The running daemon did not answer, or answered with something other than JSON (exit 1)."""
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type for an int >= ``minimum``; anything else is bad usage (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -116,11 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     res.add_argument(
         "--concurrency",
-        type=int,
+        type=_at_least(0),  # 0 took the default before this check existed, and still does
         default=None,
         help="parallel ranged GETs (default: destination.concurrency)",
     )
-    res.add_argument("--chunk-mib", type=int, default=16)
+    res.add_argument("--chunk-mib", type=_at_least(1), default=16)
     res.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     res.add_argument("--json", action="store_true")
 

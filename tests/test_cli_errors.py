@@ -21,7 +21,7 @@ import pytest
 import ckptd
 import ckptd.errors
 from ckptd import checksum
-from ckptd.cli import DaemonUnreachableError, UsageError
+from ckptd.cli import DaemonUnreachableError, UsageError, main
 from ckptd.config import ConfigError
 from ckptd.errors import CkptdError
 from ckptd.manifest import MANIFEST_NAME, ManifestError, build_manifest
@@ -132,6 +132,28 @@ def test_list_skips_corrupt_manifests_and_lists_the_rest(dest: Path) -> None:
     assert "Traceback" not in result.stderr, result.stderr
     rows = json.loads(result.stdout)["checkpoints"]
     assert [(r["run"], r["checkpoint"]) for r in rows] == [(GOOD_RUN, NAME)]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--concurrency", "-1"),
+        ("--concurrency", "many"),
+        ("--chunk-mib", "0"),
+        ("--chunk-mib", "-1"),
+        ("--chunk-mib", "many"),
+    ],
+)
+def test_restore_sizes_below_one_are_bad_usage_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, option: str, value: str
+) -> None:
+    argv = ["restore", "--dest", tmp_path.as_uri(), "--run", "r", "--latest"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--to", str(tmp_path / "out"), option, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: " in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_every_error_a_user_can_meet_derives_from_ckptd_error() -> None:
