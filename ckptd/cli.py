@@ -2,7 +2,9 @@
 
 Exit codes (DESIGN.md, "CLI"): 0 success; 1 the operation failed (mismatch, daemon
 unreachable, nothing committed); 2 bad usage or invalid config, with the key named.
-``--json`` prints one JSON document on stdout; logs go to stderr.
+A command returns 0 or 1 for what it checked, and raises a ``CkptdError`` for what went
+wrong; ``main`` alone turns that into ``ckptd: <message>`` on stderr and the error's exit
+code. ``--json`` prints one JSON document on stdout; logs go to stderr.
 """
 
 from __future__ import annotations
@@ -13,27 +15,49 @@ import json
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ckptd import __version__, logs
 from ckptd.config import (
-    ConfigError,
     Settings,
     load_settings,
     render_effective_config,
     require_destination,
     require_watch,
 )
-from ckptd.storage import StorageError, open_storage
+from ckptd.errors import EXIT_FAILED, EXIT_USAGE, CkptdError
+from ckptd.storage import open_storage
 from ckptd.storage.retrying import RetryingStorage
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK = 0
+EXIT_INTERRUPTED = 130
 
 
-class UsageError(Exception):
-    """Bad command-line usage (exit 2)."""
+class UsageError(CkptdError):
+    """Bad command-line usage (exit 2); ``main`` prints the usage line before it."""
+
+    exit_code = EXIT_USAGE
+
+
+class DaemonUnreachableError(CkptdError):
+    """The running daemon did not answer, or answered with something other than JSON (exit 1)."""
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type for an int >= ``minimum``; anything else is bad usage (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -107,11 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     res.add_argument(
         "--concurrency",
-        type=int,
+        type=_at_least(0),  # 0 took the default before this check existed, and still does
         default=None,
         help="parallel ranged GETs (default: destination.concurrency)",
     )
-    res.add_argument("--chunk-mib", type=int, default=16)
+    res.add_argument("--chunk-mib", type=_at_least(1), default=16)
     res.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     res.add_argument("--json", action="store_true")
 
@@ -270,8 +294,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from ckptd.manifest import ManifestError
-    from ckptd.restore import RestoreError, restore
+    from ckptd.restore import restore
 
     settings = _settings(args)
     require_destination(settings)
@@ -284,25 +307,16 @@ def cmd_restore(args: argparse.Namespace) -> int:
         concurrency=concurrency,
         max_attempts=d.max_attempts,
     )
-    try:
-        result = restore(
-            storage,
-            args.run_id,
-            None if args.latest else args.checkpoint,
-            args.to.expanduser().absolute(),
-            if_missing=args.if_missing,
-            concurrency=concurrency,
-            chunk_bytes=args.chunk_mib * 1024 * 1024,
-            progress=False if args.no_progress else None,
-        )
-    except RestoreError as exc:
-        print(f"ckptd: restore failed: {exc}", file=sys.stderr)
-        for p in exc.problems:
-            print(f"  {p.path}: {p.problem}", file=sys.stderr)
-        return EXIT_FAILED
-    except ManifestError as exc:
-        print(f"ckptd: restore refused: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    result = restore(
+        storage,
+        args.run_id,
+        None if args.latest else args.checkpoint,
+        args.to.expanduser().absolute(),
+        if_missing=args.if_missing,
+        concurrency=concurrency,
+        chunk_bytes=args.chunk_mib * 1024 * 1024,
+        progress=False if args.no_progress else None,
+    )
     if args.json:
         _print_json(
             {
@@ -332,26 +346,36 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def _daemon_request(
-    args: argparse.Namespace, path: str, *, method: str = "GET", timeout: float = 5
+    args: argparse.Namespace,
+    path: str,
+    *,
+    failure: str,
+    method: str = "GET",
+    timeout: float = 5,
 ) -> tuple[str, Any]:
+    """The daemon's base URL and its JSON answer; DaemonUnreachableError ("<failure>: why")
+    when it does not answer, refuses, or answers with something other than JSON."""
     settings = _settings(args)
     base = args.url or f"http://{_url_host(settings.metrics.host)}:{settings.metrics.port}"
-    request = urllib.request.Request(f"{base}{path}", method=method)
-    token = settings.http.token.get_secret_value()
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        return base, json.loads(resp.read())
+    try:
+        request = urllib.request.Request(f"{base}{path}", method=method)
+        token = settings.http.token.get_secret_value()
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return base, json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise DaemonUnreachableError(f"{failure}: {exc}") from exc
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
-    try:
-        _, doc = _daemon_request(
-            args, f"/v1/drill?deadline={args.deadline}", method="POST", timeout=args.deadline + 30
-        )
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(f"ckptd: drill failed: daemon not reachable or refused: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    _, doc = _daemon_request(
+        args,
+        f"/v1/drill?deadline={args.deadline}",
+        failure="drill failed: daemon not reachable or refused",
+        method="POST",
+        timeout=args.deadline + 30,
+    )
     ok = bool(doc.get("committed_before_deadline"))
     if args.json:
         _print_json(doc)
@@ -376,11 +400,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    try:
-        _base, doc = _daemon_request(args, "/v1/status")
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(f"ckptd: daemon not reachable: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    _base, doc = _daemon_request(args, "/v1/status", failure="daemon not reachable")
     if args.json:
         _print_json(doc)
         return EXIT_OK
@@ -417,24 +437,39 @@ COMMANDS = {
 }
 
 
+def error_lines(exc: CkptdError, command: str) -> list[str]:
+    """What stderr shows for ``exc`` raised by ``command``: the first line goes after
+    "ckptd: ", the rest (a restore's files at fault) as they are."""
+    if isinstance(exc, UsageError):
+        return [f"error: {exc}"]  # argparse's own wording, after the usage line
+    if command == "restore":
+        from ckptd.manifest import ManifestError
+        from ckptd.restore import RestoreError  # loaded already: cmd_restore imported it
+
+        if isinstance(exc, RestoreError):
+            return [f"restore failed: {exc}", *(f"  {p.path}: {p.problem}" for p in exc.problems)]
+        if isinstance(exc, ManifestError):
+            return [f"restore refused: {exc}"]
+    return [str(exc)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; every exit code but a command's own 0/1 result is decided here."""
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on bad usage
     logs.configure(args.log_level)
     try:
         return COMMANDS[args.command](args)
-    except ConfigError as exc:
-        print(f"ckptd: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except UsageError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"ckptd: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except StorageError as exc:
-        print(f"ckptd: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    except CkptdError as exc:
+        if isinstance(exc, UsageError):
+            parser.print_usage(sys.stderr)
+        first, *details = error_lines(exc, args.command)
+        print(f"ckptd: {first}", file=sys.stderr)
+        for line in details:
+            print(line, file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

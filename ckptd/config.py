@@ -40,6 +40,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from ckptd.errors import EXIT_USAGE, CkptdError
+
 __all__ = [
     "DEFAULT_CONFIG_PATH",
     "ENV_PREFIX",
@@ -87,13 +89,15 @@ class ConfigProblem:
         return f"{self.key}: {self.message}"
 
 
-class ConfigError(Exception):
-    """The configuration is invalid.
+class ConfigError(CkptdError):
+    """The configuration is invalid (exit 2).
 
     ``key`` is the first offending key (a dotted path such as ``destination.part_size_mib``
     or ``watch[0].dir``, an environment variable, or a config file path); ``problems`` holds
     every problem found, and ``str()`` gives one line per problem.
     """
+
+    exit_code = EXIT_USAGE
 
     def __init__(self, key: str, message: str, *, more: Sequence[ConfigProblem] = ()) -> None:
         super().__init__(key, message)

@@ -13,6 +13,8 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ckptd.errors import CkptdError
+
 FORMAT = "ckptd.manifest/1"
 MANIFEST_NAME = "ckptd.manifest.json"
 LATEST_NAME = "LATEST"
@@ -20,8 +22,10 @@ LATEST_NAME = "LATEST"
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 
 
-class ManifestError(ValueError):
-    """A manifest (or LATEST pointer) that cannot be trusted; the message says why."""
+class ManifestError(CkptdError, ValueError):
+    """A manifest (or LATEST pointer) that cannot be trusted (exit 1); the message says why.
+
+    Also a ValueError, as it was before ``CkptdError`` existed: callers catch it as one."""
 
 
 def check_relative_path(path: str) -> str:

@@ -28,7 +28,7 @@ class Metrics:
         )
         self.failed = Counter(
             "ckptd_checkpoints_failed",
-            "Checkpoint uploads that failed (will be retried on the next scan).",
+            "Checkpoint uploads that failed, by reason; retried with backoff, except a conflict.",
             ["run", "reason"],
             registry=r,
         )
@@ -99,7 +99,9 @@ class Metrics:
             registry=r,
         )
         self.upload_rate = Gauge(
-            "ckptd_upload_rate_bytes_per_second", "Upload rate over the last seconds.", registry=r
+            "ckptd_upload_rate_bytes_per_second",
+            "Upload rate over the last 10 s (drives the flush ETA).",
+            registry=r,
         )
         self.retries = Counter(
             "ckptd_retries",

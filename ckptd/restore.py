@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import checksum, writeback
+from ckptd.errors import CkptdError
 from ckptd.manifest import Manifest, ManifestError, ManifestFile, check_relative_path
 from ckptd.repository import (
     RANGE_BYTES,
@@ -89,7 +90,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class RestoreError(Exception):
+class RestoreError(CkptdError):
     """A restore that did not complete; ``problems`` names the files at fault."""
 
     def __init__(self, message: str, problems: Sequence[FileProblem] = ()) -> None:

@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from ckptd.errors import CkptdError
 
-class StorageError(Exception):
+
+class StorageError(CkptdError):
     """A storage operation failed; ``transient`` says whether retrying may help."""
 
     def __init__(self, message: str, *, transient: bool, code: str = "") -> None:

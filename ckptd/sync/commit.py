@@ -18,12 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptd import checksum
+from ckptd.errors import CkptdError
 from ckptd.manifest import Latest, Manifest, parse_manifest, should_move_latest
 from ckptd.repository import Repository
 from ckptd.storage.base import PreconditionFailedError, Storage, StorageError
 
 
-class CommitConflictError(Exception):
+class CommitConflictError(CkptdError):
     """A different manifest is already committed under this checkpoint's name."""
 
 

@@ -1,0 +1,215 @@
+"""Errors a user meets end as one clean line and the documented exit code, never a traceback.
+
+The real CLI (``python -m ckptd``) against a ``file://`` destination laid out by hand:
+a committed checkpoint whose manifest is garbage, one whose manifest names ``../evil``,
+and a good one beside them. Also: every error class under ``ckptd/`` derives from
+``CkptdError`` unless it is internal control flow named in ``INTERNAL``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import pkgutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import ckptd
+import ckptd.errors
+from ckptd import checksum
+from ckptd.cli import DaemonUnreachableError, UsageError, main
+from ckptd.config import ConfigError
+from ckptd.errors import CkptdError
+from ckptd.manifest import MANIFEST_NAME, ManifestError, build_manifest
+from ckptd.restore import RestoreError
+from ckptd.storage.base import StorageError
+from ckptd.sync.commit import CommitConflictError
+from tests.daemon import run_cli
+
+NAME = "checkpoint-1"
+GOOD_RUN = "good"
+# What each corrupt run's one checkpoint holds as its manifest.
+CORRUPT = {
+    "garbage": b"{this is not json",
+    "evil": json.dumps(
+        {
+            "format": "ckptd.manifest/1",
+            "run_id": "evil",
+            "checkpoint": NAME,
+            "step": 1,
+            "layout": "hf",
+            "host": "node-1",
+            "created_at": "2024-01-01T00:00:00Z",
+            "committed_at": "2024-01-01T00:00:00Z",
+            "total_bytes": 5,
+            "files": [{"path": "../evil", "size": 5, "crc32c": "00000000"}],
+            "environment": {},
+        }
+    ).encode(),
+}
+
+# Exceptions that never reach a user: the pipeline catches them to change course.
+INTERNAL = {
+    "ckptd.sync.transfer.CheckpointChangedError",  # abandon the checkpoint, rescan later
+    "ckptd.sync.transfer.TransferPausedError",  # make way for an emergency checkpoint
+}
+
+
+@pytest.fixture()
+def dest(tmp_path: Path) -> Path:
+    """The store's root: one run per corrupt manifest (LATEST naming it), one good run."""
+    root = tmp_path / "store"
+    for run, manifest in CORRUPT.items():
+        (root / run / NAME).mkdir(parents=True)
+        (root / run / NAME / MANIFEST_NAME).write_bytes(manifest)
+        (root / run / "evil").write_bytes(b"pwned")  # where <run>/<NAME>/../evil points
+        (root / run / "LATEST").write_text(
+            json.dumps({"checkpoint": NAME, "step": 1, "manifest_crc32c": "00000000"})
+        )
+    data = b"hello"
+    (root / GOOD_RUN / NAME).mkdir(parents=True)
+    (root / GOOD_RUN / NAME / "weights.bin").write_bytes(data)
+    good = build_manifest(
+        run_id=GOOD_RUN,
+        checkpoint=NAME,
+        step=1,
+        layout="hf",
+        host="node-1",
+        created_at=0,
+        committed_at=0,
+        files=[("weights.bin", len(data), checksum.to_hex(checksum.crc32c(data)))],
+        environment={},
+    )
+    (root / GOOD_RUN / NAME / MANIFEST_NAME).write_bytes(good.to_bytes())
+    return root
+
+
+def _clean_failure(result: subprocess.CompletedProcess[str]) -> str:
+    """The one stderr line of a failed command, after checking it is exit 1 and no trace."""
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptd: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("run", sorted(CORRUPT))
+def test_verify_of_a_corrupt_manifest_is_one_line_and_exit_1(dest: Path, run: str) -> None:
+    result = run_cli("verify", "--dest", dest.as_uri(), "--run", run, "--checkpoint", NAME)
+    assert "invalid manifest" in _clean_failure(result)
+
+
+@pytest.mark.parametrize("run", sorted(CORRUPT))
+def test_verify_latest_skips_a_corrupt_manifest_and_says_nothing_is_committed(
+    dest: Path, run: str
+) -> None:
+    result = run_cli("verify", "--dest", dest.as_uri(), "--run", run, "--latest")
+    assert "no committed checkpoint" in _clean_failure(result)
+
+
+@pytest.mark.parametrize("run", sorted(CORRUPT))
+def test_restore_of_a_corrupt_manifest_is_refused_and_writes_nothing(
+    dest: Path, tmp_path: Path, run: str
+) -> None:
+    out = tmp_path / "out"
+    result = run_cli(
+        "restore", "--dest", dest.as_uri(), "--run", run, "--checkpoint", NAME, "--to", str(out)
+    )
+    line = _clean_failure(result)
+    assert line.startswith("ckptd: restore refused: invalid manifest"), line
+    assert not (out / NAME).exists()
+    assert list(out.glob(f"*{NAME}*")) == []  # no staging directory either
+    assert not (out / "evil").exists()
+
+
+def test_list_skips_corrupt_manifests_and_lists_the_rest(dest: Path) -> None:
+    result = run_cli("list", "--dest", dest.as_uri(), "--json")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    rows = json.loads(result.stdout)["checkpoints"]
+    assert [(r["run"], r["checkpoint"]) for r in rows] == [(GOOD_RUN, NAME)]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--concurrency", "-1"),
+        ("--concurrency", "many"),
+        ("--chunk-mib", "0"),
+        ("--chunk-mib", "-1"),
+        ("--chunk-mib", "many"),
+    ],
+)
+def test_restore_sizes_below_one_are_bad_usage_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, option: str, value: str
+) -> None:
+    argv = ["restore", "--dest", tmp_path.as_uri(), "--run", "r", "--latest"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--to", str(tmp_path / "out"), option, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: " in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_error_a_user_can_meet_derives_from_ckptd_error() -> None:
+    found: dict[str, type[BaseException]] = {}
+    for info in pkgutil.walk_packages(ckptd.__path__, "ckptd."):
+        if info.name == "ckptd.__main__":  # importing it runs the CLI
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError as exc:  # a trainer integration without its framework installed
+            if (exc.name or "").startswith("ckptd"):
+                raise
+            continue
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == info.name and issubclass(cls, BaseException):
+                found[f"{info.name}.{name}"] = cls
+    errors = {k for k in found if k.endswith("Error")}
+    assert not INTERNAL - errors, f"stale INTERNAL entries: {INTERNAL - errors}"
+    assert {k for k in errors - INTERNAL if not issubclass(found[k], CkptdError)} == set()
+    assert {k for k in INTERNAL if issubclass(found[k], CkptdError)} == set()
+    for key, cls in found.items():
+        if issubclass(cls, CkptdError):
+            assert cls.exit_code in (1, 2), key
+
+
+def test_exit_codes_of_the_error_classes() -> None:
+    codes = {
+        cls.__name__: cls.exit_code
+        for cls in (
+            ConfigError,
+            UsageError,
+            StorageError,
+            ManifestError,
+            RestoreError,
+            CommitConflictError,
+            DaemonUnreachableError,
+        )
+    }
+    assert codes == {
+        "ConfigError": 2,
+        "UsageError": 2,
+        "StorageError": 1,
+        "ManifestError": 1,
+        "RestoreError": 1,
+        "CommitConflictError": 1,
+        "DaemonUnreachableError": 1,
+    }
+    assert issubclass(ManifestError, ValueError)  # callers still catch it as one
+
+
+def test_the_errors_module_imports_nothing_so_every_module_may_import_it() -> None:
+    tree = ast.parse(Path(ckptd.errors.__file__).read_text())
+    imported = {
+        alias.name if isinstance(node, ast.Import) else node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert imported <= {"__future__", "typing"}
