@@ -162,7 +162,13 @@ class Repository:
         """The committed manifest of a checkpoint, or None if it is not committed;
         ManifestError if one is there but cannot be trusted."""
         body = self.read_manifest_bytes(run_id, checkpoint)
-        return None if body is None else parse_manifest(body)
+        if body is None:
+            return None
+        try:
+            return parse_manifest(body)
+        except ManifestError as exc:
+            # Name the object: "which manifest?" is the operator's first question.
+            raise ManifestError(f"{exc} (in {manifest_key(run_id, checkpoint)})") from None
 
     def has_manifest(self, run_id: str, checkpoint: str) -> bool:
         """Whether a manifest object exists, parsable or not."""

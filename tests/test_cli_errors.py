@@ -100,7 +100,9 @@ def _clean_failure(result: subprocess.CompletedProcess[str]) -> str:
 @pytest.mark.parametrize("run", sorted(CORRUPT))
 def test_verify_of_a_corrupt_manifest_is_one_line_and_exit_1(dest: Path, run: str) -> None:
     result = run_cli("verify", "--dest", dest.as_uri(), "--run", run, "--checkpoint", NAME)
-    assert "invalid manifest" in _clean_failure(result)
+    line = _clean_failure(result)
+    assert "invalid manifest" in line
+    assert f"{run}/{NAME}/{MANIFEST_NAME}" in line  # which object is at fault
 
 
 @pytest.mark.parametrize("run", sorted(CORRUPT))
