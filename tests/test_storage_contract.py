@@ -4,14 +4,18 @@ a real directory (file://). What one backend promises, all keep."""
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import boto3
 import pytest
+from pydantic import ValidationError
 
 from ckptd import checksum
+from ckptd.config import DestinationConfig
 from ckptd.locals3 import LocalS3, free_port
 from ckptd.storage import (
     NotFoundError,
@@ -22,6 +26,8 @@ from ckptd.storage import (
     open_backend,
 )
 from ckptd.storage.base import STREAM_PIECE
+from ckptd.storage.fs import FileStorage
+from ckptd.storage.s3 import S3Storage
 
 MiB = 1024 * 1024
 
@@ -232,3 +238,41 @@ def test_parts_streamed_from_a_file_range_assemble_identically(
         os.close(fd)
     storage.complete_upload(key, upload_id, parts)
     assert storage.get_bytes(key) == data
+
+
+# -- one URL parser ----------------------------------------------------------------------
+
+
+def test_config_and_open_backend_read_a_file_url_as_the_same_root(tmp_path: Path) -> None:
+    root = tmp_path / "shared ckpt%41"  # a space and a literal '%' in the directory name
+    url = f"file://{quote(str(root))}"
+    backend = open_backend(url)
+    assert isinstance(backend, FileStorage)
+    assert DestinationConfig(url=url).root_path == root
+    assert backend.root == root.resolve()
+
+
+def test_config_and_open_backend_read_an_s3_url_as_the_same_bucket_and_prefix() -> None:
+    url = "s3://ckpt/team/run-a/"
+    backend = open_backend(url, endpoint_url="http://127.0.0.1:1")
+    dest = DestinationConfig(url=url)
+    assert isinstance(backend, S3Storage)
+    assert (backend.bucket, backend.prefix) == (dest.bucket, dest.prefix) == ("ckpt", "team/run-a")
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("s3://192.168.1.1/x", "bucket name must not be an IP address"),
+        ("s3://ckpt/a/../b", "prefix must not contain empty, '.' or '..' segments"),
+        ("file://host/path", "must be file:///absolute/path (three slashes, no host)"),
+        ("gs://bucket", "must be s3://bucket[/prefix] or file:///absolute/path"),
+    ],
+)
+def test_config_and_open_backend_refuse_a_malformed_url_for_the_same_reason(
+    url: str, problem: str
+) -> None:
+    with pytest.raises(ValidationError, match=re.escape(problem)):
+        DestinationConfig(url=url)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        open_backend(url)

@@ -4,8 +4,6 @@ wrappers (retry, bandwidth cap) stacked in ``open_storage``."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from ckptd.storage.base import (
     NotFoundError,
@@ -18,8 +16,10 @@ from ckptd.storage.base import (
 )
 from ckptd.storage.limited import LimitedStorage, RateLimiter
 from ckptd.storage.retrying import RetryHook, RetryingStorage
+from ckptd.storage.url import DestinationURL, parse_destination
 
 __all__ = [
+    "DestinationURL",
     "LimitedStorage",
     "NotFoundError",
     "ObjectInfo",
@@ -32,29 +32,32 @@ __all__ = [
     "StorageError",
     "open_backend",
     "open_storage",
+    "parse_destination",
 ]
 
 
 def open_backend(
     url: str, *, endpoint_url: str = "", region: str = "", max_connections: int = 10
 ) -> Storage:
-    """The bare backend for ``s3://bucket/prefix`` or ``file:///path``."""
-    parsed = urlparse(url)
-    if parsed.scheme == "s3":
-        from ckptd.storage.s3 import S3Storage
-
-        return S3Storage(
-            parsed.netloc,
-            parsed.path.strip("/"),
-            endpoint_url=endpoint_url,
-            region=region,
-            max_connections=max_connections,
-        )
-    if parsed.scheme == "file":
+    """The bare backend for ``s3://bucket/prefix`` or ``file:///path``; ValueError for
+    a URL that configuration would refuse."""
+    try:
+        parsed = parse_destination(url)
+    except ValueError as exc:
+        raise ValueError(f"unsupported destination {url!r}: {exc}") from None
+    if parsed.root is not None:
         from ckptd.storage.fs import FileStorage
 
-        return FileStorage(Path(unquote(parsed.path)))
-    raise ValueError(f"unsupported destination {url!r}: use s3://bucket/prefix or file:///path")
+        return FileStorage(parsed.root)
+    from ckptd.storage.s3 import S3Storage
+
+    return S3Storage(
+        parsed.bucket,
+        parsed.prefix,
+        endpoint_url=endpoint_url,
+        region=region,
+        max_connections=max_connections,
+    )
 
 
 def open_storage(
