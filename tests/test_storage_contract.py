@@ -3,6 +3,7 @@ a real directory (file://). What one backend promises, all keep."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import uuid
@@ -28,6 +29,7 @@ from ckptd.storage import (
 from ckptd.storage.base import STREAM_PIECE
 from ckptd.storage.fs import FileStorage
 from ckptd.storage.s3 import S3Storage
+from tests.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
 
@@ -202,6 +204,108 @@ def test_missing_bucket_is_a_permanent_error(local_s3: LocalS3) -> None:
     with pytest.raises(StorageError) as err:
         storage.check()
     assert err.value.code == "NoSuchBucket" and not err.value.transient
+
+
+# -- permanence decided by the backend that saw the error ---------------------------------
+
+
+def test_a_missing_bucket_marks_the_destination_unusable_on_any_operation(
+    local_s3: LocalS3,
+) -> None:
+    # Reads only: SeaweedFS creates a missing bucket on a PUT.
+    storage = open_backend("s3://no-such-bucket-unusable/x", endpoint_url=local_s3.endpoint_url)
+    with pytest.raises(StorageError) as checked:
+        storage.check()
+    with pytest.raises(StorageError) as got:
+        storage.get_bytes("run/c/a")
+    for err in (checked.value, got.value):
+        assert err.code == "NoSuchBucket", err
+        assert err.destination_unusable and not err.transient, err
+
+
+def test_a_denied_request_marks_the_destination_unusable(fault_proxy: FaultProxy) -> None:
+    fault_proxy.deny("403-accessdenied", methods={"PUT"})
+    storage = open_backend(f"s3://ckpt/{uuid.uuid4().hex[:8]}", endpoint_url=fault_proxy.url)
+    with pytest.raises(StorageError) as err:
+        _put(storage, "run/c/a", b"x")
+    assert err.value.code == "AccessDenied" and err.value.destination_unusable
+
+
+def test_a_transient_s3_error_leaves_the_destination_usable(fault_proxy: FaultProxy) -> None:
+    fault_proxy.fail_next(1, "503-slowdown", methods={"PUT"})
+    storage = open_backend(f"s3://ckpt/{uuid.uuid4().hex[:8]}", endpoint_url=fault_proxy.url)
+    with pytest.raises(StorageError) as err:
+        _put(storage, "run/c/a", b"x")
+    assert err.value.transient and not err.value.destination_unusable
+    _put(storage, "run/c/a", b"x")  # the next attempt goes through: usable indeed
+
+
+def test_a_root_that_cannot_be_made_marks_the_destination_unusable(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_bytes(b"")
+    storage = open_backend(f"file://{tmp_path / 'a-file' / 'dest'}")
+    with pytest.raises(StorageError) as err:
+        storage.check()
+    assert err.value.destination_unusable and not err.value.transient
+    assert err.value.code == "ENOTDIR"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root is never refused a write")
+def test_a_root_this_node_may_not_write_marks_the_destination_unusable(tmp_path: Path) -> None:
+    root = tmp_path / "dest"
+    root.mkdir(mode=0o500)
+    storage = open_backend(f"file://{root}")
+    try:
+        for operation in (storage.check, lambda: _put(storage, "run/c/a", b"x")):
+            with pytest.raises(StorageError) as err:
+                operation()
+            assert err.value.code == "EACCES" and err.value.destination_unusable
+    finally:
+        root.chmod(0o700)
+
+
+def test_a_transient_filesystem_error_leaves_the_destination_usable(tmp_path: Path) -> None:
+    # An I/O error on one file (a flaky NFS server, say) is worth retrying; it says
+    # nothing about the destination as a whole.
+    from ckptd.storage.fs import _error
+
+    err = _error(OSError(errno.EIO, os.strerror(errno.EIO)), "put run/c/a")
+    assert err.transient and not err.destination_unusable
+
+
+def test_the_pipeline_marks_the_destination_down_by_the_backend_flag_alone(
+    tmp_path: Path,
+) -> None:
+    from ckptd.config import Settings
+    from ckptd.metrics import Metrics
+    from ckptd.sync.journal import Journal
+    from ckptd.sync.pipeline import Pending, SyncPipeline
+
+    settings = Settings.model_validate(
+        {"destination": {"url": f"file://{tmp_path / 'dest'}"}, "watch": [{"dir": tmp_path}]}
+    )
+    metrics = Metrics()
+    journal = Journal(tmp_path / "state")
+    pipeline = SyncPipeline(settings, open_backend(settings.destination.url), journal, metrics)
+    try:
+        (state,) = pipeline.runs.values()
+        metrics.destination_up.set(1)
+
+        def up() -> float | None:
+            return metrics.registry.get_sample_value("ckptd_destination_up")
+
+        # An S3 code that used to mean "down", without the backend's flag: still up.
+        denied_key = StorageError("get run/c/a: AccessDenied", transient=False, code="AccessDenied")
+        pipeline._failed(state, Pending("c", 1, 0.0), denied_key, pipeline.log)
+        assert up() == 1
+        # A filesystem refusal the backend flagged: down.
+        refused = StorageError(
+            "put run/c/a: EACCES", transient=False, code="EACCES", destination_unusable=True
+        )
+        pipeline._failed(state, Pending("c", 1, 0.0), refused, pipeline.log)
+        assert up() == 0
+    finally:
+        pipeline.transfers.close()
+        journal.close()
 
 
 @pytest.mark.parametrize("key", ["../escape", "run/../../escape", "/abs", "run//x", "run/./x"])

@@ -8,7 +8,10 @@ Errors: a backend raises ``StorageError`` only, classified once, here in the bac
 that understands its own failures: ``transient=True`` for what a later attempt may fix
 (5xx, SlowDown/throttling, RequestTimeout, connection resets, timeouts) and
 ``transient=False`` for what it never will (AccessDenied, NoSuchBucket, ENOSPC, EACCES).
-``storage.retrying.RetryingStorage`` retries the first kind; the second surfaces.
+``storage.retrying.RetryingStorage`` retries the first kind; the second surfaces. The
+backend also sets ``destination_unusable`` when the destination as configured can never
+work (no such bucket, access denied, bad or missing credentials, a root directory that
+cannot be made or written): callers read that flag, never the backend's error codes.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ from typing import Protocol, runtime_checkable
 
 
 class StorageError(Exception):
-    """A storage operation failed; ``transient`` says whether retrying may help."""
+    """A storage operation failed; ``transient`` says whether retrying may help, and
+    ``destination_unusable`` whether the destination as configured can never work."""
 
-    def __init__(self, message: str, *, transient: bool, code: str = "") -> None:
+    def __init__(
+        self, message: str, *, transient: bool, code: str = "", destination_unusable: bool = False
+    ) -> None:
         super().__init__(message)
         self.transient = transient
         self.code = code
+        self.destination_unusable = destination_unusable
 
 
 class NotFoundError(StorageError):

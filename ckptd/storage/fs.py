@@ -40,9 +40,11 @@ _PERMANENT_ERRNOS = {
     errno.EDQUOT,
     errno.ENOTDIR,
 }
+# The filesystem refuses this node: the destination as configured can never work.
+_UNUSABLE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
-def _error(exc: OSError, what: str) -> StorageError:
+def _error(exc: OSError, what: str, *, at_root: bool = False) -> StorageError:
     if exc.errno == errno.ENOENT:
         return NotFoundError(f"{what}: {exc.strerror}")
     transient = exc.errno not in _PERMANENT_ERRNOS
@@ -50,6 +52,10 @@ def _error(exc: OSError, what: str) -> StorageError:
         f"{what}: {exc.strerror or exc}",
         transient=transient,
         code=errno.errorcode.get(exc.errno or 0, "OSError"),
+        # At the root, ENOTDIR means a file stands where the root (or a directory above
+        # it) must be, so the root can never be made.
+        destination_unusable=exc.errno in _UNUSABLE_ERRNOS
+        or (at_root and exc.errno == errno.ENOTDIR),
     )
 
 
@@ -229,7 +235,7 @@ class FileStorage:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
-            raise _error(exc, f"destination {self.root}") from exc
+            raise _error(exc, f"destination {self.root}", at_root=True) from exc
 
     # -- multipart ----------------------------------------------------------------
 

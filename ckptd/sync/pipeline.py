@@ -737,13 +737,7 @@ class SyncPipeline:
         pending.not_before = time.monotonic() + delay
         self.metrics.failed.labels(run=state.run_id, reason=code).inc()
         self.metrics.storage_errors.labels(operation="checkpoint", code=code).inc()
-        if code in (
-            "NoSuchBucket",
-            "AccessDenied",
-            "InvalidAccessKeyId",
-            "SignatureDoesNotMatch",
-            "NoCredentials",
-        ):
+        if getattr(exc, "destination_unusable", False):  # decided by the backend that saw it
             self.metrics.destination_up.set(0)
         log.error(
             "checkpoint_failed",
