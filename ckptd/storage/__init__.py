@@ -1,38 +1,54 @@
-"""Where checkpoints go: one small interface, an S3 and a filesystem backend, and the
-wrappers (retry, bandwidth cap) stacked in ``open_storage``."""
+"""Where checkpoints go: one small interface with optional capabilities, an S3 and a
+filesystem backend, and the wrappers (retry, bandwidth cap) stacked in ``open_storage``."""
 
 from __future__ import annotations
 
 import threading
 
 from ckptd.storage.base import (
+    ConditionalWrite,
+    MultipartUpload,
     NotFoundError,
     ObjectInfo,
     PartInfo,
+    PartListing,
     PreconditionFailedError,
+    ServerSideCopy,
     ShortObjectError,
     Storage,
     StorageError,
+    StoreChecksums,
+    capability,
+    require_capability,
 )
 from ckptd.storage.limited import LimitedStorage, RateLimiter
 from ckptd.storage.retrying import RetryHook, RetryingStorage
 from ckptd.storage.url import DestinationURL, parse_destination
+from ckptd.storage.wrapper import StorageWrapper
 
 __all__ = [
+    "ConditionalWrite",
     "DestinationURL",
     "LimitedStorage",
+    "MultipartUpload",
     "NotFoundError",
     "ObjectInfo",
     "PartInfo",
+    "PartListing",
     "PreconditionFailedError",
     "RateLimiter",
     "RetryingStorage",
+    "ServerSideCopy",
     "ShortObjectError",
     "Storage",
     "StorageError",
+    "StorageWrapper",
+    "StoreChecksums",
+    "capability",
     "open_backend",
     "open_storage",
     "parse_destination",
+    "require_capability",
 ]
 
 

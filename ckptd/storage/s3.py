@@ -429,7 +429,7 @@ class S3Storage:
             )
         return PartInfo(number, len(data), str(resp.get("ETag", "")), crc32c)
 
-    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
+    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]]:
         paginator = self._client.get_paginator("list_parts")
         found: dict[int, tuple[int, str]] = {}
         try:

@@ -28,7 +28,14 @@ from ckptd.manifest import (
     parse_manifest,
     should_move_latest,
 )
-from ckptd.storage.base import NotFoundError, PreconditionFailedError, Storage, StorageError
+from ckptd.storage.base import (
+    ConditionalWrite,
+    NotFoundError,
+    PreconditionFailedError,
+    Storage,
+    StorageError,
+    require_capability,
+)
 
 
 class CommitConflictError(Exception):
@@ -66,11 +73,15 @@ def read_latest(storage: Storage, run_id: str) -> Latest | None:
 
 def commit(storage: Storage, manifest: Manifest) -> CommitResult:
     """Steps 2 and 3 above; the caller has done step 1 for every file in ``manifest``."""
+    # Without a conditional write two commits could both 'win': no commit at all, then.
+    conditional = require_capability(storage, ConditionalWrite, "commit a checkpoint")
     body = manifest.to_bytes()
     crc = checksum.crc32c(body)
     already = False
     try:
-        storage.put_if_absent(manifest_key(manifest.run_id, manifest.checkpoint), body, crc32c=crc)
+        conditional.put_if_absent(
+            manifest_key(manifest.run_id, manifest.checkpoint), body, crc32c=crc
+        )
     except PreconditionFailedError:
         # Committed already: by us before a crash or a lost response, or by another node.
         existing = read_manifest(storage, manifest.run_id, manifest.checkpoint)

@@ -43,7 +43,7 @@ from ckptd.sync.transfer import (
     TransferContext,
     TransferPausedError,
     Transfers,
-    abort_unrecorded_uploads,
+    abort_journalled_upload,
 )
 
 T = TypeVar("T")
@@ -217,10 +217,9 @@ class SyncPipeline:
             ):
                 continue
             try:
-                if rec.upload_id is None:
-                    await asyncio.to_thread(abort_unrecorded_uploads, self.storage, rec.key, set())
-                else:
-                    await asyncio.to_thread(self.storage.abort_upload, rec.key, rec.upload_id)
+                await asyncio.to_thread(
+                    abort_journalled_upload, self.storage, rec.key, rec.upload_id
+                )
                 await asyncio.to_thread(self.journal.forget_upload, rec.key)
                 self.log.info(
                     "orphan_upload_aborted", run=rec.run, checkpoint=rec.checkpoint, key=rec.key
@@ -557,7 +556,8 @@ class SyncPipeline:
         run, name = state.run_id, listing.name
         done_records = await asyncio.to_thread(self.journal.objects_for, run, name)
         done = {p: (r.size, r.mtime_ns) for p, r in done_records.items()}
-        plan = plan_upload(verdict.files, previous, done)
+        # No copy candidates where the store cannot copy: every changed file is uploaded.
+        plan = plan_upload(verdict.files, previous if self.transfers.can_copy else None, done)
         total = sum(f.size for f in verdict.files)
         state.current = Progress(name, self.clock(), total)
         log.info(
@@ -712,12 +712,9 @@ class SyncPipeline:
         try:
             for rec in await asyncio.to_thread(self.journal.all_uploads):
                 if rec.run == run and rec.checkpoint == name:
-                    if rec.upload_id:
-                        await asyncio.to_thread(self.storage.abort_upload, rec.key, rec.upload_id)
-                    else:
-                        await asyncio.to_thread(
-                            abort_unrecorded_uploads, self.storage, rec.key, set()
-                        )
+                    await asyncio.to_thread(
+                        abort_journalled_upload, self.storage, rec.key, rec.upload_id or None
+                    )
             if await asyncio.to_thread(self.storage.head, manifest_key(run, name)) is None:
                 sent = await asyncio.to_thread(self.journal.objects_for, run, name)
                 if sent:
