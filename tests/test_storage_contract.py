@@ -7,8 +7,10 @@ import errno
 import os
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import quote
 
 import boto3
@@ -17,21 +19,37 @@ from pydantic import ValidationError
 
 from ckptd import checksum
 from ckptd.config import DestinationConfig
+from ckptd.layouts.base import FileEntry
 from ckptd.locals3 import LocalS3, free_port
 from ckptd.storage import (
+    ConditionalWrite,
+    LimitedStorage,
+    MultipartUpload,
     NotFoundError,
+    PartListing,
     PreconditionFailedError,
+    RateLimiter,
+    RetryingStorage,
+    ServerSideCopy,
     ShortObjectError,
     Storage,
     StorageError,
+    StorageWrapper,
+    StoreChecksums,
+    capability,
     open_backend,
+    open_storage,
+    require_capability,
 )
 from ckptd.storage.base import STREAM_PIECE
 from ckptd.storage.fs import FileStorage
 from ckptd.storage.s3 import S3Storage
+from ckptd.sync.journal import Journal
+from ckptd.sync.transfer import TransferContext, TransferPausedError, Transfers
 from tests.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +73,28 @@ def moto_endpoint() -> Iterator[str]:
         server.stop()
 
 
+@dataclass(frozen=True)
+class Destination:
+    backend: str  # the fixture's param: "seaweedfs", "moto" or "file"
+    url: str
+    endpoint_url: str = ""
+
+
 @pytest.fixture(params=["seaweedfs", "moto", "file"])
-def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+def destination(request: pytest.FixtureRequest, tmp_path: Path) -> Destination:
     prefix = f"contract-{uuid.uuid4().hex[:8]}"
     if request.param == "seaweedfs":
         local_s3: LocalS3 = request.getfixturevalue("local_s3")
-        return open_backend(f"s3://ckpt/{prefix}", endpoint_url=local_s3.endpoint_url)
+        return Destination(request.param, f"s3://ckpt/{prefix}", local_s3.endpoint_url)
     if request.param == "moto":
-        return open_backend(
-            f"s3://ckpt/{prefix}", endpoint_url=request.getfixturevalue("moto_endpoint")
-        )
-    return open_backend(f"file://{tmp_path / 'dest'}")
+        endpoint: str = request.getfixturevalue("moto_endpoint")
+        return Destination(request.param, f"s3://ckpt/{prefix}", endpoint)
+    return Destination(request.param, f"file://{tmp_path / 'dest'}")
+
+
+@pytest.fixture
+def storage(destination: Destination) -> Storage:
+    return open_backend(destination.url, endpoint_url=destination.endpoint_url)
 
 
 def _put(storage: Storage, key: str, data: bytes) -> None:
@@ -156,14 +185,16 @@ def test_multipart_upload_assembles_parts_and_reports_its_checksum(storage: Stor
             storage.upload_part(key, upload_id, number, offset, data, crc32c=checksum.crc32c(data))
         )
         offset += len(data)
-    held = storage.list_parts(key, upload_id)
+    lister = capability(storage, PartListing)
+    held = lister.list_parts(key, upload_id) if lister is not None else None
     assert held is None or sorted(held) == [1, 2, 3]
     storage.complete_upload(key, upload_id, parts)
     whole = b"".join(parts_data)
     assert storage.get_bytes(key) == whole
     info = storage.head(key)
     assert info is not None and info.size == len(whole)
-    expected = storage.expected_checksum(parts, checksum.crc32c(whole))
+    sums = capability(storage, StoreChecksums)
+    expected = sums.expected_checksum(parts, checksum.crc32c(whole)) if sums else ""
     if expected and info.checksum:
         assert checksum.s3_checksums_match(info.checksum, expected)
     assert storage.list_uploads("run/") == []
@@ -380,3 +411,233 @@ def test_config_and_open_backend_refuse_a_malformed_url_for_the_same_reason(
         DestinationConfig(url=url)
     with pytest.raises(ValueError, match=re.escape(problem)):
         open_backend(url)
+
+
+# -- capabilities: declared by each backend, kept through every wrapper ---------------------
+
+CAPABILITIES: tuple[type, ...] = (
+    ConditionalWrite,
+    ServerSideCopy,
+    MultipartUpload,
+    PartListing,
+    StoreChecksums,
+)
+# What each store can promise. A directory cannot tell which parts of an upload it holds
+# (they are ranges of one temporary file) and reports no checksum of its own.
+DECLARED = {
+    "seaweedfs": set(CAPABILITIES),
+    "moto": set(CAPABILITIES),
+    "file": {ConditionalWrite, ServerSideCopy, MultipartUpload},
+}
+
+
+def _capabilities(storage: object) -> set[type]:
+    return {kind for kind in CAPABILITIES if isinstance(storage, kind)}
+
+
+def test_each_backend_declares_the_capabilities_its_store_keeps(
+    destination: Destination, storage: Storage
+) -> None:
+    assert isinstance(storage, Storage)
+    assert _capabilities(storage) == DECLARED[destination.backend]
+
+
+def test_a_wrapper_stack_has_exactly_its_backends_capabilities(
+    destination: Destination, storage: Storage
+) -> None:
+    stack = open_storage(destination.url, endpoint_url=destination.endpoint_url)
+    assert isinstance(stack.inner, LimitedStorage)  # the stack is two wrappers deep
+    assert isinstance(stack, Storage)
+    assert _capabilities(stack) == _capabilities(stack.inner) == _capabilities(storage)
+    for kind in CAPABILITIES:
+        # A capability is used through the stack (retried, rate-limited), never around it.
+        assert capability(stack, kind) is (stack if kind in DECLARED[destination.backend] else None)
+
+
+class _FailsEachOperationOnce(StorageWrapper):
+    """Fails the first attempt of every operation with a transient error."""
+
+    def _run(self, operation: str, fn: Callable[[], T], *, sends: int | None = None) -> T:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls % 2:
+            raise StorageError(f"{operation}: injected", transient=True, code="SlowDown")
+        return fn()
+
+
+def test_every_operation_is_retried_under_its_own_name(
+    destination: Destination, storage: Storage
+) -> None:
+    retried: list[str] = []
+    stack = RetryingStorage(
+        _FailsEachOperationOnce(storage),
+        base_delay=0,
+        on_retry=lambda operation, exc, attempt, delay: retried.append(operation),
+    )
+    data = os.urandom(5 * MiB)
+    crc = checksum.crc32c(data)
+    stack.put_bytes("run/c/a", b"a", crc32c=checksum.crc32c(b"a"))
+    stack.get_bytes("run/c/a")
+    stack.stream_range("run/c/a", 0, 1, lambda pos, b: None)
+    stack.head("run/c/a")
+    list(stack.list_objects("run/"))
+    stack.list_children("run/")
+    stack.check()
+    expected = ["put", "get", "get", "head", "list", "list", "check"]
+    if (conditional := capability(stack, ConditionalWrite)) is not None:
+        conditional.put_if_absent("run/c/m", b"m", crc32c=checksum.crc32c(b"m"))
+        expected.append("put_if_absent")
+    if (copier := capability(stack, ServerSideCopy)) is not None:
+        copier.copy("run/c/a", "run/d/a")
+        expected.append("copy")
+    if (uploads := capability(stack, MultipartUpload)) is not None:
+        upload_id = uploads.create_upload("run/c/big")
+        part = uploads.upload_part("run/c/big", upload_id, 1, 0, data, crc32c=crc)
+        expected += ["create_upload", "upload_part"]
+        if (lister := capability(stack, PartListing)) is not None:
+            assert list(lister.list_parts("run/c/big", upload_id)) == [1]
+            expected.append("list_parts")
+        assert uploads.list_uploads("run/") == [("run/c/big", upload_id)]
+        uploads.complete_upload("run/c/big", upload_id, [part])
+        uploads.abort_upload("run/c/big", upload_id)
+        expected += ["list_uploads", "complete_upload", "abort_upload"]
+    stack.delete(["run/c/a"])
+    expected.append("delete")
+    assert retried == expected
+    assert stack.get_bytes("run/c/big") == data
+
+
+class _RecordingLimiter(RateLimiter):
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.charged: list[int] = []
+
+    def acquire(self, nbytes: int) -> None:
+        self.charged.append(nbytes)
+
+
+def test_the_bandwidth_cap_charges_exactly_the_bytes_uploaded(storage: Storage) -> None:
+    limiter = _RecordingLimiter()
+    stack = LimitedStorage(storage, limiter)
+    data = os.urandom(5 * MiB)
+    stack.put_bytes("run/c/a", b"abc", crc32c=checksum.crc32c(b"abc"))
+    stack.get_bytes("run/c/a")
+    list(stack.list_objects("run/"))
+    conditional = require_capability(stack, ConditionalWrite, "commit")
+    conditional.put_if_absent("run/c/m", b"12345", crc32c=checksum.crc32c(b"12345"))
+    uploads = require_capability(stack, MultipartUpload, "upload")
+    upload_id = uploads.create_upload("run/c/big")
+    uploads.upload_part("run/c/big", upload_id, 1, 0, data, crc32c=checksum.crc32c(data))
+    uploads.abort_upload("run/c/big", upload_id)
+    assert limiter.charged == [3, 5, len(data)]
+
+
+class _NoConditionalWrite(FileStorage):
+    # None blocks a protocol method for isinstance: this directory cannot write
+    # conditionally (as an NFS server without atomic link() could not).
+    put_if_absent = None  # type: ignore[assignment]
+
+
+def test_commit_refuses_a_destination_without_conditional_write(tmp_path: Path) -> None:
+    from ckptd.manifest import build_manifest
+    from ckptd.sync.commit import commit
+
+    stack = RetryingStorage(_NoConditionalWrite(tmp_path / "dest"))
+    assert capability(stack, ConditionalWrite) is None
+    manifest = build_manifest(
+        run_id="run",
+        checkpoint="checkpoint-5",
+        step=5,
+        layout="hf",
+        host="node",
+        created_at=0,
+        committed_at=1,
+        files=[],
+        environment={},
+    )
+    with pytest.raises(StorageError) as err:
+        commit(stack, manifest)
+    assert not err.value.transient and err.value.destination_unusable
+    assert err.value.code == "Unsupported"
+    assert stack.url in str(err.value) and "ConditionalWrite" in str(err.value)
+    assert list(stack.list_objects("")) == []  # no LATEST without a manifest
+
+
+# -- resuming a multipart upload, with and without the store's part listing ----------------
+
+
+async def _interrupted_upload(
+    stack: Storage, journal: Journal, local: Path, key: str
+) -> tuple[FileEntry, str]:
+    """Send two of the three parts of ``local`` to ``key`` and stop, as a pause does."""
+    st = local.stat()
+    entry = FileEntry(local.name, st.st_size, st.st_mtime_ns)
+    ctx = TransferContext("run", "ckpt")
+    sent: list[int] = []
+
+    def on_bytes(run: str, n: int) -> None:
+        sent.append(n)
+        if len(sent) == 2:
+            ctx.pause.set()
+
+    # One worker: parts go in order, so the pause lands after exactly parts 1 and 2.
+    first = Transfers(stack, journal, part_size=5 * MiB, concurrency=1, on_bytes=on_bytes)
+    try:
+        with pytest.raises(TransferPausedError):
+            await first.upload(key, local, entry, ctx)
+    finally:
+        first.close()
+    rec = journal.upload_for(key)
+    assert rec is not None and rec.upload_id is not None
+    assert sorted(journal.parts_for(rec.upload_id)) == [1, 2]
+    return entry, rec.upload_id
+
+
+async def test_an_interrupted_upload_resumes_with_only_the_parts_not_journalled(
+    destination: Destination, tmp_path: Path
+) -> None:
+    stack = open_storage(destination.url, endpoint_url=destination.endpoint_url)
+    # A directory cannot list parts: there the journal alone says what is sent.
+    assert (capability(stack, PartListing) is None) == (destination.backend == "file")
+    local = tmp_path / "ckpt" / "model.bin"
+    local.parent.mkdir()
+    data = os.urandom(10 * MiB + 12345)
+    local.write_bytes(data)
+    journal = Journal(tmp_path / "state")
+    key = "run/ckpt/model.bin"
+    try:
+        entry, _ = await _interrupted_upload(stack, journal, local, key)
+        second = Transfers(stack, journal, part_size=5 * MiB, concurrency=2)
+        try:
+            result = await second.upload(key, local, entry, TransferContext("run", "ckpt"))
+        finally:
+            second.close()
+        assert (result.how, result.bytes_sent) == ("resumed", 12345)
+        assert journal.upload_for(key) is None
+    finally:
+        journal.close()
+    assert stack.get_bytes(key) == data
+
+
+async def test_an_upload_gone_from_the_store_starts_again_from_the_first_part(
+    destination: Destination, tmp_path: Path
+) -> None:
+    stack = open_storage(destination.url, endpoint_url=destination.endpoint_url)
+    local = tmp_path / "ckpt" / "model.bin"
+    local.parent.mkdir()
+    data = os.urandom(10 * MiB + 12345)
+    local.write_bytes(data)
+    journal = Journal(tmp_path / "state")
+    key = "run/ckpt/model.bin"
+    try:
+        entry, upload_id = await _interrupted_upload(stack, journal, local, key)
+        # Gone behind the journal's back (a lifecycle rule, an operator's cleanup).
+        require_capability(stack, MultipartUpload, "abort").abort_upload(key, upload_id)
+        second = Transfers(stack, journal, part_size=5 * MiB, concurrency=2)
+        try:
+            result = await second.upload(key, local, entry, TransferContext("run", "ckpt"))
+        finally:
+            second.close()
+        assert (result.how, result.bytes_sent) == ("uploaded", len(data))
+    finally:
+        journal.close()
+    assert stack.get_bytes(key) == data

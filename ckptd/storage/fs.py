@@ -5,6 +5,10 @@ into place, and the directory fsynced, so a reader (or a node that crashes half-
 never sees a partial file under a real name. The conditional write uses ``link()``,
 which is atomic and fails on an existing name, NFS included. Multipart uploads are a
 temporary file written at part offsets; the journal is the record of finished parts.
+
+Capabilities: ConditionalWrite, ServerSideCopy, MultipartUpload. Not PartListing (the
+parts of an upload are ranges of one file; which were written cannot be told) nor
+StoreChecksums (a filesystem keeps none; size is what it can confirm).
 """
 
 from __future__ import annotations
@@ -310,11 +314,6 @@ class FileStorage:
             os.close(fd)
         return PartInfo(number, data.length, "", crc32c)
 
-    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
-        if not self._upload_path(key, upload_id).exists():
-            raise NotFoundError(f"upload {upload_id} of {key} gone", code="NoSuchUpload")
-        return None
-
     def complete_upload(self, key: str, upload_id: str, parts: list[PartInfo]) -> ObjectInfo:
         path, target = self._upload_path(key, upload_id), self._path(key)
         size = sum(p.size for p in parts)
@@ -353,6 +352,3 @@ class FileStorage:
                 if key.startswith(prefix):
                     found.append((key, tag))
         return found
-
-    def expected_checksum(self, parts: list[PartInfo], whole_crc32c: int) -> str:
-        return ""  # a filesystem reports no checksum; size is what it can confirm

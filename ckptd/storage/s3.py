@@ -5,6 +5,9 @@ what s3transfer does not offer: each part's CRC-32C computed from the bytes it a
 read (so each byte is read from disk once), and uploads that resume after a restart
 from a journal of finished parts. boto3's own retries are off: ``RetryingStorage``
 retries, so every retry is counted and logged in one place.
+
+Capabilities: all of them (ConditionalWrite, ServerSideCopy, MultipartUpload,
+PartListing, StoreChecksums).
 """
 
 from __future__ import annotations
