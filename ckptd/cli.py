@@ -26,7 +26,7 @@ from ckptd.config import (
     require_destination,
     require_watch,
 )
-from ckptd.storage import StorageError, open_storage
+from ckptd.storage import StorageError, open_destination
 from ckptd.storage.retrying import RetryingStorage
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -164,16 +164,9 @@ def _settings(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, overrides=_overrides(args))
 
 
-def _storage(settings: Settings) -> RetryingStorage:
+def _storage(settings: Settings, *, concurrency: int | None = None) -> RetryingStorage:
     require_destination(settings)
-    d = settings.destination
-    return open_storage(
-        d.url,
-        endpoint_url=d.endpoint_url,
-        region=d.region,
-        concurrency=d.concurrency,
-        max_attempts=d.max_attempts,
-    )
+    return open_destination(settings.destination, concurrency=concurrency)
 
 
 def _print_json(doc: Any) -> None:
@@ -272,16 +265,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from ckptd.restore import RestoreError, restore
 
     settings = _settings(args)
-    require_destination(settings)
-    d = settings.destination
-    concurrency = args.concurrency or d.concurrency
-    storage = open_storage(
-        d.url,
-        endpoint_url=d.endpoint_url,
-        region=d.region,
-        concurrency=concurrency,
-        max_attempts=d.max_attempts,
-    )
+    concurrency = args.concurrency or settings.destination.concurrency
+    storage = _storage(settings, concurrency=concurrency)
     try:
         result = restore(
             storage,

@@ -26,7 +26,7 @@ from ckptd.notices.detect import make_source
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.respond import Responder
 from ckptd.sdnotify import SystemdNotifier, summarize
-from ckptd.storage import StorageError, open_storage
+from ckptd.storage import StorageError, open_destination
 from ckptd.storage.retrying import RetryingStorage
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
@@ -87,17 +87,9 @@ class Service:
 
     async def serve(self) -> int:
         settings = self.settings
-        dest = settings.destination
         journal = Journal(Path(settings.state.dir))
-        self.storage = open_storage(
-            dest.url,
-            endpoint_url=dest.endpoint_url,
-            region=dest.region,
-            concurrency=dest.concurrency,
-            max_upload_bytes_per_s=dest.max_upload_mib_per_s * 1024 * 1024,
-            max_attempts=dest.max_attempts,
-            on_retry=self._on_retry,
-            stop=self._io_stop,
+        self.storage = open_destination(
+            settings.destination, limit_uploads=True, on_retry=self._on_retry, stop=self._io_stop
         )
         self.pipeline = pipeline = SyncPipeline(settings, self.storage, journal, self.metrics)
         loop = asyncio.get_running_loop()

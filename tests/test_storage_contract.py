@@ -38,6 +38,7 @@ from ckptd.storage import (
     StoreChecksums,
     capability,
     open_backend,
+    open_destination,
     open_storage,
     require_capability,
 )
@@ -235,6 +236,28 @@ def test_missing_bucket_is_a_permanent_error(local_s3: LocalS3) -> None:
     with pytest.raises(StorageError) as err:
         storage.check()
     assert err.value.code == "NoSuchBucket" and not err.value.transient
+
+
+# -- one way to open storage from configuration -------------------------------------------
+
+
+def test_open_destination_caps_uploads_only_where_asked(tmp_path: Path) -> None:
+    dest = DestinationConfig(
+        url=f"file://{tmp_path / 'dest'}", max_upload_mib_per_s=2.5, max_attempts=3
+    )
+    daemon = open_destination(dest, limit_uploads=True)  # as the service opens it
+    command = open_destination(dest)  # as the CLI's commands do
+    for stack, rate in ((daemon, 2.5 * MiB), (command, 0)):
+        assert stack.max_attempts == 3 and stack.url == open_backend(dest.url).url
+        assert isinstance(stack.inner, LimitedStorage) and stack.inner.limiter.rate == rate
+
+
+def test_open_destination_sizes_the_connection_pool_for_a_concurrency_override() -> None:
+    dest = DestinationConfig(url="s3://ckpt/x", endpoint_url="http://127.0.0.1:1", concurrency=3)
+    for override, connections in ((None, 3 + 4), (20, 20 + 4)):  # restore's --concurrency
+        backend = open_destination(dest, concurrency=override).inner.inner
+        assert isinstance(backend, S3Storage)
+        assert backend._client.meta.config.max_pool_connections == connections
 
 
 # -- permanence decided by the backend that saw the error ---------------------------------

@@ -4,6 +4,7 @@ filesystem backend, and the wrappers (retry, bandwidth cap) stacked in ``open_st
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from ckptd.storage.base import (
     ConditionalWrite,
@@ -26,6 +27,9 @@ from ckptd.storage.retrying import RetryHook, RetryingStorage
 from ckptd.storage.url import DestinationURL, parse_destination
 from ckptd.storage.wrapper import StorageWrapper
 
+if TYPE_CHECKING:  # config imports storage.url; a run-time import would be a cycle
+    from ckptd.config import DestinationConfig
+
 __all__ = [
     "ConditionalWrite",
     "DestinationURL",
@@ -46,6 +50,7 @@ __all__ = [
     "StoreChecksums",
     "capability",
     "open_backend",
+    "open_destination",
     "open_storage",
     "parse_destination",
     "require_capability",
@@ -95,3 +100,26 @@ def open_storage(
     )
     limited: Storage = LimitedStorage(backend, limiter or RateLimiter(max_upload_bytes_per_s))
     return RetryingStorage(limited, max_attempts=max_attempts, on_retry=on_retry, stop=stop)
+
+
+def open_destination(
+    dest: DestinationConfig,
+    *,
+    concurrency: int | None = None,
+    limit_uploads: bool = False,
+    on_retry: RetryHook | None = None,
+    stop: threading.Event | None = None,
+) -> RetryingStorage:
+    """The storage stack for a configured destination (its url must be set).
+    ``concurrency`` overrides the configured one; ``limit_uploads`` applies the node-wide
+    ``max_upload_mib_per_s``, which the daemon does and the CLI's commands do not."""
+    return open_storage(
+        dest.url,
+        endpoint_url=dest.endpoint_url,
+        region=dest.region,
+        concurrency=dest.concurrency if concurrency is None else concurrency,
+        max_upload_bytes_per_s=dest.max_upload_mib_per_s * 1024 * 1024 if limit_uploads else 0,
+        max_attempts=dest.max_attempts,
+        on_retry=on_retry,
+        stop=stop,
+    )
