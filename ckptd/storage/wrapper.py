@@ -31,7 +31,9 @@ W = TypeVar("W", bound="StorageWrapper")
 
 class StorageWrapper:
     """Forwards the core of Storage, and each capability the inner storage has, through
-    ``_run``. The operation names given to ``_run`` label retry metrics and logs."""
+    ``_run``. The operation names given to ``_run`` label retry metrics and logs. A
+    subclass overrides ``_run`` only: a capability method defined on it would claim that
+    capability whatever it wraps."""
 
     def __new__(cls: type[W], inner: Storage, *args: Any, **kwargs: Any) -> W:
         forwarders = tuple(f for kind, f in _FORWARDERS if isinstance(inner, kind))
@@ -96,33 +98,31 @@ class _ServerSideCopyForwarder(StorageWrapper):
 
 
 class _MultipartUploadForwarder(StorageWrapper):
-    def _uploads(self) -> MultipartUpload:
-        return cast(MultipartUpload, self.inner)
-
     def create_upload(self, key: str) -> str:
-        return self._run("create_upload", lambda: self._uploads().create_upload(key))
+        inner = cast(MultipartUpload, self.inner)
+        return self._run("create_upload", lambda: inner.create_upload(key))
 
     def upload_part(
         self, key: str, upload_id: str, number: int, offset: int, data: PartBody, *, crc32c: int
     ) -> PartInfo:
+        inner = cast(MultipartUpload, self.inner)
         return self._run(
             "upload_part",
-            lambda: self._uploads().upload_part(
-                key, upload_id, number, offset, data, crc32c=crc32c
-            ),
+            lambda: inner.upload_part(key, upload_id, number, offset, data, crc32c=crc32c),
             sends=len(data),
         )
 
     def complete_upload(self, key: str, upload_id: str, parts: list[PartInfo]) -> ObjectInfo:
-        return self._run(
-            "complete_upload", lambda: self._uploads().complete_upload(key, upload_id, parts)
-        )
+        inner = cast(MultipartUpload, self.inner)
+        return self._run("complete_upload", lambda: inner.complete_upload(key, upload_id, parts))
 
     def abort_upload(self, key: str, upload_id: str) -> None:
-        self._run("abort_upload", lambda: self._uploads().abort_upload(key, upload_id))
+        inner = cast(MultipartUpload, self.inner)
+        self._run("abort_upload", lambda: inner.abort_upload(key, upload_id))
 
     def list_uploads(self, prefix: str) -> list[tuple[str, str]]:
-        return self._run("list_uploads", lambda: self._uploads().list_uploads(prefix))
+        inner = cast(MultipartUpload, self.inner)
+        return self._run("list_uploads", lambda: inner.list_uploads(prefix))
 
 
 class _PartListingForwarder(StorageWrapper):
