@@ -21,9 +21,9 @@ never answers one it lacks with a sentinel; it simply does not have the method.
 Callers ask with ``capability(storage, Kind)``, None when absent, and do what they did
 without it: with no PartListing the journal is the record of finished parts, with no
 StoreChecksums an object is verified by its size, with no ServerSideCopy a file is
-uploaded. Where nothing can stand in (a commit needs ConditionalWrite),
-``require_capability`` raises a permanent StorageError naming the destination and
-what it lacks. A wrapper (``storage.wrapper``) has exactly the capabilities of what it
+uploaded. Where nothing can stand in (a commit needs ConditionalWrite, a file larger
+than one PUT needs MultipartUpload), ``require_capability`` raises a permanent
+StorageError naming the destination and what it lacks. A wrapper (``storage.wrapper``) has exactly the capabilities of what it
 wraps, so ``isinstance`` answers for the backend through any stack of wrappers.
 
 Errors: a backend raises ``StorageError`` only, classified once, here in the backend
