@@ -3,6 +3,7 @@ a real directory (file://). What one backend promises, all keep."""
 
 from __future__ import annotations
 
+import ast
 import errno
 import os
 import re
@@ -236,6 +237,30 @@ def test_missing_bucket_is_a_permanent_error(local_s3: LocalS3) -> None:
     with pytest.raises(StorageError) as err:
         storage.check()
     assert err.value.code == "NoSuchBucket" and not err.value.transient
+
+
+def test_the_url_parser_imports_nothing_that_does_io() -> None:
+    # Configuration imports it: it must stay a pure function of the string.
+    import ckptd.storage.url
+
+    tree = ast.parse(Path(ckptd.storage.url.__file__).read_text())
+    imported = {
+        name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for name in (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        )
+    }
+    assert imported <= {
+        "__future__",
+        "ipaddress",
+        "re",
+        "dataclasses",
+        "pathlib",
+        "typing",
+        "urllib",
+    }
 
 
 # -- one way to open storage from configuration -------------------------------------------
