@@ -28,7 +28,7 @@ from ckptd.config import (
     require_watch,
 )
 from ckptd.errors import EXIT_FAILED, EXIT_USAGE, CkptdError
-from ckptd.storage import open_storage
+from ckptd.storage import open_destination
 from ckptd.storage.retrying import RetryingStorage
 
 EXIT_OK = 0
@@ -188,16 +188,9 @@ def _settings(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, overrides=_overrides(args))
 
 
-def _storage(settings: Settings) -> RetryingStorage:
+def _storage(settings: Settings, *, concurrency: int | None = None) -> RetryingStorage:
     require_destination(settings)
-    d = settings.destination
-    return open_storage(
-        d.url,
-        endpoint_url=d.endpoint_url,
-        region=d.region,
-        concurrency=d.concurrency,
-        max_attempts=d.max_attempts,
-    )
+    return open_destination(settings.destination, concurrency=concurrency)
 
 
 def _print_json(doc: Any) -> None:
@@ -297,16 +290,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from ckptd.restore import restore
 
     settings = _settings(args)
-    require_destination(settings)
-    d = settings.destination
-    concurrency = args.concurrency or d.concurrency
-    storage = open_storage(
-        d.url,
-        endpoint_url=d.endpoint_url,
-        region=d.region,
-        concurrency=concurrency,
-        max_attempts=d.max_attempts,
-    )
+    concurrency = args.concurrency or settings.destination.concurrency
+    storage = _storage(settings, concurrency=concurrency)
     result = restore(
         storage,
         args.run_id,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from signal import Signals
 from typing import Any, Literal, get_args, get_origin
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -41,6 +41,7 @@ from pydantic_settings import (
 )
 
 from ckptd.errors import EXIT_USAGE, CkptdError
+from ckptd.storage.url import DestinationKind, DestinationURL, parse_destination
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -72,7 +73,6 @@ Layout = Literal[
     "auto", "hf", "dcp", "deepspeed", "megatron", "lightning", "orbax", "marker", "quiescent"
 ]
 Provider = Literal["auto", "aws", "gcp", "azure", "none"]
-DestinationKind = Literal["s3", "file"]
 
 
 # --- errors -------------------------------------------------------------------------------
@@ -130,7 +130,6 @@ def _keyed_error(loc_suffix: tuple[str | int, ...], message: str) -> PydanticCus
 # --- value checks shared by the models (each raises ValueError with what is wrong) ---------
 
 _RUN_ID_CHARS = re.compile(r"[A-Za-z0-9._=-]+")
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"{_HOST_LABEL}(?:\.{_HOST_LABEL})*")
 _PORT = re.compile(r"[0-9]{1,5}")
@@ -157,40 +156,6 @@ def _absolute(path: Path) -> Path:
     if not expanded.is_absolute():
         raise ValueError("must be an absolute path")
     return expanded
-
-
-def _parse_destination(url: str) -> tuple[DestinationKind, str, str, Path | None]:
-    """(kind, bucket, prefix, root path) of a destination URL; ValueError if malformed."""
-    if url.startswith("s3://"):
-        bucket, _, prefix = url[len("s3://") :].partition("/")
-        if not _BUCKET.fullmatch(bucket):
-            raise ValueError(
-                "must be s3://bucket[/prefix] with a bucket name of 3-63 characters "
-                "a-z 0-9 . -, starting and ending with a letter or digit"
-            )
-        if ".." in bucket:
-            raise ValueError("bucket name must not contain '..'")
-        try:
-            ipaddress.IPv4Address(bucket)
-        except ValueError:
-            pass
-        else:
-            raise ValueError("bucket name must not be an IP address")
-        if any(c in prefix for c in "?#\\") or any(ord(c) < 0x20 for c in prefix):
-            raise ValueError("prefix must not contain '?', '#', '\\' or control characters")
-        prefix = prefix.strip("/")
-        # Some S3-compatible servers normalise '.', '..' and '//' in request paths, so such
-        # a prefix could address different keys than the ones listed back.
-        if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
-            raise ValueError("prefix must not contain empty, '.' or '..' segments")
-        return "s3", bucket, prefix, None
-    if url.startswith("file://"):
-        path = url[len("file://") :]
-        if not path.startswith("/"):
-            raise ValueError("must be file:///absolute/path (three slashes, no host)")
-        # Percent-decoded like ckptd.storage.open_backend does, so both agree on the root.
-        return "file", "", "", Path(unquote(path))
-    raise ValueError("must be s3://bucket[/prefix] or file:///absolute/path")
 
 
 def _check_http_url(url: str, *, allow_path: bool) -> None:
@@ -314,7 +279,7 @@ class DestinationConfig(_Section):
         # Empty is allowed here: only the commands that ship or read checkpoints need a
         # destination, and they call require_destination().
         if value:
-            _parse_destination(value)
+            parse_destination(value)
         return value
 
     @field_validator("endpoint_url")
@@ -324,36 +289,36 @@ class DestinationConfig(_Section):
             _check_http_url(value, allow_path=False)
         return value
 
-    def _parsed(self) -> tuple[DestinationKind, str, str, Path | None]:
+    def _parsed(self) -> DestinationURL:
         if not self.url:
             raise _unset_destination()
-        return _parse_destination(self.url)
+        return parse_destination(self.url)
 
     @property
     def kind(self) -> DestinationKind:
         """The scheme, "s3" or "file"; ConfigError (destination.url) when none is set."""
-        return self._parsed()[0]
+        return self._parsed().kind
 
     @property
     def bucket(self) -> str:
         """The S3 bucket; ValueError for a file:// destination."""
-        kind, bucket, _, _ = self._parsed()
-        if kind != "s3":
+        parsed = self._parsed()
+        if parsed.kind != "s3":
             raise ValueError(f"destination {self.url!r} is not s3://: it has no bucket")
-        return bucket
+        return parsed.bucket
 
     @property
     def prefix(self) -> str:
         """The key prefix under the bucket, without leading or trailing '/' ("" for none)."""
-        kind, _, prefix, _ = self._parsed()
-        if kind != "s3":
+        parsed = self._parsed()
+        if parsed.kind != "s3":
             raise ValueError(f"destination {self.url!r} is not s3://: it has no prefix")
-        return prefix
+        return parsed.prefix
 
     @property
     def root_path(self) -> Path:
         """The root directory of a file:// destination; ValueError for s3://."""
-        _, _, _, root = self._parsed()
+        root = self._parsed().root
         if root is None:
             raise ValueError(f"destination {self.url!r} is not file://: it has no root path")
         return root

@@ -35,7 +35,13 @@ from ckptd.manifest import (
     parse_latest,
     parse_manifest,
 )
-from ckptd.storage.base import NotFoundError, ObjectInfo, Storage
+from ckptd.storage.base import (
+    ConditionalWrite,
+    NotFoundError,
+    ObjectInfo,
+    Storage,
+    require_capability,
+)
 
 LEASE_DIR = ".ckptd-restoring"
 LEASE_TTL_SECONDS = 3600.0
@@ -176,7 +182,9 @@ class Repository:
 
     def put_manifest_if_absent(self, manifest: Manifest, body: bytes, crc32c: int) -> None:
         """The commit write: PreconditionFailedError if a manifest is there already."""
-        self.storage.put_if_absent(
+        # Without a conditional write two commits could both 'win': no commit at all, then.
+        conditional = require_capability(self.storage, ConditionalWrite, "commit a checkpoint")
+        conditional.put_if_absent(
             manifest_key(manifest.run_id, manifest.checkpoint), body, crc32c=crc32c
         )
 

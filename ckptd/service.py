@@ -34,7 +34,7 @@ from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.sigterm import SigtermSource
 from ckptd.respond import Responder
 from ckptd.sdnotify import SystemdNotifier, summarize
-from ckptd.storage import StorageError, open_storage
+from ckptd.storage import StorageError, open_destination
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from ckptd.sync.watcher import Watcher
@@ -69,17 +69,9 @@ class Service:
         self.sigterm = asyncio.Event()
         self._io_stop = threading.Event()
         self.sd = SystemdNotifier.from_env()  # systemd Type=notify; inert elsewhere
-        dest = settings.destination
         self.journal = Journal(Path(settings.state.dir))
-        self.storage = open_storage(
-            dest.url,
-            endpoint_url=dest.endpoint_url,
-            region=dest.region,
-            concurrency=dest.concurrency,
-            max_upload_bytes_per_s=dest.max_upload_mib_per_s * 1024 * 1024,
-            max_attempts=dest.max_attempts,
-            on_retry=self._on_retry,
-            stop=self._io_stop,
+        self.storage = open_destination(
+            settings.destination, limit_uploads=True, on_retry=self._on_retry, stop=self._io_stop
         )
         self.destination = DestinationHealth(self.storage, self.metrics, self.log)
         self.pipeline = SyncPipeline(

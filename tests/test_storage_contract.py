@@ -3,27 +3,55 @@ a real directory (file://). What one backend promises, all keep."""
 
 from __future__ import annotations
 
+import ast
+import errno
 import os
+import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+from urllib.parse import quote
 
 import boto3
 import pytest
+from pydantic import ValidationError
 
 from ckptd import checksum
+from ckptd.config import DestinationConfig
+from ckptd.layouts.base import FileEntry
 from ckptd.locals3 import LocalS3, free_port
 from ckptd.storage import (
+    ConditionalWrite,
+    LimitedStorage,
+    MultipartUpload,
     NotFoundError,
+    PartListing,
     PreconditionFailedError,
+    RateLimiter,
+    RetryingStorage,
+    ServerSideCopy,
     ShortObjectError,
     Storage,
     StorageError,
+    StorageWrapper,
+    StoreChecksums,
+    capability,
     open_backend,
+    open_destination,
+    open_storage,
+    require_capability,
 )
 from ckptd.storage.base import STREAM_PIECE
+from ckptd.storage.fs import FileStorage
+from ckptd.storage.s3 import S3Storage
+from ckptd.sync.journal import Journal
+from ckptd.sync.transfer import TransferContext, TransferPausedError, Transfers
+from tests.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +75,28 @@ def moto_endpoint() -> Iterator[str]:
         server.stop()
 
 
+@dataclass(frozen=True)
+class Destination:
+    backend: str  # the fixture's param: "seaweedfs", "moto" or "file"
+    url: str
+    endpoint_url: str = ""
+
+
 @pytest.fixture(params=["seaweedfs", "moto", "file"])
-def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+def destination(request: pytest.FixtureRequest, tmp_path: Path) -> Destination:
     prefix = f"contract-{uuid.uuid4().hex[:8]}"
     if request.param == "seaweedfs":
         local_s3: LocalS3 = request.getfixturevalue("local_s3")
-        return open_backend(f"s3://ckpt/{prefix}", endpoint_url=local_s3.endpoint_url)
+        return Destination(request.param, f"s3://ckpt/{prefix}", local_s3.endpoint_url)
     if request.param == "moto":
-        return open_backend(
-            f"s3://ckpt/{prefix}", endpoint_url=request.getfixturevalue("moto_endpoint")
-        )
-    return open_backend(f"file://{tmp_path / 'dest'}")
+        endpoint: str = request.getfixturevalue("moto_endpoint")
+        return Destination(request.param, f"s3://ckpt/{prefix}", endpoint)
+    return Destination(request.param, f"file://{tmp_path / 'dest'}")
+
+
+@pytest.fixture
+def storage(destination: Destination) -> Storage:
+    return open_backend(destination.url, endpoint_url=destination.endpoint_url)
 
 
 def _put(storage: Storage, key: str, data: bytes) -> None:
@@ -148,14 +187,16 @@ def test_multipart_upload_assembles_parts_and_reports_its_checksum(storage: Stor
             storage.upload_part(key, upload_id, number, offset, data, crc32c=checksum.crc32c(data))
         )
         offset += len(data)
-    held = storage.list_parts(key, upload_id)
+    lister = capability(storage, PartListing)
+    held = lister.list_parts(key, upload_id) if lister is not None else None
     assert held is None or sorted(held) == [1, 2, 3]
     storage.complete_upload(key, upload_id, parts)
     whole = b"".join(parts_data)
     assert storage.get_bytes(key) == whole
     info = storage.head(key)
     assert info is not None and info.size == len(whole)
-    expected = storage.expected_checksum(parts, checksum.crc32c(whole))
+    sums = capability(storage, StoreChecksums)
+    expected = sums.expected_checksum(parts, checksum.crc32c(whole)) if sums else ""
     if expected and info.checksum:
         assert checksum.s3_checksums_match(info.checksum, expected)
     assert storage.list_uploads("run/") == []
@@ -198,6 +239,158 @@ def test_missing_bucket_is_a_permanent_error(local_s3: LocalS3) -> None:
     assert err.value.code == "NoSuchBucket" and not err.value.transient
 
 
+def test_the_url_parser_imports_nothing_that_does_io() -> None:
+    # Configuration imports it: it must stay a pure function of the string.
+    import ckptd.storage.url
+
+    tree = ast.parse(Path(ckptd.storage.url.__file__).read_text())
+    imported = {
+        name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for name in (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        )
+    }
+    assert imported <= {
+        "__future__",
+        "ipaddress",
+        "re",
+        "dataclasses",
+        "pathlib",
+        "typing",
+        "urllib",
+    }
+
+
+# -- one way to open storage from configuration -------------------------------------------
+
+
+def test_open_destination_caps_uploads_only_where_asked(tmp_path: Path) -> None:
+    dest = DestinationConfig(
+        url=f"file://{tmp_path / 'dest'}", max_upload_mib_per_s=2.5, max_attempts=3
+    )
+    daemon = open_destination(dest, limit_uploads=True)  # as the service opens it
+    command = open_destination(dest)  # as the CLI's commands do
+    for stack, rate in ((daemon, 2.5 * MiB), (command, 0)):
+        assert stack.max_attempts == 3 and stack.url == open_backend(dest.url).url
+        assert isinstance(stack.inner, LimitedStorage) and stack.inner.limiter.rate == rate
+
+
+def test_open_destination_sizes_the_connection_pool_for_a_concurrency_override() -> None:
+    dest = DestinationConfig(url="s3://ckpt/x", endpoint_url="http://127.0.0.1:1", concurrency=3)
+    for override, connections in ((None, 3 + 4), (20, 20 + 4)):  # restore's --concurrency
+        backend = open_destination(dest, concurrency=override).inner.inner
+        assert isinstance(backend, S3Storage)
+        assert backend._client.meta.config.max_pool_connections == connections
+
+
+# -- permanence decided by the backend that saw the error ---------------------------------
+
+
+def test_a_missing_bucket_marks_the_destination_unusable_on_any_operation(
+    local_s3: LocalS3,
+) -> None:
+    # Reads only: SeaweedFS creates a missing bucket on a PUT.
+    storage = open_backend("s3://no-such-bucket-unusable/x", endpoint_url=local_s3.endpoint_url)
+    with pytest.raises(StorageError) as checked:
+        storage.check()
+    with pytest.raises(StorageError) as got:
+        storage.get_bytes("run/c/a")
+    for err in (checked.value, got.value):
+        assert err.code == "NoSuchBucket", err
+        assert err.destination_unusable and not err.transient, err
+
+
+def test_a_denied_request_marks_the_destination_unusable(fault_proxy: FaultProxy) -> None:
+    fault_proxy.deny("403-accessdenied", methods={"PUT"})
+    storage = open_backend(f"s3://ckpt/{uuid.uuid4().hex[:8]}", endpoint_url=fault_proxy.url)
+    with pytest.raises(StorageError) as err:
+        _put(storage, "run/c/a", b"x")
+    assert err.value.code == "AccessDenied" and err.value.destination_unusable
+
+
+def test_a_transient_s3_error_leaves_the_destination_usable(fault_proxy: FaultProxy) -> None:
+    fault_proxy.fail_next(1, "503-slowdown", methods={"PUT"})
+    storage = open_backend(f"s3://ckpt/{uuid.uuid4().hex[:8]}", endpoint_url=fault_proxy.url)
+    with pytest.raises(StorageError) as err:
+        _put(storage, "run/c/a", b"x")
+    assert err.value.transient and not err.value.destination_unusable
+    _put(storage, "run/c/a", b"x")  # the next attempt goes through: usable indeed
+
+
+def test_a_root_that_cannot_be_made_marks_the_destination_unusable(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_bytes(b"")
+    storage = open_backend(f"file://{tmp_path / 'a-file' / 'dest'}")
+    with pytest.raises(StorageError) as err:
+        storage.check()
+    assert err.value.destination_unusable and not err.value.transient
+    assert err.value.code == "ENOTDIR"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root is never refused a write")
+def test_a_root_this_node_may_not_write_marks_the_destination_unusable(tmp_path: Path) -> None:
+    root = tmp_path / "dest"
+    root.mkdir(mode=0o500)
+    storage = open_backend(f"file://{root}")
+    try:
+        for operation in (storage.check, lambda: _put(storage, "run/c/a", b"x")):
+            with pytest.raises(StorageError) as err:
+                operation()
+            assert err.value.code == "EACCES" and err.value.destination_unusable
+    finally:
+        root.chmod(0o700)
+
+
+def test_a_transient_filesystem_error_leaves_the_destination_usable(tmp_path: Path) -> None:
+    # An I/O error on one file (a flaky NFS server, say) is worth retrying; it says
+    # nothing about the destination as a whole.
+    from ckptd.storage.fs import _error
+
+    err = _error(OSError(errno.EIO, os.strerror(errno.EIO)), "put run/c/a")
+    assert err.transient and not err.destination_unusable
+
+
+def test_the_pipeline_marks_the_destination_down_by_the_backend_flag_alone(
+    tmp_path: Path,
+) -> None:
+    from ckptd.config import Settings
+    from ckptd.metrics import Metrics
+    from ckptd.sync.journal import Journal
+    from ckptd.sync.pipeline import SyncPipeline
+    from ckptd.sync.queue import Pending
+    from ckptd.sync.ship import Outcome, ShipResult
+
+    settings = Settings.model_validate(
+        {"destination": {"url": f"file://{tmp_path / 'dest'}"}, "watch": [{"dir": tmp_path}]}
+    )
+    metrics = Metrics()
+    journal = Journal(tmp_path / "state")
+    pipeline = SyncPipeline(settings, open_backend(settings.destination.url), journal, metrics)
+    try:
+        (state,) = pipeline.runs.values()
+        metrics.destination_up.set(1)
+
+        def up() -> float | None:
+            return metrics.registry.get_sample_value("ckptd_destination_up")
+
+        # An S3 code that used to mean "down", without the backend's flag: still up.
+        denied_key = StorageError("get run/c/a: AccessDenied", transient=False, code="AccessDenied")
+        failed = ShipResult(Outcome.FAILED, error=denied_key)
+        pipeline._failed(state, Pending(state.run_id, "c", 1, 0.0), failed, pipeline.log)
+        assert up() == 1
+        # A filesystem refusal the backend flagged: down.
+        refused = StorageError(
+            "put run/c/a: EACCES", transient=False, code="EACCES", destination_unusable=True
+        )
+        failed = ShipResult(Outcome.FAILED, error=refused)
+        pipeline._failed(state, Pending(state.run_id, "c", 1, 0.0), failed, pipeline.log)
+        assert up() == 0
+    finally:
+        pipeline.transfers.close()
+        journal.close()
+
+
 @pytest.mark.parametrize("key", ["../escape", "run/../../escape", "/abs", "run//x", "run/./x"])
 def test_file_backend_refuses_keys_that_leave_its_root(tmp_path: Path, key: str) -> None:
     storage = open_backend(f"file://{tmp_path / 'dest'}")
@@ -232,3 +425,271 @@ def test_parts_streamed_from_a_file_range_assemble_identically(
         os.close(fd)
     storage.complete_upload(key, upload_id, parts)
     assert storage.get_bytes(key) == data
+
+
+# -- one URL parser ----------------------------------------------------------------------
+
+
+def test_config_and_open_backend_read_a_file_url_as_the_same_root(tmp_path: Path) -> None:
+    root = tmp_path / "shared ckpt%41"  # a space and a literal '%' in the directory name
+    url = f"file://{quote(str(root))}"
+    backend = open_backend(url)
+    assert isinstance(backend, FileStorage)
+    assert DestinationConfig(url=url).root_path == root
+    assert backend.root == root.resolve()
+
+
+def test_config_and_open_backend_read_an_s3_url_as_the_same_bucket_and_prefix() -> None:
+    url = "s3://ckpt/team/run-a/"
+    backend = open_backend(url, endpoint_url="http://127.0.0.1:1")
+    dest = DestinationConfig(url=url)
+    assert isinstance(backend, S3Storage)
+    assert (backend.bucket, backend.prefix) == (dest.bucket, dest.prefix) == ("ckpt", "team/run-a")
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("s3://192.168.1.1/x", "bucket name must not be an IP address"),
+        ("s3://ckpt/a/../b", "prefix must not contain empty, '.' or '..' segments"),
+        ("file://host/path", "must be file:///absolute/path (three slashes, no host)"),
+        ("gs://bucket", "must be s3://bucket[/prefix] or file:///absolute/path"),
+    ],
+)
+def test_config_and_open_backend_refuse_a_malformed_url_for_the_same_reason(
+    url: str, problem: str
+) -> None:
+    with pytest.raises(ValidationError, match=re.escape(problem)):
+        DestinationConfig(url=url)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        open_backend(url)
+
+
+# -- capabilities: declared by each backend, kept through every wrapper ---------------------
+
+CAPABILITIES: tuple[type, ...] = (
+    ConditionalWrite,
+    ServerSideCopy,
+    MultipartUpload,
+    PartListing,
+    StoreChecksums,
+)
+# What each store can promise. A directory cannot tell which parts of an upload it holds
+# (they are ranges of one temporary file) and reports no checksum of its own.
+DECLARED = {
+    "seaweedfs": set(CAPABILITIES),
+    "moto": set(CAPABILITIES),
+    "file": {ConditionalWrite, ServerSideCopy, MultipartUpload},
+}
+
+
+def _capabilities(storage: object) -> set[type]:
+    return {kind for kind in CAPABILITIES if isinstance(storage, kind)}
+
+
+def test_each_backend_declares_the_capabilities_its_store_keeps(
+    destination: Destination, storage: Storage
+) -> None:
+    assert isinstance(storage, Storage)
+    assert _capabilities(storage) == DECLARED[destination.backend]
+
+
+def test_a_wrapper_stack_has_exactly_its_backends_capabilities(
+    destination: Destination, storage: Storage
+) -> None:
+    stack = open_storage(destination.url, endpoint_url=destination.endpoint_url)
+    assert isinstance(stack.inner, LimitedStorage)  # the stack is two wrappers deep
+    assert isinstance(stack, Storage)
+    assert _capabilities(stack) == _capabilities(stack.inner) == _capabilities(storage)
+    for kind in CAPABILITIES:
+        # A capability is used through the stack (retried, rate-limited), never around it.
+        assert capability(stack, kind) is (stack if kind in DECLARED[destination.backend] else None)
+
+
+class _FailsEachOperationOnce(StorageWrapper):
+    """Fails the first attempt of every operation with a transient error."""
+
+    def _run(self, operation: str, fn: Callable[[], T], *, sends: int | None = None) -> T:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls % 2:
+            raise StorageError(f"{operation}: injected", transient=True, code="SlowDown")
+        return fn()
+
+
+def test_every_operation_is_retried_under_its_own_name(
+    destination: Destination, storage: Storage
+) -> None:
+    retried: list[str] = []
+    stack = RetryingStorage(
+        _FailsEachOperationOnce(storage),
+        base_delay=0,
+        on_retry=lambda operation, exc, attempt, delay: retried.append(operation),
+    )
+    data = os.urandom(5 * MiB)
+    crc = checksum.crc32c(data)
+    stack.put_bytes("run/c/a", b"a", crc32c=checksum.crc32c(b"a"))
+    stack.get_bytes("run/c/a")
+    stack.stream_range("run/c/a", 0, 1, lambda pos, b: None)
+    stack.head("run/c/a")
+    list(stack.list_objects("run/"))
+    stack.list_children("run/")
+    stack.check()
+    expected = ["put", "get", "get", "head", "list", "list", "check"]
+    if (conditional := capability(stack, ConditionalWrite)) is not None:
+        conditional.put_if_absent("run/c/m", b"m", crc32c=checksum.crc32c(b"m"))
+        expected.append("put_if_absent")
+    if (copier := capability(stack, ServerSideCopy)) is not None:
+        copier.copy("run/c/a", "run/d/a")
+        expected.append("copy")
+    if (uploads := capability(stack, MultipartUpload)) is not None:
+        upload_id = uploads.create_upload("run/c/big")
+        part = uploads.upload_part("run/c/big", upload_id, 1, 0, data, crc32c=crc)
+        expected += ["create_upload", "upload_part"]
+        if (lister := capability(stack, PartListing)) is not None:
+            assert list(lister.list_parts("run/c/big", upload_id)) == [1]
+            expected.append("list_parts")
+        assert uploads.list_uploads("run/") == [("run/c/big", upload_id)]
+        uploads.complete_upload("run/c/big", upload_id, [part])
+        uploads.abort_upload("run/c/big", upload_id)
+        expected += ["list_uploads", "complete_upload", "abort_upload"]
+    stack.delete(["run/c/a"])
+    expected.append("delete")
+    assert retried == expected
+    assert stack.get_bytes("run/c/big") == data
+
+
+class _RecordingLimiter(RateLimiter):
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.charged: list[int] = []
+
+    def acquire(self, nbytes: int) -> None:
+        self.charged.append(nbytes)
+
+
+def test_the_bandwidth_cap_charges_exactly_the_bytes_uploaded(storage: Storage) -> None:
+    limiter = _RecordingLimiter()
+    stack = LimitedStorage(storage, limiter)
+    data = os.urandom(5 * MiB)
+    stack.put_bytes("run/c/a", b"abc", crc32c=checksum.crc32c(b"abc"))
+    stack.get_bytes("run/c/a")
+    list(stack.list_objects("run/"))
+    conditional = require_capability(stack, ConditionalWrite, "commit")
+    conditional.put_if_absent("run/c/m", b"12345", crc32c=checksum.crc32c(b"12345"))
+    uploads = require_capability(stack, MultipartUpload, "upload")
+    upload_id = uploads.create_upload("run/c/big")
+    uploads.upload_part("run/c/big", upload_id, 1, 0, data, crc32c=checksum.crc32c(data))
+    uploads.abort_upload("run/c/big", upload_id)
+    assert limiter.charged == [3, 5, len(data)]
+
+
+class _NoConditionalWrite(FileStorage):
+    # None blocks a protocol method for isinstance: this directory cannot write
+    # conditionally (as an NFS server without atomic link() could not).
+    put_if_absent = None  # type: ignore[assignment]
+
+
+def test_commit_refuses_a_destination_without_conditional_write(tmp_path: Path) -> None:
+    from ckptd.manifest import build_manifest
+    from ckptd.sync.commit import commit
+
+    stack = RetryingStorage(_NoConditionalWrite(tmp_path / "dest"))
+    assert capability(stack, ConditionalWrite) is None
+    manifest = build_manifest(
+        run_id="run",
+        checkpoint="checkpoint-5",
+        step=5,
+        layout="hf",
+        host="node",
+        created_at=0,
+        committed_at=1,
+        files=[],
+        environment={},
+    )
+    with pytest.raises(StorageError) as err:
+        commit(stack, manifest)
+    assert not err.value.transient and err.value.destination_unusable
+    assert err.value.code == "Unsupported"
+    assert stack.url in str(err.value) and "ConditionalWrite" in str(err.value)
+    assert list(stack.list_objects("")) == []  # no LATEST without a manifest
+
+
+# -- resuming a multipart upload, with and without the store's part listing ----------------
+
+
+async def _interrupted_upload(
+    stack: Storage, journal: Journal, local: Path, key: str
+) -> tuple[FileEntry, str]:
+    """Send two of the three parts of ``local`` to ``key`` and stop, as a pause does."""
+    st = local.stat()
+    entry = FileEntry(local.name, st.st_size, st.st_mtime_ns)
+    ctx = TransferContext("run", "ckpt")
+    sent: list[int] = []
+
+    def on_bytes(run: str, n: int) -> None:
+        sent.append(n)
+        if len(sent) == 2:
+            ctx.pause.set()
+
+    # One worker: parts go in order, so the pause lands after exactly parts 1 and 2.
+    first = Transfers(stack, journal, part_size=5 * MiB, concurrency=1, on_bytes=on_bytes)
+    try:
+        with pytest.raises(TransferPausedError):
+            await first.upload(key, local, entry, ctx)
+    finally:
+        first.close()
+    rec = journal.upload_for(key)
+    assert rec is not None and rec.upload_id is not None
+    assert sorted(journal.parts_for(rec.upload_id)) == [1, 2]
+    return entry, rec.upload_id
+
+
+async def test_an_interrupted_upload_resumes_with_only_the_parts_not_journalled(
+    destination: Destination, tmp_path: Path
+) -> None:
+    stack = open_storage(destination.url, endpoint_url=destination.endpoint_url)
+    # A directory cannot list parts: there the journal alone says what is sent.
+    assert (capability(stack, PartListing) is None) == (destination.backend == "file")
+    local = tmp_path / "ckpt" / "model.bin"
+    local.parent.mkdir()
+    data = os.urandom(10 * MiB + 12345)
+    local.write_bytes(data)
+    journal = Journal(tmp_path / "state")
+    key = "run/ckpt/model.bin"
+    try:
+        entry, _ = await _interrupted_upload(stack, journal, local, key)
+        second = Transfers(stack, journal, part_size=5 * MiB, concurrency=2)
+        try:
+            result = await second.upload(key, local, entry, TransferContext("run", "ckpt"))
+        finally:
+            second.close()
+        assert (result.how, result.bytes_sent) == ("resumed", 12345)
+        assert journal.upload_for(key) is None
+    finally:
+        journal.close()
+    assert stack.get_bytes(key) == data
+
+
+async def test_an_upload_gone_from_the_store_starts_again_from_the_first_part(
+    destination: Destination, tmp_path: Path
+) -> None:
+    stack = open_storage(destination.url, endpoint_url=destination.endpoint_url)
+    local = tmp_path / "ckpt" / "model.bin"
+    local.parent.mkdir()
+    data = os.urandom(10 * MiB + 12345)
+    local.write_bytes(data)
+    journal = Journal(tmp_path / "state")
+    key = "run/ckpt/model.bin"
+    try:
+        entry, upload_id = await _interrupted_upload(stack, journal, local, key)
+        # Gone behind the journal's back (a lifecycle rule, an operator's cleanup).
+        require_capability(stack, MultipartUpload, "abort").abort_upload(key, upload_id)
+        second = Transfers(stack, journal, part_size=5 * MiB, concurrency=2)
+        try:
+            result = await second.upload(key, local, entry, TransferContext("run", "ckpt"))
+        finally:
+            second.close()
+        assert (result.how, result.bytes_sent) == ("uploaded", len(data))
+    finally:
+        journal.close()
+    assert stack.get_bytes(key) == data

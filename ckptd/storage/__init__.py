@@ -1,60 +1,84 @@
-"""Where checkpoints go: one small interface, an S3 and a filesystem backend, and the
-wrappers (retry, bandwidth cap) stacked in ``open_storage``."""
+"""Where checkpoints go: one small interface with optional capabilities, an S3 and a
+filesystem backend, and the wrappers (retry, bandwidth cap) stacked in ``open_storage``."""
 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
-from urllib.parse import unquote, urlparse
+from typing import TYPE_CHECKING
 
 from ckptd.storage.base import (
+    ConditionalWrite,
+    MultipartUpload,
     NotFoundError,
     ObjectInfo,
     PartInfo,
+    PartListing,
     PreconditionFailedError,
+    ServerSideCopy,
     ShortObjectError,
     Storage,
     StorageError,
+    StoreChecksums,
+    capability,
+    require_capability,
 )
 from ckptd.storage.limited import LimitedStorage, RateLimiter
 from ckptd.storage.retrying import RetryHook, RetryingStorage
+from ckptd.storage.url import DestinationURL, parse_destination
+from ckptd.storage.wrapper import StorageWrapper
+
+if TYPE_CHECKING:  # config imports storage.url; a run-time import would be a cycle
+    from ckptd.config import DestinationConfig
 
 __all__ = [
+    "ConditionalWrite",
+    "DestinationURL",
     "LimitedStorage",
+    "MultipartUpload",
     "NotFoundError",
     "ObjectInfo",
     "PartInfo",
+    "PartListing",
     "PreconditionFailedError",
     "RateLimiter",
     "RetryingStorage",
+    "ServerSideCopy",
     "ShortObjectError",
     "Storage",
     "StorageError",
+    "StorageWrapper",
+    "StoreChecksums",
+    "capability",
     "open_backend",
+    "open_destination",
     "open_storage",
+    "parse_destination",
+    "require_capability",
 ]
 
 
 def open_backend(
     url: str, *, endpoint_url: str = "", region: str = "", max_connections: int = 10
 ) -> Storage:
-    """The bare backend for ``s3://bucket/prefix`` or ``file:///path``."""
-    parsed = urlparse(url)
-    if parsed.scheme == "s3":
-        from ckptd.storage.s3 import S3Storage
-
-        return S3Storage(
-            parsed.netloc,
-            parsed.path.strip("/"),
-            endpoint_url=endpoint_url,
-            region=region,
-            max_connections=max_connections,
-        )
-    if parsed.scheme == "file":
+    """The bare backend for ``s3://bucket/prefix`` or ``file:///path``; ValueError for
+    a URL that configuration would refuse."""
+    try:
+        parsed = parse_destination(url)
+    except ValueError as exc:
+        raise ValueError(f"unsupported destination {url!r}: {exc}") from None
+    if parsed.root is not None:
         from ckptd.storage.fs import FileStorage
 
-        return FileStorage(Path(unquote(parsed.path)))
-    raise ValueError(f"unsupported destination {url!r}: use s3://bucket/prefix or file:///path")
+        return FileStorage(parsed.root)
+    from ckptd.storage.s3 import S3Storage
+
+    return S3Storage(
+        parsed.bucket,
+        parsed.prefix,
+        endpoint_url=endpoint_url,
+        region=region,
+        max_connections=max_connections,
+    )
 
 
 def open_storage(
@@ -76,3 +100,26 @@ def open_storage(
     )
     limited: Storage = LimitedStorage(backend, limiter or RateLimiter(max_upload_bytes_per_s))
     return RetryingStorage(limited, max_attempts=max_attempts, on_retry=on_retry, stop=stop)
+
+
+def open_destination(
+    dest: DestinationConfig,
+    *,
+    concurrency: int | None = None,
+    limit_uploads: bool = False,
+    on_retry: RetryHook | None = None,
+    stop: threading.Event | None = None,
+) -> RetryingStorage:
+    """The storage stack for a configured destination (its url must be set).
+    ``concurrency`` overrides the configured one; ``limit_uploads`` applies the node-wide
+    ``max_upload_mib_per_s``, which the daemon does and the CLI's commands do not."""
+    return open_storage(
+        dest.url,
+        endpoint_url=dest.endpoint_url,
+        region=dest.region,
+        concurrency=dest.concurrency if concurrency is None else concurrency,
+        max_upload_bytes_per_s=dest.max_upload_mib_per_s * 1024 * 1024 if limit_uploads else 0,
+        max_attempts=dest.max_attempts,
+        on_retry=on_retry,
+        stop=stop,
+    )

@@ -1,14 +1,39 @@
-"""The storage interface every backend implements, and the one error type it raises.
+"""The storage interface: a core every backend implements, capabilities a backend may
+add, and the one error type it raises. This docstring is the contract.
 
 Keys are '/'-separated and relative to the destination root (``s3://bucket/prefix`` or
 ``file:///mnt/shared/ckpt``); backends add the root. Every method is blocking and
 thread-safe: the pipeline runs them in worker threads.
 
+Core (``Storage``): put and get whole objects, stream a range, head, list, delete, check
+the destination, and ``url``. Every backend implements all of it.
+
+Capabilities, each a small ``runtime_checkable`` Protocol (as rclone's optional
+features): a backend implements one only where its store keeps that promise, and
+never answers one it lacks with a sentinel; it simply does not have the method.
+
+    ConditionalWrite  put_if_absent          a manifest is committed exactly once
+    ServerSideCopy    copy                   an unchanged file is re-used, not re-sent
+    MultipartUpload   create_upload ...      large files in parts that survive restarts
+    PartListing       list_parts             the store says which parts it holds
+    StoreChecksums    expected_checksum      the store reports a checksum to verify
+
+Callers ask with ``capability(storage, Kind)``, None when absent, and do what they did
+without it: with no PartListing the journal is the record of finished parts, with no
+StoreChecksums an object is verified by its size, with no ServerSideCopy a file is
+uploaded. Where nothing can stand in (a commit needs ConditionalWrite, a file larger
+than one PUT needs MultipartUpload), ``require_capability`` raises a permanent
+StorageError naming the destination and what it lacks. A wrapper (``storage.wrapper``) has exactly the capabilities of what it
+wraps, so ``isinstance`` answers for the backend through any stack of wrappers.
+
 Errors: a backend raises ``StorageError`` only, classified once, here in the backend
 that understands its own failures: ``transient=True`` for what a later attempt may fix
 (5xx, SlowDown/throttling, RequestTimeout, connection resets, timeouts) and
 ``transient=False`` for what it never will (AccessDenied, NoSuchBucket, ENOSPC, EACCES).
-``storage.retrying.RetryingStorage`` retries the first kind; the second surfaces.
+``storage.retrying.RetryingStorage`` retries the first kind; the second surfaces. The
+backend also sets ``destination_unusable`` when the destination as configured can never
+work (no such bucket, access denied, bad or missing credentials, a root directory that
+cannot be made or written): callers read that flag, never the backend's error codes.
 """
 
 from __future__ import annotations
@@ -16,18 +41,22 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from ckptd.errors import CkptdError
 
 
 class StorageError(CkptdError):
-    """A storage operation failed; ``transient`` says whether retrying may help."""
+    """A storage operation failed; ``transient`` says whether retrying may help, and
+    ``destination_unusable`` whether the destination as configured can never work."""
 
-    def __init__(self, message: str, *, transient: bool, code: str = "") -> None:
+    def __init__(
+        self, message: str, *, transient: bool, code: str = "", destination_unusable: bool = False
+    ) -> None:
         super().__init__(message)
         self.transient = transient
         self.code = code
+        self.destination_unusable = destination_unusable
 
 
 class NotFoundError(StorageError):
@@ -138,16 +167,12 @@ STREAM_PIECE = 1024 * 1024
 
 @runtime_checkable
 class Storage(Protocol):
-    """A durable destination for checkpoint objects."""
+    """A durable destination for checkpoint objects: what every backend implements."""
 
     url: str
 
     def put_bytes(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
         """Write ``data`` at ``key`` (replacing); the store checks it against ``crc32c``."""
-        ...
-
-    def put_if_absent(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
-        """Write only if ``key`` does not exist (If-None-Match: *); else PreconditionFailedError."""
         ...
 
     def get_bytes(self, key: str) -> bytes:
@@ -162,7 +187,7 @@ class Storage(Protocol):
         ...
 
     def head(self, key: str) -> ObjectInfo | None:
-        """Size and store checksum of ``key``, or None if absent."""
+        """Size (and the store's checksum, if it reports one) of ``key``, or None if absent."""
         ...
 
     def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
@@ -177,16 +202,33 @@ class Storage(Protocol):
         """Remove ``keys``; absent keys are not an error."""
         ...
 
-    def copy(self, src_key: str, dst_key: str) -> ObjectInfo:
-        """Server-side copy: no object bytes pass through this node. The backend checks
-        the copy against the source as far as its store can tell (size, checksum)."""
-        ...
-
     def check(self) -> None:
         """Raise StorageError if the destination is unreachable or misconfigured."""
         ...
 
-    # -- multipart: resumable uploads of large files -------------------------------
+
+@runtime_checkable
+class ConditionalWrite(Protocol):
+    """Writes that succeed only where the key is absent, atomically."""
+
+    def put_if_absent(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
+        """Write only if ``key`` does not exist (If-None-Match: *); else PreconditionFailedError."""
+        ...
+
+
+@runtime_checkable
+class ServerSideCopy(Protocol):
+    """Copies made by the store, with no object bytes passing through this node."""
+
+    def copy(self, src_key: str, dst_key: str) -> ObjectInfo:
+        """Copy ``src_key`` to ``dst_key``, checked against the source as far as the store
+        can tell (size, checksum)."""
+        ...
+
+
+@runtime_checkable
+class MultipartUpload(Protocol):
+    """Large objects sent in numbered parts, resumable after a restart."""
 
     def create_upload(self, key: str) -> str:
         """Start a multipart upload of ``key``; returns its id."""
@@ -196,13 +238,8 @@ class Storage(Protocol):
         self, key: str, upload_id: str, number: int, offset: int, data: PartBody, *, crc32c: int
     ) -> PartInfo:
         """Send part ``number`` (1-based; its bytes start at ``offset`` in the file),
-        given as bytes or as a range of an open file to stream."""
-        ...
-
-    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
-        """Parts the store holds for an upload, number -> (size, etag); None if the
-        backend cannot tell (the journal is then the record). NotFoundError if the upload
-        no longer exists."""
+        given as bytes or as a range of an open file to stream. NotFoundError if the
+        upload no longer exists."""
         ...
 
     def complete_upload(self, key: str, upload_id: str, parts: list[PartInfo]) -> ObjectInfo:
@@ -217,7 +254,46 @@ class Storage(Protocol):
         """Unfinished uploads under ``prefix`` as (key, upload_id)."""
         ...
 
-    def expected_checksum(self, parts: list[PartInfo], whole_crc32c: int) -> str:
-        """What ``head().checksum`` should say for an object sent as ``parts``
-        (an empty list: sent with put_bytes); "" if the store reports none."""
+
+@runtime_checkable
+class PartListing(Protocol):
+    """The store can say which parts of a multipart upload it holds."""
+
+    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]]:
+        """Parts the store holds for an upload, number -> (size, etag). NotFoundError if
+        the upload no longer exists."""
         ...
+
+
+@runtime_checkable
+class StoreChecksums(Protocol):
+    """The store reports a checksum of each object (``ObjectInfo.checksum``) to verify."""
+
+    def expected_checksum(self, parts: list[PartInfo], whole_crc32c: int) -> str:
+        """What ``head().checksum`` should say for an object sent as ``parts`` (an empty
+        list: sent with put_bytes). No I/O."""
+        ...
+
+
+C = TypeVar("C")
+
+
+def capability(storage: Storage, kind: type[C]) -> C | None:
+    """``storage`` as a ``kind`` (ConditionalWrite, PartListing, ...) if it has that
+    capability, else None."""
+    return storage if isinstance(storage, kind) else None
+
+
+def require_capability(storage: Storage, kind: type[C], purpose: str) -> C:
+    """``storage`` as a ``kind``; a permanent StorageError, naming the destination and
+    what it lacks, if it has no such capability."""
+    found = capability(storage, kind)
+    if found is None:
+        what = (kind.__doc__ or "").strip().split("\n")[0].rstrip(".").lower()
+        raise StorageError(
+            f"destination {storage.url} cannot {purpose}: it lacks {kind.__name__} ({what})",
+            transient=False,
+            code="Unsupported",
+            destination_unusable=True,
+        )
+    return found

@@ -5,6 +5,10 @@ into place, and the directory fsynced, so a reader (or a node that crashes half-
 never sees a partial file under a real name. The conditional write uses ``link()``,
 which is atomic and fails on an existing name, NFS included. Multipart uploads are a
 temporary file written at part offsets; the journal is the record of finished parts.
+
+Capabilities: ConditionalWrite, ServerSideCopy, MultipartUpload. Not PartListing (the
+parts of an upload are ranges of one file; which were written cannot be told) nor
+StoreChecksums (a filesystem keeps none; size is what it can confirm).
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ _PERMANENT_ERRNOS = {
     errno.EDQUOT,
     errno.ENOTDIR,
 }
+# The filesystem refuses this node: the destination as configured can never work.
+_UNUSABLE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
-def _error(exc: OSError, what: str) -> StorageError:
+def _error(exc: OSError, what: str, *, at_root: bool = False) -> StorageError:
     if exc.errno == errno.ENOENT:
         return NotFoundError(f"{what}: {exc.strerror}")
     transient = exc.errno not in _PERMANENT_ERRNOS
@@ -50,6 +56,10 @@ def _error(exc: OSError, what: str) -> StorageError:
         f"{what}: {exc.strerror or exc}",
         transient=transient,
         code=errno.errorcode.get(exc.errno or 0, "OSError"),
+        # At the root, ENOTDIR means a file stands where the root (or a directory above
+        # it) must be, so the root can never be made.
+        destination_unusable=exc.errno in _UNUSABLE_ERRNOS
+        or (at_root and exc.errno == errno.ENOTDIR),
     )
 
 
@@ -229,7 +239,7 @@ class FileStorage:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
-            raise _error(exc, f"destination {self.root}") from exc
+            raise _error(exc, f"destination {self.root}", at_root=True) from exc
 
     # -- multipart ----------------------------------------------------------------
 
@@ -304,11 +314,6 @@ class FileStorage:
             os.close(fd)
         return PartInfo(number, data.length, "", crc32c)
 
-    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
-        if not self._upload_path(key, upload_id).exists():
-            raise NotFoundError(f"upload {upload_id} of {key} gone", code="NoSuchUpload")
-        return None
-
     def complete_upload(self, key: str, upload_id: str, parts: list[PartInfo]) -> ObjectInfo:
         path, target = self._upload_path(key, upload_id), self._path(key)
         size = sum(p.size for p in parts)
@@ -347,6 +352,3 @@ class FileStorage:
                 if key.startswith(prefix):
                     found.append((key, tag))
         return found
-
-    def expected_checksum(self, parts: list[PartInfo], whole_crc32c: int) -> str:
-        return ""  # a filesystem reports no checksum; size is what it can confirm

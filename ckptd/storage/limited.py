@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from ckptd.storage.base import ObjectInfo, PartBody, PartInfo, RangeSink, Storage
+from ckptd.storage.base import Storage
+from ckptd.storage.wrapper import StorageWrapper
+
+T = TypeVar("T")
 
 
 class RateLimiter:
@@ -51,66 +54,14 @@ class RateLimiter:
             self._sleep(wait)
 
 
-class LimitedStorage:
+class LimitedStorage(StorageWrapper):
     """Storage whose uploads (puts and parts) share one RateLimiter."""
 
     def __init__(self, inner: Storage, limiter: RateLimiter) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.limiter = limiter
 
-    def put_bytes(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
-        self.limiter.acquire(len(data))
-        return self.inner.put_bytes(key, data, crc32c=crc32c)
-
-    def put_if_absent(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
-        self.limiter.acquire(len(data))
-        return self.inner.put_if_absent(key, data, crc32c=crc32c)
-
-    def upload_part(
-        self, key: str, upload_id: str, number: int, offset: int, data: PartBody, *, crc32c: int
-    ) -> PartInfo:
-        self.limiter.acquire(len(data))
-        return self.inner.upload_part(key, upload_id, number, offset, data, crc32c=crc32c)
-
-    def get_bytes(self, key: str) -> bytes:
-        return self.inner.get_bytes(key)
-
-    def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
-        self.inner.stream_range(key, start, length, sink)
-
-    def head(self, key: str) -> ObjectInfo | None:
-        return self.inner.head(key)
-
-    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
-        return self.inner.list_objects(prefix)
-
-    def list_children(self, prefix: str) -> list[str]:
-        return self.inner.list_children(prefix)
-
-    def delete(self, keys: list[str]) -> None:
-        self.inner.delete(keys)
-
-    def copy(self, src_key: str, dst_key: str) -> ObjectInfo:
-        return self.inner.copy(src_key, dst_key)
-
-    def check(self) -> None:
-        self.inner.check()
-
-    def create_upload(self, key: str) -> str:
-        return self.inner.create_upload(key)
-
-    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
-        return self.inner.list_parts(key, upload_id)
-
-    def complete_upload(self, key: str, upload_id: str, parts: list[PartInfo]) -> ObjectInfo:
-        return self.inner.complete_upload(key, upload_id, parts)
-
-    def abort_upload(self, key: str, upload_id: str) -> None:
-        self.inner.abort_upload(key, upload_id)
-
-    def list_uploads(self, prefix: str) -> list[tuple[str, str]]:
-        return self.inner.list_uploads(prefix)
-
-    def expected_checksum(self, parts: list[PartInfo], whole_crc32c: int) -> str:
-        return self.inner.expected_checksum(parts, whole_crc32c)
+    def _run(self, operation: str, fn: Callable[[], T], *, sends: int | None = None) -> T:
+        if sends is not None:
+            self.limiter.acquire(sends)
+        return fn()

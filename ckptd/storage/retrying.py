@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
-from ckptd.storage.base import ObjectInfo, PartBody, PartInfo, RangeSink, Storage, StorageError
+from ckptd.storage.base import Storage, StorageError
+from ckptd.storage.wrapper import StorageWrapper
 
 T = TypeVar("T")
 
 RetryHook = Callable[[str, StorageError, int, float], None]  # operation, error, attempt, delay
 
 
-class RetryingStorage:
+class RetryingStorage(StorageWrapper):
     """Storage whose transient failures are retried up to ``max_attempts`` times."""
 
     def __init__(
@@ -33,8 +34,7 @@ class RetryingStorage:
         stop: threading.Event | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.max_attempts = max_attempts
         self.base_delay = base_delay
         self.max_delay = max_delay
@@ -42,7 +42,7 @@ class RetryingStorage:
         self.stop = stop or threading.Event()
         self._rng = rng or random.Random()
 
-    def _run(self, operation: str, fn: Callable[[], T]) -> T:
+    def _run(self, operation: str, fn: Callable[[], T], *, sends: int | None = None) -> T:
         attempt = 1
         while True:
             try:
@@ -59,67 +59,3 @@ class RetryingStorage:
                 if self.stop.wait(delay):
                     raise
                 attempt += 1
-
-    def put_bytes(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
-        return self._run("put", lambda: self.inner.put_bytes(key, data, crc32c=crc32c))
-
-    def put_if_absent(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
-        return self._run(
-            "put_if_absent", lambda: self.inner.put_if_absent(key, data, crc32c=crc32c)
-        )
-
-    def get_bytes(self, key: str) -> bytes:
-        return self._run("get", lambda: self.inner.get_bytes(key))
-
-    def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
-        self._run("get", lambda: self.inner.stream_range(key, start, length, sink))
-
-    def head(self, key: str) -> ObjectInfo | None:
-        return self._run("head", lambda: self.inner.head(key))
-
-    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
-        # Materialised so a failure half-way through a listing is retried whole.
-        return iter(self._run("list", lambda: list(self.inner.list_objects(prefix))))
-
-    def list_children(self, prefix: str) -> list[str]:
-        return self._run("list", lambda: self.inner.list_children(prefix))
-
-    def delete(self, keys: list[str]) -> None:
-        self._run("delete", lambda: self.inner.delete(keys))
-
-    def copy(self, src_key: str, dst_key: str) -> ObjectInfo:
-        return self._run("copy", lambda: self.inner.copy(src_key, dst_key))
-
-    def check(self) -> None:
-        self._run("check", self.inner.check)
-
-    def create_upload(self, key: str) -> str:
-        return self._run("create_upload", lambda: self.inner.create_upload(key))
-
-    def upload_part(
-        self, key: str, upload_id: str, number: int, offset: int, data: PartBody, *, crc32c: int
-    ) -> PartInfo:
-        return self._run(
-            "upload_part",
-            lambda: self.inner.upload_part(key, upload_id, number, offset, data, crc32c=crc32c),
-        )
-
-    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
-        return self._run("list_parts", lambda: self.inner.list_parts(key, upload_id))
-
-    def complete_upload(self, key: str, upload_id: str, parts: list[PartInfo]) -> ObjectInfo:
-        return self._run(
-            "complete_upload", lambda: self.inner.complete_upload(key, upload_id, parts)
-        )
-
-    def abort_upload(self, key: str, upload_id: str) -> None:
-        self._run("abort_upload", lambda: self.inner.abort_upload(key, upload_id))
-
-    def list_uploads(self, prefix: str) -> list[tuple[str, str]]:
-        return self._run("list_uploads", lambda: self.inner.list_uploads(prefix))
-
-    def expected_checksum(self, parts: list[PartInfo], whole_crc32c: int) -> str:
-        return self.inner.expected_checksum(parts, whole_crc32c)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)

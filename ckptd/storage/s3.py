@@ -5,6 +5,9 @@ what s3transfer does not offer: each part's CRC-32C computed from the bytes it a
 read (so each byte is read from disk once), and uploads that resume after a restart
 from a journal of finished parts. boto3's own retries are off: ``RetryingStorage``
 retries, so every retry is counted and logged in one place.
+
+Capabilities: all of them (ConditionalWrite, ServerSideCopy, MultipartUpload,
+PartListing, StoreChecksums).
 """
 
 from __future__ import annotations
@@ -70,6 +73,15 @@ _TRANSIENT_CODES = {
     "504",
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchUpload", "404", "NotFound"}
+# Codes that say the destination as configured can never work (no such bucket, no
+# access, credentials missing or wrong), whichever operation met them.
+_UNUSABLE_CODES = {
+    "NoSuchBucket",
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "NoCredentials",
+}
 
 
 def classify(exc: Exception, what: str) -> StorageError:
@@ -84,11 +96,16 @@ def classify(exc: Exception, what: str) -> StorageError:
         if code in ("PreconditionFailed", "412") or status == 412:
             return PreconditionFailedError(message)
         if code == "NoSuchBucket":
-            return StorageError(message, transient=False, code=code)
+            return StorageError(message, transient=False, code=code, destination_unusable=True)
         if code in _NOT_FOUND_CODES or (status == 404 and not code):
             return NotFoundError(message, code=code or "404")
         transient = code in _TRANSIENT_CODES or status >= 500 or status == 429
-        return StorageError(message, transient=transient, code=code or str(status))
+        return StorageError(
+            message,
+            transient=transient,
+            code=code or str(status),
+            destination_unusable=code in _UNUSABLE_CODES,
+        )
     if isinstance(
         exc,
         EndpointConnectionError | ConnectionClosedError | ReadTimeoutError | ConnectTimeoutError,
@@ -96,7 +113,10 @@ def classify(exc: Exception, what: str) -> StorageError:
         return StorageError(f"{what}: {exc}", transient=True, code=type(exc).__name__)
     if isinstance(exc, NoCredentialsError):
         return StorageError(
-            f"{what}: no S3 credentials found", transient=False, code="NoCredentials"
+            f"{what}: no S3 credentials found",
+            transient=False,
+            code="NoCredentials",
+            destination_unusable=True,
         )
     if isinstance(exc, BotoCoreError | ConnectionError | TimeoutError | OSError):
         # Resets and broken pipes below botocore's own wrappers.
@@ -285,6 +305,7 @@ class S3Storage:
                     f"delete {first.get('Key')}: {first.get('Code')} {first.get('Message', '')}",
                     transient=first.get("Code") in _TRANSIENT_CODES,
                     code=str(first.get("Code", "")),
+                    destination_unusable=first.get("Code") in _UNUSABLE_CODES,
                 )
 
     def copy(self, src_key: str, dst_key: str) -> ObjectInfo:
@@ -364,12 +385,14 @@ class S3Storage:
                     f"bucket {self.bucket!r} does not exist (at {self._endpoint})",
                     transient=False,
                     code="NoSuchBucket",
+                    destination_unusable=True,
                 ) from exc
             if exc.code in ("403", "AccessDenied", "Forbidden"):
                 raise StorageError(
                     f"access to bucket {self.bucket!r} denied: check the credentials boto3 found",
                     transient=False,
                     code="AccessDenied",
+                    destination_unusable=True,
                 ) from exc
             raise
 
@@ -409,7 +432,7 @@ class S3Storage:
             )
         return PartInfo(number, len(data), str(resp.get("ETag", "")), crc32c)
 
-    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]] | None:
+    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]]:
         paginator = self._client.get_paginator("list_parts")
         found: dict[int, tuple[int, str]] = {}
         try:

@@ -18,7 +18,7 @@ from typing import Any
 from ckptd.repository import Repository
 from ckptd.storage.base import StorageError
 from ckptd.sync.journal import Journal, UploadRecord
-from ckptd.sync.transfer import abort_unrecorded_uploads
+from ckptd.sync.transfer import abort_journalled_upload
 
 
 def _local_file(dirs: Mapping[str, Path], rec: UploadRecord) -> Path | None:
@@ -41,10 +41,7 @@ def _can_resume(dirs: Mapping[str, Path], rec: UploadRecord) -> bool:
 
 
 def _abort(repo: Repository, rec: UploadRecord) -> None:
-    if rec.upload_id is None:
-        abort_unrecorded_uploads(repo.storage, rec.key, set())
-    else:
-        repo.storage.abort_upload(rec.key, rec.upload_id)
+    abort_journalled_upload(repo.storage, rec.key, rec.upload_id or None)
 
 
 def recover(repo: Repository, journal: Journal, dirs: Mapping[str, Path], log: Any) -> None:

@@ -523,7 +523,7 @@ class SyncPipeline:
         # a manifest that would not build is a failed checkpoint, not a storage error.
         if isinstance(exc, StorageError):
             self.metrics.storage_errors.labels(operation="checkpoint", code=code).inc()
-            if getattr(exc, "destination_unusable", False):
+            if exc.destination_unusable:  # decided by the backend that saw it
                 self.metrics.destination_up.set(0)
         log.error(
             "checkpoint_failed",

@@ -173,7 +173,9 @@ class Shipper:
         files_to_ship = request.verdict.files
         done_records = await asyncio.to_thread(self.journal.objects_for, run, name)
         done = {p: (r.size, r.mtime_ns) for p, r in done_records.items()}
-        plan = plan_upload(files_to_ship, request.previous, done)
+        # No copy candidates where the store cannot copy: every changed file is uploaded.
+        previous = request.previous if self.transfers.can_copy else None
+        plan = plan_upload(files_to_ship, previous, done)
         total = sum(f.size for f in files_to_ship)
         request.on_started(total)
         log.info(
@@ -199,7 +201,6 @@ class Shipper:
         ]
         uploads = list(plan.upload)
         jobs: list[Awaitable[FileResult]] = []
-        previous = request.previous
         if plan.copy_candidates and previous is not None:
             crcs = await asyncio.gather(
                 *(

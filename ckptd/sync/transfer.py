@@ -27,7 +27,20 @@ from typing import TypeVar
 
 from ckptd import checksum
 from ckptd.layouts.base import FileEntry
-from ckptd.storage.base import FileRange, NotFoundError, ObjectInfo, PartInfo, Storage, StorageError
+from ckptd.storage.base import (
+    FileRange,
+    MultipartUpload,
+    NotFoundError,
+    ObjectInfo,
+    PartInfo,
+    PartListing,
+    ServerSideCopy,
+    Storage,
+    StorageError,
+    StoreChecksums,
+    capability,
+    require_capability,
+)
 from ckptd.sync.journal import Journal, ObjectRecord, UploadRecord
 
 T = TypeVar("T")
@@ -102,6 +115,11 @@ class Transfers:
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
+    @property
+    def can_copy(self) -> bool:
+        """Whether the store copies server-side; without it every file is uploaded."""
+        return capability(self.storage, ServerSideCopy) is not None
+
     async def _in_pool(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.pool.submit(fn))
 
@@ -135,9 +153,11 @@ class Transfers:
     async def copy(
         self, src_key: str, dst_key: str, entry: FileEntry, crc: int, ctx: TransferContext
     ) -> FileResult:
+        copier = require_capability(self.storage, ServerSideCopy, "copy server-side")
+
         def work() -> FileResult:
             ctx.check()
-            copied = self.storage.copy(src_key, dst_key)  # verified by the backend
+            copied = copier.copy(src_key, dst_key)  # verified by the backend
             if copied.size != entry.size:
                 raise StorageError(
                     f"copy {src_key} -> {dst_key}: {copied.size} bytes, the local file has {entry.size}",
@@ -197,8 +217,9 @@ class Transfers:
     ) -> None:
         """Compare what the store reports with what ckptd read and sent: the write's own
         response when it carries the store's checksum (one request saved per file),
-        else a HEAD."""
-        expected = self.storage.expected_checksum(parts, whole_crc)
+        else a HEAD. A store that reports no checksum is checked by size alone."""
+        sums = capability(self.storage, StoreChecksums)
+        expected = sums.expected_checksum(parts, whole_crc) if sums is not None else ""
         if (
             reported is not None
             and expected
@@ -225,7 +246,12 @@ class Transfers:
     async def _upload_multipart(
         self, key: str, local: Path, entry: FileEntry, ctx: TransferContext
     ) -> FileResult:
-        upload_id, done = await self._in_pool(lambda: self._resume_or_start(key, entry, ctx))
+        uploads = require_capability(
+            self.storage, MultipartUpload, f"upload files over {self.single_put_max} bytes"
+        )
+        upload_id, done = await self._in_pool(
+            lambda: self._resume_or_start(uploads, key, entry, ctx)
+        )
         resumed = bool(done)
         fd = os.open(local, os.O_RDONLY)
         try:
@@ -252,7 +278,7 @@ class Transfers:
                         raise CheckpointChangedError(f"{entry.path} shrank while read")
                     crc = checksum.crc32c(chunk, crc)
                     done_bytes += len(chunk)
-                part = self.storage.upload_part(
+                part = uploads.upload_part(
                     key, upload_id, number, offset, FileRange(fd, offset, length), crc32c=crc
                 )
                 self.journal.record_part(key, upload_id, part)
@@ -274,7 +300,7 @@ class Transfers:
         whole = checksum.combine_parts((p.crc32c, p.size) for p in parts)
 
         def finish() -> None:
-            stored = self.storage.complete_upload(key, upload_id, parts)
+            stored = uploads.complete_upload(key, upload_id, parts)
             self._verify(key, entry.size, parts, whole, reported=stored)
             self.journal.record_object(
                 ctx.run,
@@ -290,7 +316,7 @@ class Transfers:
         )
 
     def _resume_or_start(
-        self, key: str, entry: FileEntry, ctx: TransferContext
+        self, uploads: MultipartUpload, key: str, entry: FileEntry, ctx: TransferContext
     ) -> tuple[str, dict[int, PartInfo]]:
         """The journalled upload of this very file with its finished parts, or a new one."""
         rec = self.journal.upload_for(key)
@@ -302,7 +328,7 @@ class Transfers:
             ):
                 done = self.journal.parts_for(rec.upload_id)
                 try:
-                    held = self.storage.list_parts(key, rec.upload_id)
+                    held = self._parts_held(uploads, key, rec.upload_id)
                 except NotFoundError:
                     held = {}
                     done = {}
@@ -311,7 +337,7 @@ class Transfers:
                     done = {n: p for n, p in done.items() if n in held and held[n][0] == p.size}
                 if held is None or held or done:
                     return rec.upload_id, done
-            self.storage.abort_upload(key, rec.upload_id)
+            uploads.abort_upload(key, rec.upload_id)
             self.journal.forget_upload(key)
         elif rec is not None:
             # Intended before a crash, maybe created: abort whatever exists for this key.
@@ -329,16 +355,43 @@ class Transfers:
                 self.part_size,
             )
         )
-        upload_id = self.storage.create_upload(key)
+        upload_id = uploads.create_upload(key)
         self.journal.record_upload_id(key, upload_id)
         return upload_id, {}
+
+    def _parts_held(
+        self, uploads: MultipartUpload, key: str, upload_id: str
+    ) -> dict[int, tuple[int, str]] | None:
+        """The parts the store holds, number -> (size, etag), or None where it cannot list
+        parts (the journal is then the record); NotFoundError if the upload is gone."""
+        lister = capability(self.storage, PartListing)
+        if lister is not None:
+            return lister.list_parts(key, upload_id)
+        if (key, upload_id) not in uploads.list_uploads(key):
+            raise NotFoundError(f"upload {upload_id} of {key} gone", code="NoSuchUpload")
+        return None
 
 
 def abort_unrecorded_uploads(storage: Storage, key: str, keep: set[str]) -> int:
     """Abort multipart uploads of exactly ``key`` whose ids are not in ``keep``."""
+    uploads = capability(storage, MultipartUpload)
+    if uploads is None:
+        return 0  # a store without multipart uploads holds none to abort
     aborted = 0
-    for found_key, upload_id in storage.list_uploads(key):
+    for found_key, upload_id in uploads.list_uploads(key):
         if found_key == key and upload_id not in keep:
-            storage.abort_upload(found_key, upload_id)
+            uploads.abort_upload(found_key, upload_id)
             aborted += 1
     return aborted
+
+
+def abort_journalled_upload(storage: Storage, key: str, upload_id: str | None) -> None:
+    """Abort an upload the journal holds: by its id, or (``None``: intended, maybe
+    created before a crash) every upload of ``key``."""
+    uploads = capability(storage, MultipartUpload)
+    if uploads is None:
+        return  # a store without multipart uploads holds none to abort
+    if upload_id is None:
+        abort_unrecorded_uploads(storage, key, keep=set())
+    else:
+        uploads.abort_upload(key, upload_id)
