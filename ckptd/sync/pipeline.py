@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from ckptd import layouts
 from ckptd.clock import SYSTEM_CLOCK, Clock
-from ckptd.config import Settings, WatchConfig
+from ckptd.config import Settings
 from ckptd.deadline import plan_flush
-from ckptd.layouts.base import Completion, RuleSettings, step_of
+from ckptd.layouts.base import Completion, step_of
 from ckptd.logs import get_logger
 from ckptd.manifest import Manifest, ManifestError
 from ckptd.metrics import Metrics
@@ -34,6 +33,7 @@ from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
 from ckptd.sync.queue import InFlight, Pending, ShipQueue, completed_in_emergency, uploads_to_pause
 from ckptd.sync.rate import RateMeter
+from ckptd.sync.runs import Progress, RunState
 from ckptd.sync.scanner import list_candidates, snapshot
 from ckptd.sync.ship import Outcome, Shipper, ShipRequest, ShipResult, fingerprint
 from ckptd.sync.transfer import TransferContext, Transfers
@@ -42,41 +42,6 @@ from ckptd.sync.transfer import TransferContext, Transfers
 EVENT_DEBOUNCE_SECONDS = 0.2
 
 CommitHook = Callable[[str, str, int, bool], Awaitable[None]]
-
-
-@dataclass
-class Progress:
-    """The checkpoint being shipped now."""
-
-    name: str
-    started_at: float
-    total_bytes: int
-    sent_bytes: int = 0
-
-
-@dataclass
-class RunState:
-    """What the pipeline knows of one watched run."""
-
-    watch: WatchConfig
-    run_id: str
-    rules: RuleSettings
-    seen: set[str] = field(default_factory=set)
-    committed: set[str] = field(default_factory=set)
-    failed_for_good: dict[str, str] = field(default_factory=dict)
-    previous: Manifest | None = None
-    previous_loaded: bool = False
-    last_committed: dict[str, Any] | None = None
-    last_step: int | None = None  # highest committed step (commit order may not be step order)
-    current: Progress | None = None
-    # The checkpoint being shipped: its files as listed when it started, and how to
-    # tell its transfers to stop if a file event shows it changed or vanished.
-    current_files: list[tuple[str, int, int]] | None = None
-    current_ctx: TransferContext | None = None
-
-    @property
-    def dir(self) -> Path:
-        return Path(self.watch.dir)
 
 
 class SyncPipeline:
@@ -115,14 +80,9 @@ class SyncPipeline:
             log=self.log,
         )
         self.queue = ShipQueue()
-        self.runs: dict[str, RunState] = {}
-        for w in settings.watch:
-            rules = RuleSettings(
-                quiescence_seconds=w.quiescence_seconds,
-                marker=w.marker,
-                settle_seconds=w.settle_seconds,
-            )
-            self.runs[w.effective_run_id] = RunState(w, w.effective_run_id, rules)
+        self.runs: dict[str, RunState] = {
+            w.effective_run_id: RunState.of(w) for w in settings.watch
+        }
         self._wake = asyncio.Event()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -481,25 +441,12 @@ class SyncPipeline:
         self, state: RunState, manifest: Manifest, log: Any, *, already: bool
     ) -> None:
         self.journal.mark_committed(state.run_id, manifest.checkpoint, manifest.step)
-        state.committed.add(manifest.checkpoint)
         self.queue.remove(state.run_id, manifest.checkpoint)
-        if state.previous is None or (manifest.step or -1) >= (state.previous.step or -1):
-            state.previous = manifest
-            state.previous_loaded = True
         run = state.run_id
+        if state.record_commit(manifest) and state.last_step is not None:
+            self.metrics.last_step.labels(run=run).set(state.last_step)
         self.metrics.committed.labels(run=run).inc()
-        if manifest.step is not None and (
-            state.last_step is None or manifest.step > state.last_step
-        ):
-            state.last_step = manifest.step
-            self.metrics.last_step.labels(run=run).set(manifest.step)
         self.metrics.last_commit_ts.labels(run=run).set(self.clock.time())
-        state.last_committed = {
-            "checkpoint": manifest.checkpoint,
-            "step": manifest.step,
-            "bytes": manifest.total_bytes,
-            "committed_at": manifest.committed_at,
-        }
         if already:
             log.info("checkpoint_already_committed", step=manifest.step)
         self.update_gauges()
@@ -559,25 +506,7 @@ class SyncPipeline:
         """Per-run state for ``/v1/status``."""
         self.update_gauges()
         now = self.clock.time()
-        runs = {}
-        for state in self.runs.values():
-            current = state.current
-            runs[state.run_id] = {
-                "dir": str(state.dir),
-                "layout": state.watch.layout,
-                "pending": self.queue.names(state.run_id),
-                "uploading": None
-                if current is None
-                else {
-                    "checkpoint": current.name,
-                    "bytes_total": current.total_bytes,
-                    "bytes_sent": current.sent_bytes,
-                },
-                "last_committed": state.last_committed,
-                "failed": state.failed_for_good,
-                "sync_lag_seconds": self.queue.sync_lag(state.run_id, now),
-            }
-        return {"runs": runs}
+        return {"runs": {run: state.status(self.queue, now) for run, state in self.runs.items()}}
 
     async def close(self) -> None:
         for timer in self._timers.values():

@@ -1,0 +1,98 @@
+"""What the daemon knows of each watched run, and how that reads in ``/v1/status``.
+
+A ``RunState`` is only ever changed on the event loop. ``committed`` holds every
+checkpoint this daemon saw committed (by itself or found in the store); ``previous`` is
+the newest committed manifest by step, the base that unchanged files are copied from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptd.config import WatchConfig
+from ckptd.layouts.base import RuleSettings
+from ckptd.manifest import Manifest
+from ckptd.sync.queue import ShipQueue
+from ckptd.sync.transfer import TransferContext
+
+
+@dataclass
+class Progress:
+    """The checkpoint being shipped now."""
+
+    name: str
+    started_at: float
+    total_bytes: int
+    sent_bytes: int = 0
+
+
+@dataclass
+class RunState:
+    """One watched run."""
+
+    watch: WatchConfig
+    run_id: str
+    rules: RuleSettings
+    seen: set[str] = field(default_factory=set)
+    committed: set[str] = field(default_factory=set)
+    failed_for_good: dict[str, str] = field(default_factory=dict)
+    previous: Manifest | None = None
+    previous_loaded: bool = False
+    last_committed: dict[str, Any] | None = None
+    last_step: int | None = None  # highest committed step (commit order may not be step order)
+    current: Progress | None = None
+    # The checkpoint being shipped: its files as listed when it started, and how to
+    # tell its transfers to stop if a file event shows it changed or vanished.
+    current_files: list[tuple[str, int, int]] | None = None
+    current_ctx: TransferContext | None = None
+
+    @classmethod
+    def of(cls, watch: WatchConfig) -> RunState:
+        rules = RuleSettings(
+            quiescence_seconds=watch.quiescence_seconds,
+            marker=watch.marker,
+            settle_seconds=watch.settle_seconds,
+        )
+        return cls(watch, watch.effective_run_id, rules)
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.watch.dir)
+
+    def record_commit(self, manifest: Manifest) -> bool:
+        """Remember ``manifest`` as committed; True when its step is the run's highest."""
+        self.committed.add(manifest.checkpoint)
+        if self.previous is None or (manifest.step or -1) >= (self.previous.step or -1):
+            self.previous = manifest
+            self.previous_loaded = True
+        self.last_committed = {
+            "checkpoint": manifest.checkpoint,
+            "step": manifest.step,
+            "bytes": manifest.total_bytes,
+            "committed_at": manifest.committed_at,
+        }
+        if manifest.step is not None and (self.last_step is None or manifest.step > self.last_step):
+            self.last_step = manifest.step
+            return True
+        return False
+
+    def status(self, queue: ShipQueue, now: float) -> dict[str, Any]:
+        """This run's entry in ``/v1/status`` (``now``: wall clock, for the sync lag)."""
+        current = self.current
+        return {
+            "dir": str(self.dir),
+            "layout": self.watch.layout,
+            "pending": queue.names(self.run_id),
+            "uploading": None
+            if current is None
+            else {
+                "checkpoint": current.name,
+                "bytes_total": current.total_bytes,
+                "bytes_sent": current.sent_bytes,
+            },
+            "last_committed": self.last_committed,
+            "failed": self.failed_for_good,
+            "sync_lag_seconds": queue.sync_lag(self.run_id, now),
+        }
