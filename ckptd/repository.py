@@ -151,10 +151,6 @@ class Repository:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
 
-    @property
-    def url(self) -> str:
-        return self.storage.url
-
     # -- manifests and LATEST --------------------------------------------------------------
 
     def read_manifest_bytes(self, run_id: str, checkpoint: str) -> bytes | None:

@@ -78,7 +78,6 @@ from ckptd.repository import (
 )
 from ckptd.storage.base import Storage, StorageError
 
-CHUNK_BYTES = RANGE_BYTES
 STAGING_PREFIX = ".ckptd-restore-"
 STATE_NAME = "state.jsonl"
 DATA_NAME = "data"
@@ -558,7 +557,7 @@ def restore(
     *,
     if_missing: bool = False,
     concurrency: int = 8,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int = RANGE_BYTES,
     progress: bool | None = None,
     take_lease: bool = True,
     environment: Mapping[str, str] | None = None,
@@ -884,7 +883,6 @@ def _finalise(manifest: Manifest, tree: _Tree, target_fd: int, name: str) -> Non
 
 
 __all__ = [
-    "CHUNK_BYTES",
     "RestoreError",
     "RestoreResult",
     "chunk_ranges",

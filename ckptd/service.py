@@ -267,8 +267,7 @@ class Service:
         last_stats = now - JOURNAL_STATS_SECONDS  # the first tick exports them
         while True:
             await asyncio.sleep(TICK_SECONDS)
-            pipeline.update_gauges()
-            self.sd.tick(summarize(self.status()))
+            self.sd.tick(summarize(self.status()))  # status() refreshes the gauges too
             now = self.clock.monotonic()
             if now - last_stats >= JOURNAL_STATS_SECONDS:
                 last_stats = now

@@ -47,7 +47,7 @@ from ckptd.storage.base import STREAM_PIECE
 from ckptd.storage.fs import FileStorage
 from ckptd.storage.s3 import S3Storage
 from ckptd.sync.journal import Journal
-from ckptd.sync.transfer import TransferContext, TransferPausedError, Transfers
+from ckptd.sync.transfer import FileResult, TransferContext, TransferPausedError, Transfers
 from tests.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
@@ -617,6 +617,26 @@ def test_commit_refuses_a_destination_without_conditional_write(tmp_path: Path) 
 # -- resuming a multipart upload, with and without the store's part listing ----------------
 
 
+def _model_file(tmp_path: Path) -> tuple[Path, bytes]:
+    """A local file of three 5 MiB parts, the last one short."""
+    local = tmp_path / "ckpt" / "model.bin"
+    local.parent.mkdir()
+    data = os.urandom(10 * MiB + 12345)
+    local.write_bytes(data)
+    return local, data
+
+
+async def _upload_again(
+    stack: Storage, journal: Journal, local: Path, key: str, entry: FileEntry
+) -> FileResult:
+    """Upload ``local`` with a fresh Transfers, as a restarted daemon does."""
+    second = Transfers(stack, journal, part_size=5 * MiB, concurrency=2)
+    try:
+        return await second.upload(key, local, entry, TransferContext("run", "ckpt"))
+    finally:
+        second.close()
+
+
 async def _interrupted_upload(
     stack: Storage, journal: Journal, local: Path, key: str
 ) -> tuple[FileEntry, str]:
@@ -650,19 +670,12 @@ async def test_an_interrupted_upload_resumes_with_only_the_parts_not_journalled(
     stack = open_storage(destination.url, endpoint_url=destination.endpoint_url)
     # A directory cannot list parts: there the journal alone says what is sent.
     assert (capability(stack, PartListing) is None) == (destination.backend == "file")
-    local = tmp_path / "ckpt" / "model.bin"
-    local.parent.mkdir()
-    data = os.urandom(10 * MiB + 12345)
-    local.write_bytes(data)
+    local, data = _model_file(tmp_path)
     journal = Journal(tmp_path / "state")
     key = "run/ckpt/model.bin"
     try:
         entry, _ = await _interrupted_upload(stack, journal, local, key)
-        second = Transfers(stack, journal, part_size=5 * MiB, concurrency=2)
-        try:
-            result = await second.upload(key, local, entry, TransferContext("run", "ckpt"))
-        finally:
-            second.close()
+        result = await _upload_again(stack, journal, local, key, entry)
         assert (result.how, result.bytes_sent) == ("resumed", 12345)
         assert journal.upload_for(key) is None
     finally:
@@ -674,21 +687,14 @@ async def test_an_upload_gone_from_the_store_starts_again_from_the_first_part(
     destination: Destination, tmp_path: Path
 ) -> None:
     stack = open_storage(destination.url, endpoint_url=destination.endpoint_url)
-    local = tmp_path / "ckpt" / "model.bin"
-    local.parent.mkdir()
-    data = os.urandom(10 * MiB + 12345)
-    local.write_bytes(data)
+    local, data = _model_file(tmp_path)
     journal = Journal(tmp_path / "state")
     key = "run/ckpt/model.bin"
     try:
         entry, upload_id = await _interrupted_upload(stack, journal, local, key)
         # Gone behind the journal's back (a lifecycle rule, an operator's cleanup).
         require_capability(stack, MultipartUpload, "abort").abort_upload(key, upload_id)
-        second = Transfers(stack, journal, part_size=5 * MiB, concurrency=2)
-        try:
-            result = await second.upload(key, local, entry, TransferContext("run", "ckpt"))
-        finally:
-            second.close()
+        result = await _upload_again(stack, journal, local, key, entry)
         assert (result.how, result.bytes_sent) == ("uploaded", len(data))
     finally:
         journal.close()

@@ -22,7 +22,7 @@ from ckptd import layouts
 from ckptd.clock import SYSTEM_CLOCK, Clock
 from ckptd.config import Settings
 from ckptd.deadline import plan_flush
-from ckptd.layouts.base import Completion, step_of
+from ckptd.layouts.base import CheckpointListing, Completion, step_of
 from ckptd.logs import get_logger
 from ckptd.manifest import Manifest, ManifestError
 from ckptd.metrics import Metrics
@@ -152,6 +152,12 @@ class SyncPipeline:
             if name not in state.committed:
                 await self.evaluate(run_id, name)
 
+    def _verdict(self, state: RunState, listing: CheckpointListing) -> Completion:
+        """The run's completion rule applied to ``listing`` now."""
+        return layouts.evaluate(
+            state.watch.layout, listing, int(self.clock.time() * 1e9), state.rules
+        )
+
     async def evaluate(self, run_id: str, name: str) -> Completion | None:
         """Apply the completion rule to one checkpoint now; queue it if complete."""
         # Counted from before the timer is dropped to after a verdict is queued, so idle()
@@ -185,9 +191,7 @@ class SyncPipeline:
             self.log.info(
                 "checkpoint_detected", run=run_id, checkpoint=name, files=len(listing.files)
             )
-        verdict = layouts.evaluate(
-            state.watch.layout, listing, int(self.clock.time() * 1e9), state.rules
-        )
+        verdict = self._verdict(state, listing)
         if not verdict.complete:
             if verdict.recheck_after is not None:
                 self.hint(run_id, name, delay=verdict.recheck_after + 0.05)
@@ -330,11 +334,7 @@ class SyncPipeline:
         state = self.runs[pending.run]
         run, name = pending.run, pending.name
         listing = await asyncio.to_thread(snapshot, state.dir, name)
-        verdict = (
-            layouts.evaluate(state.watch.layout, listing, int(self.clock.time() * 1e9), state.rules)
-            if listing
-            else None
-        )
+        verdict = self._verdict(state, listing) if listing else None
         if listing is None or verdict is None or not verdict.complete:
             self.queue.remove(run, name)
             self.update_gauges()
