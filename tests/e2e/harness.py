@@ -66,7 +66,10 @@ PLAIN = TrainerSpec(
 HF = TrainerSpec(
     name="hf-trainer",
     module="tests.e2e.trainers.hf_gpt2",
-    max_steps=80,
+    # Room for a notice that lands late: an idle machine runs ~30 steps of this trainer
+    # between the notice and the emergency save, and the next segment still needs a
+    # whole save interval and more before its end (run_interrupted's plan).
+    max_steps=120,
     save_every=10,
     step_delay=0.0,  # a Trainer step already takes ~20 ms here
     interruptions=2,
