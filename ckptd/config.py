@@ -46,6 +46,8 @@ from ckptd.storage.url import DestinationKind, DestinationURL, parse_destination
 __all__ = [
     "DEFAULT_CONFIG_PATH",
     "ENV_PREFIX",
+    "LAUNCHER_NODE_RANK_VARIABLES",
+    "ClusterConfig",
     "ConfigError",
     "ConfigProblem",
     "DestinationConfig",
@@ -427,6 +429,47 @@ class StateConfig(_Section):
         return _absolute(value)
 
 
+#: Where launchers put this node's index, tried in order when ``cluster.node_rank`` is not
+#: set: torchrun/Lightning (NODE_RANK), torchrun's elastic agent (GROUP_RANK), SkyPilot
+#: (SKYPILOT_NODE_RANK), an indexed Kubernetes Job or JobSet (JOB_COMPLETION_INDEX).
+LAUNCHER_NODE_RANK_VARIABLES: tuple[str, ...] = (
+    "NODE_RANK",
+    "GROUP_RANK",
+    "SKYPILOT_NODE_RANK",
+    "JOB_COMPLETION_INDEX",
+)
+
+
+class ClusterConfig(_Section):
+    """Several nodes whose local disks each hold part of every checkpoint."""
+
+    nodes: int = Field(default=1, ge=1, le=4096)
+    # None = not configured: load_settings fills it from a launcher's variable, else 0.
+    node_rank: int | None = Field(default=None, ge=0)
+    # How often a node looks in the store for what the other nodes wrote (announcements,
+    # parts, a NOTICE); each look is one LIST or GET per waiting checkpoint.
+    poll_interval_seconds: float = Field(default=1.0, gt=0, le=60, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _rank_within_nodes(self) -> ClusterConfig:
+        if self.node_rank is not None and self.node_rank >= self.nodes:
+            raise _keyed_error(
+                ("node_rank",),
+                f"{self.node_rank} is not below cluster.nodes = {self.nodes}; "
+                f"node ranks run from 0 to {self.nodes - 1}",
+            )
+        return self
+
+    @property
+    def rank(self) -> int:
+        """This node's rank (0 when neither the config nor a launcher set one)."""
+        return self.node_rank or 0
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
+
+
 class Settings(BaseSettings):
     """The whole configuration; build it with ``load_settings``."""
 
@@ -447,6 +490,7 @@ class Settings(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
     state: StateConfig = Field(default_factory=StateConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @field_validator("watch")
     @classmethod
@@ -508,11 +552,13 @@ def load_settings(
         file_layer = _read_config_file(DEFAULT_CONFIG_PATH)
     else:
         file_layer = {}
-    env = _read_environment(os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    env = _read_environment(environ)
     override_layer = _without_none(overrides or {})
     merged = _merge(_merge(file_layer, env.layer), override_layer)
 
     problems = list(env.problems)
+    problems += _node_rank_from_launcher(merged, environ)
     # BaseSettings.__init__ takes underscore-prefixed keyword options (_env_file,
     # _cli_parse_args, ...), so a stray top-level key must never reach it as a keyword.
     fields = {name: value for name, value in merged.items() if name in Settings.model_fields}
@@ -529,6 +575,43 @@ def load_settings(
     if problems or settings is None:
         raise ConfigError.from_problems(problems)
     return settings
+
+
+def _node_rank_from_launcher(
+    merged: dict[str, Any], environ: Mapping[str, str]
+) -> list[ConfigProblem]:
+    """Fill ``cluster.node_rank`` from the first launcher variable set, when no layer set it.
+
+    Only for a multi-node cluster: on one node a stray NODE_RANK must not matter.
+    """
+    cluster = merged.get("cluster")
+    if cluster is not None and not isinstance(cluster, dict):
+        return []  # not a table: validation names the key
+    cluster = cluster or {}
+    if cluster.get("node_rank") is not None:
+        return []
+    try:
+        nodes = int(cluster.get("nodes", 1))
+    except (TypeError, ValueError):
+        return []  # validation names cluster.nodes
+    if nodes <= 1:
+        return []
+    for name in LAUNCHER_NODE_RANK_VARIABLES:
+        raw = environ.get(name, "").strip()
+        if not raw:
+            continue
+        if not raw.isdigit():
+            return [ConfigProblem(name, f"{raw!r} is not a node rank (a whole number from 0)")]
+        merged["cluster"] = {**cluster, "node_rank": int(raw)}
+        return []
+    return [
+        ConfigProblem(
+            "cluster.node_rank",
+            f"not set, and none of {', '.join(LAUNCHER_NODE_RANK_VARIABLES)} is in the "
+            f"environment; with cluster.nodes = {nodes} each node needs its own rank "
+            "(set cluster.node_rank or CKPTD_CLUSTER__NODE_RANK)",
+        )
+    ]
 
 
 def require_destination(settings: Settings) -> None:

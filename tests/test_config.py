@@ -197,6 +197,11 @@ BAD_VALUES = [
     ('[metrics]\nlisten = "[nope]:9464"', "metrics.listen"),
     ("[http]\ntoken = 5", "http.token"),
     ('[state]\ndir = "relative"', "state.dir"),
+    ("[cluster]\nnodes = 0", "cluster.nodes"),
+    ("[cluster]\nnodes = 2\nnode_rank = 2", "cluster.node_rank"),
+    ("[cluster]\nnode_rank = -1", "cluster.node_rank"),
+    ("[cluster]\nnodes = 2", "cluster.node_rank"),
+    ("[cluster]\npoll_interval_seconds = 0", "cluster.poll_interval_seconds"),
     ('destination = "s3://bucket"', "destination"),
     ('[[watch]]\ndir = "/d/r"\n[[watch]]\ndir = "/e/r"', "watch[1].run_id"),
 ]
@@ -621,3 +626,42 @@ def test_rendered_defaults_load_back_to_defaults(tmp_path: Path) -> None:
 def test_rendered_config_says_where_the_run_id_comes_from(tmp_path: Path) -> None:
     settings = load(tmp_path, environ={"CKPTD_WATCH": '[{"dir": "/d/run5"}]'})
     assert '# run_id unset: defaults to "run5"' in render_effective_config(settings)
+
+
+# --- [cluster]: node_rank from the launcher's environment ---------------------------------
+
+
+@pytest.mark.parametrize("variable", config.LAUNCHER_NODE_RANK_VARIABLES)
+def test_node_rank_comes_from_a_launcher_variable(tmp_path: Path, variable: str) -> None:
+    settings = load(tmp_path, "[cluster]\nnodes = 4", environ={variable: "3"})
+    assert settings.cluster.node_rank == 3
+
+
+def test_configured_node_rank_beats_the_launcher(tmp_path: Path) -> None:
+    settings = load(tmp_path, "[cluster]\nnodes = 4\nnode_rank = 1", environ={"NODE_RANK": "3"})
+    assert settings.cluster.rank == 1
+    env = {"CKPTD_CLUSTER__NODE_RANK": "2", "NODE_RANK": "3"}
+    assert load(tmp_path, "[cluster]\nnodes = 4", environ=env).cluster.rank == 2
+
+
+def test_launcher_variables_are_tried_in_documented_order(tmp_path: Path) -> None:
+    env = {"JOB_COMPLETION_INDEX": "3", "GROUP_RANK": "2"}
+    assert load(tmp_path, "[cluster]\nnodes = 4", environ=env).cluster.rank == 2
+
+
+def test_a_launcher_rank_that_is_not_a_number_names_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, "[cluster]\nnodes = 2", environ={"SKYPILOT_NODE_RANK": "one"})
+    assert caught.value.key == "SKYPILOT_NODE_RANK"
+
+
+def test_a_launcher_rank_beyond_the_cluster_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, "[cluster]\nnodes = 2", environ={"NODE_RANK": "5"})
+    assert caught.value.key == "cluster.node_rank"
+
+
+def test_one_node_ignores_a_stray_launcher_rank(tmp_path: Path) -> None:
+    settings = load(tmp_path, "", environ={"NODE_RANK": "7"})
+    assert settings.cluster.nodes == 1
+    assert settings.cluster.rank == 0
