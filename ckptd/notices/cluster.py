@@ -88,12 +88,13 @@ def judge_notice(
         deadline = parse_time(str(raw_deadline)) if raw_deadline else None
     except (KeyError, ValueError, TypeError):
         return Judgement(None, "malformed")
-    if rank == own_rank:
-        return Judgement(None, "own")
+    # Stale first: an earlier cluster's NOTICE is stale whoever wrote it (and is logged so).
     if noticed_at <= started_at:
         return Judgement(None, "stale: noticed before this daemon started")
     if deadline is not None and deadline <= now:
         return Judgement(None, "stale: deadline past")
+    if rank == own_rank:
+        return Judgement(None, "own")
     origin_id = str(doc.get("id") or f"{origin}:{kind}:{format_time(noticed_at)}")
     notice = Notice(
         source=f"node-{rank}/{origin}",
