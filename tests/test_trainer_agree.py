@@ -98,8 +98,10 @@ def test_one_ranks_notice_makes_every_rank_save_the_same_step(
         )
 
     pids = [
-        int(wait_until(lambda r=r: (work / f"rank-{r}.pid").exists(), 60, "ranks up", details=logs)
-            and (work / f"rank-{r}.pid").read_text())
+        int(
+            wait_until(lambda r=r: (work / f"rank-{r}.pid").exists(), 60, "ranks up", details=logs)
+            and (work / f"rank-{r}.pid").read_text()
+        )
         for r in range(WORLD)
     ]
     told = []
@@ -134,3 +136,54 @@ def test_one_ranks_notice_makes_every_rank_save_the_same_step(
         assert not (node1 / ".metadata").exists()
         assert sorted(p.name for p in node1.glob("*.distcp")) == ["__2_0.distcp", "__3_0.distcp"]
     print(f"told ranks {told}; steps {[row['step'] for row in by_rank[0]]}")
+
+
+def test_hf_trainer_ranks_on_two_nodes_save_the_same_step(tmp_path: Path) -> None:
+    """The HF Trainer callback under torch.distributed (gloo, 2 nodes x 1 rank, node-local
+    output dirs): only node 1's rank is signalled, and both save checkpoint-N, one N."""
+    pytest.importorskip("transformers")
+    from tests.trainers.procs import Script
+
+    port = free_port()
+    scripts = []
+    for node in range(2):
+        home = tmp_path / f"node-{node}"
+        home.mkdir()
+        env = script_env(
+            home,
+            RANK=str(node),
+            WORLD_SIZE="2",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            NODE_RANK=str(node),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        scripts.append(
+            Script(
+                home,
+                "hf_train",
+                "--output-dir",
+                str(home / "out"),
+                "--save-on-each-node",
+                env=env,
+            )
+        )
+    try:
+        for script in scripts:
+            script.wait_for_step(3, timeout=120)
+        scripts[1].signal(signal.SIGUSR1)
+        for script in scripts:
+            assert script.wait_exit(timeout=60) == 0, script.log_tail()
+    finally:
+        for script in scripts:
+            script.kill()
+    results = [script.result_json() for script in scripts]
+    step = results[1]["fired_at_step"]
+    assert step is not None and step >= 3
+    assert [r["fired_at_step"] for r in results] == [step, step]
+    assert [r["global_step"] for r in results] == [step, step]
+    for node in range(2):
+        out = tmp_path / f"node-{node}" / "out"
+        assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{step}"]
+        assert (out / f"checkpoint-{step}" / "trainer_state.json").is_file()
