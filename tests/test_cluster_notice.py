@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -237,3 +238,79 @@ async def test_publishing_gives_up_at_the_deadline(
     fault_proxy.deny("500", methods={"PUT"})
     task = publisher.publish(own_notice(deadline_s=0.5))
     assert await asyncio.wait_for(task, timeout=10) is False
+
+
+class StubEmergency:
+    """The responder's view of the pipeline (watch dirs, emergency switch), recorded."""
+
+    def __init__(self, watch: Path) -> None:
+        self.watch = watch
+        self.deadlines: list[datetime | None] = []
+
+    def watch_dirs(self) -> list[Path]:
+        return [self.watch]
+
+    def enter_emergency(self, deadline: datetime | None) -> None:
+        self.deadlines.append(deadline)
+
+    def leave_emergency(self) -> None:
+        pass
+
+
+async def test_the_trainer_is_signalled_while_the_store_still_hangs_on_the_notice(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    """Publishing never delays the trainer's signal: the NOTICE write hangs (a proxy that
+    never answers the PUT) while the real trainer process has its signal already."""
+    import subprocess
+    import sys
+
+    from ckptd.config import load_settings
+    from ckptd.respond import Responder
+    from tests.daemon import wait_until
+
+    pidfile, record = tmp_path / "trainer.pid", tmp_path / "signals"
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.trainers.signal_recorder",
+            *("--pidfile", str(pidfile), "--record", str(record), "--max-seconds", "60"),
+        ],
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(pidfile.exists, 30, "trainer started")
+        watch = tmp_path / "watch"
+        watch.mkdir()
+        settings = load_settings(
+            overrides={
+                "watch": [{"dir": str(watch), "run_id": "run"}],
+                "destination": {"url": s3_dest},
+                "trainer": {"pidfile": str(pidfile)},
+                "cluster": {"nodes": 2, "node_rank": 0},
+            },
+            environ={},
+        )
+        with FaultProxy(local_s3.endpoint_url, stall_seconds=3) as proxy:
+            proxy.deny("timeout", methods={"PUT"})
+            storage = open_storage(s3_dest, endpoint_url=proxy.url, max_attempts=1)
+            publisher = NoticePublisher(
+                Repository(storage), ["run"], node_rank=0, host="me", retry_seconds=0.05
+            )
+            responder = Responder(settings, Metrics(), StubEmergency(watch))
+            responder.publish_notice = publisher.publish
+            notice = own_notice()
+            response = await asyncio.wait_for(responder.handle(notice), timeout=5)
+            assert response is not None and response.pids == [trainer.pid]
+            wait_until(record.exists, 5, "the trainer's signal")
+            assert response.published is not None and not response.published.done()
+            assert response.timings(datetime.now(UTC))["notice_published"] is False
+            # Once the store answers again, the NOTICE is written after all.
+            proxy.clear_faults()
+            await publisher.drain(30)
+            assert response.published.done() and response.published.result() is True
+            assert response.timings(datetime.now(UTC))["notice_published"] is True
+    finally:
+        trainer.kill()
+        trainer.wait()
