@@ -4,6 +4,8 @@
     <run>/<checkpoint>/ckptd.manifest.json      written last: present = committed
     <run>/LATEST                                the newest committed step's pointer
     <run>/.ckptd-restoring/<checkpoint>-<uuid>  a restore's lease (retention keeps off)
+    <run>/NOTICE                                a preemption notice seen by any node
+                                                (many nodes only; overwritten by the next)
 
 A ``Repository`` wraps a ``Storage`` and is the only code that spells a key or parses
 what the store holds. Committing (``ckptd.sync.commit``), retention, restore, verify and
@@ -22,8 +24,10 @@ from __future__ import annotations
 import json
 import socket
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from ckptd import checksum
 from ckptd.manifest import (
@@ -44,6 +48,10 @@ from ckptd.storage.base import (
 )
 
 LEASE_DIR = ".ckptd-restoring"
+NOTICE_NAME = "NOTICE"
+NOTICE_FORMAT = "ckptd.notice/1"
+# A NOTICE is a few hundred bytes; anything much larger is not one (never parse it).
+NOTICE_MAX_BYTES = 64 * 1024
 LEASE_TTL_SECONDS = 3600.0
 # Ranged reads of one object: large enough that per-request cost vanishes, small
 # enough that a file's ranges spread over the pool.
@@ -73,6 +81,10 @@ def latest_key(run_id: str) -> str:
 
 def lease_prefix(run_id: str) -> str:
     return f"{run_id}/{LEASE_DIR}/"
+
+
+def notice_key(run_id: str) -> str:
+    return f"{run_id}/{NOTICE_NAME}"
 
 
 # -- pure helpers ------------------------------------------------------------------------
@@ -105,6 +117,20 @@ def lease_checkpoint(body: bytes, key_name: str) -> str | None:
         pass
     head, sep, token = key_name.rpartition("-")
     return head if sep and len(token) == 32 else None
+
+
+def parse_notice_document(body: bytes) -> dict[str, Any] | None:
+    """A NOTICE's JSON object when it is one of ours (``format`` ckptd.notice/1), else None;
+    never raises: garbage in the store is no notice."""
+    if len(body) > NOTICE_MAX_BYTES:
+        return None
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != NOTICE_FORMAT:
+        return None
+    return doc
 
 
 def lease_is_fresh(body: bytes, now: float, ttl: float = LEASE_TTL_SECONDS) -> bool:
@@ -299,6 +325,21 @@ class Repository:
 
         return checksum.combine_parts(pool.map(read, chunk_ranges(size, range_bytes)))
 
+    # -- the run's preemption NOTICE ------------------------------------------------------
+
+    def read_notice(self, run_id: str) -> dict[str, Any] | None:
+        """The run's NOTICE document, or None when there is none or it is not ours."""
+        try:
+            body = self.storage.get_bytes(notice_key(run_id))
+        except NotFoundError:
+            return None
+        return parse_notice_document(body)
+
+    def write_notice(self, run_id: str, document: Mapping[str, Any]) -> None:
+        """Write (overwrite) the run's NOTICE; ``format`` is set here."""
+        data = json.dumps({**document, "format": NOTICE_FORMAT}, sort_keys=True).encode()
+        self.storage.put_bytes(notice_key(run_id), data, crc32c=checksum.crc32c(data))
+
     # -- restore leases ------------------------------------------------------------------
 
     def take_lease(self, run_id: str, checkpoint: str, *, now: float) -> str:
@@ -337,6 +378,8 @@ class Repository:
 __all__ = [
     "LEASE_DIR",
     "LEASE_TTL_SECONDS",
+    "NOTICE_FORMAT",
+    "NOTICE_NAME",
     "RANGE_BYTES",
     "CommittedCheckpoint",
     "FileProblem",
@@ -350,5 +393,7 @@ __all__ = [
     "lease_is_fresh",
     "lease_prefix",
     "manifest_key",
+    "notice_key",
     "object_key",
+    "parse_notice_document",
 ]
