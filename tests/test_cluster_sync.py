@@ -398,8 +398,8 @@ async def test_retention_sweeps_announcements_and_parts_that_can_never_commit(
     await n0.start()
     await drive([n0], lambda: bool(n0.status()["waiting"]))
     dcp_save(n0, n1, name="step-10")
-    age(n0.root)
-    age(n1.root)
+    age(n0.watch / "step-10")
+    age(n1.watch / "step-10")
     await n1.start()
     await drive([n0, n1], lambda: repo.read_manifest(RUN, "step-10") is not None)
     assert repo.storage.head(announce_key(RUN, "step-5")) is not None
@@ -413,6 +413,34 @@ async def test_retention_sweeps_announcements_and_parts_that_can_never_commit(
     assert repo.cluster_keys(RUN, "step-5") == []
     assert repo.read_manifest(RUN, "step-10") is not None
     assert repo.cluster_keys(RUN, "step-10")  # a committed checkpoint keeps its parts
+    # Node 0, finding its part of step-5 gone and step-10 committed, gives step-5 up:
+    # no longer waiting, never announced again.
+    await drive([n0], lambda: not n0.status()["waiting"])
+    assert "superseded" in str(n0.status()["failed"])
+    assert n0.metric("ckptd_checkpoints_waiting_for_nodes") == 0
+    await drive_for([n0], 0.3)
+    assert repo.cluster_keys(RUN, "step-5") == []
+
+
+async def test_a_waiting_checkpoint_below_a_newer_commit_is_given_up_after_the_grace(
+    pair: tuple[Node, Node, Repository],
+) -> None:
+    n0, n1, repo = pair
+    dcp_save(n0, n1, name="step-5")
+    shutil.rmtree(n1.watch / "step-5")
+    dcp_save(n0, n1, name="step-10")
+    age(n0.root)
+    age(n1.root)
+    await n0.start()
+    await n1.start()
+    await drive([n0, n1], lambda: repo.read_manifest(RUN, "step-10") is not None)
+    await drive_for([n0, n1], 0.3)
+    assert [w["checkpoint"] for w in n0.status()["waiting"]] == ["step-5"]  # type: ignore[attr-defined]
+    assert n0.pipeline is not None
+    n0.pipeline.abandon_grace_seconds = 0.2
+    await drive([n0], lambda: not n0.status()["waiting"])
+    assert "superseded" in str(n0.status()["failed"])
+    assert repo.read_manifest(RUN, "step-5") is None
 
 
 def test_status_view_shows_waiting_checkpoints() -> None:

@@ -125,6 +125,9 @@ class SyncPipeline:
             if cluster.multi_node
             else None
         )
+        # A checkpoint below the newest committed step, waiting longer than this, is given
+        # up (``cluster.superseded``), here and by retention's sweep.
+        self.abandon_grace_seconds = ABANDON_GRACE_SECONDS
 
     def _count_bytes(self, run: str, n: int) -> None:
         self.metrics.upload_bytes.labels(run=run).inc(n)
@@ -240,24 +243,31 @@ class SyncPipeline:
         state.awaiting.pop(name, None)
         return judged, ClusterShip(committer, known.save)
 
-    async def _superseded(self, state: RunState, listing: CheckpointListing) -> bool:
-        """Many nodes: whether a checkpoint can never commit any more (``cluster.superseded``)
-        and is left alone, with its step below the newest committed one."""
+    async def _superseded(
+        self, state: RunState, name: str, since: float, *, refresh: bool = False
+    ) -> bool:
+        """Many nodes: whether a checkpoint (waiting or written since ``since``) can never
+        commit any more (``cluster.superseded``); if so it is given up and left alone.
+        ``refresh`` reads LATEST again: another node may have committed a later step."""
         previous = await self._previous_manifest(state)
-        newest = max(
-            (s for s in (state.last_step, previous.step if previous else None) if s is not None),
-            default=None,
-        )
-        entry = state.waiting.get(listing.name)
-        since = entry.since if entry else listing.newest_mtime_ns / 1e9
-        if not superseded(step_of(listing.name), newest, since, self.clock.time()):
+        steps = [state.last_step, previous.step if previous else None]
+        if refresh:
+            latest = await asyncio.to_thread(self.repo.read_latest, state.run_id)
+            steps.append(latest.step if latest else None)
+        newest = max((s for s in steps if s is not None), default=None)
+        entry = state.waiting.get(name)
+        since = min(since, entry.since) if entry else since
+        if not superseded(
+            step_of(name), newest, since, self.clock.time(), self.abandon_grace_seconds
+        ):
             return False
-        state.forget_cluster(listing.name)
-        state.failed_for_good[listing.name] = (
+        state.forget_cluster(name)
+        self.queue.remove(state.run_id, name)
+        state.failed_for_good[name] = (
             f"superseded: step {newest} committed and not every node's part arrived"
         )
         self.log.warning(
-            "checkpoint_superseded", run=state.run_id, checkpoint=listing.name, newest_step=newest
+            "checkpoint_superseded", run=state.run_id, checkpoint=name, newest_step=newest
         )
         self.update_gauges()
         return True
@@ -295,13 +305,18 @@ class SyncPipeline:
             self.log.info(
                 "checkpoint_detected", run=run_id, checkpoint=name, files=len(listing.files)
             )
-        if self.committer is not None and await self._superseded(state, listing):
+        if self.committer is not None and await self._superseded(
+            state, name, listing.newest_mtime_ns / 1e9
+        ):
             return None
-        verdict, _ = self._judge(state, listing)
+        verdict, role = self._judge(state, listing)
         if not verdict.complete:
             if verdict.recheck_after is not None:
                 self.hint(run_id, name, delay=verdict.recheck_after + 0.05)
             return verdict
+        waiting = state.waiting.get(name)
+        if role is not None and waiting is not None and waiting.save == role.save:
+            return verdict  # its part is in the store: poll_cluster takes it from here
         total = sum(f.size for f in verdict.files)
         pending = Pending(
             run_id,
@@ -508,7 +523,9 @@ class SyncPipeline:
                 protected=protected,
                 committed_here=state.committed,
                 log=log,
-                cluster_grace_seconds=None if self.committer is None else ABANDON_GRACE_SECONDS,
+                cluster_grace_seconds=None
+                if self.committer is None
+                else self.abandon_grace_seconds,
             )
             state.seen.difference_update(removed)
         run = state.run_id
@@ -591,6 +608,8 @@ class SyncPipeline:
                     )
                     self.hint(run, name, delay=0.0)
             for name, entry in list(state.waiting.items()):
+                if await self._superseded(state, name, entry.since):
+                    continue
                 result = await asyncio.to_thread(
                     try_commit,
                     self.repo,
@@ -620,6 +639,12 @@ class SyncPipeline:
             await self._committed(state, pending, shipped, log)
         elif result.outcome is Assembly.CONFLICT:
             self._conflict(state, name, ClusterConflictError(result.reason), log)
+        elif committer.rank in result.missing and await self._superseded(
+            state, name, 0.0, refresh=True
+        ):
+            # This node's part is gone (retention's sweep) and a later step is committed:
+            # given up, never announced again.
+            pass
         elif result.outcome is Assembly.RESAVED or committer.rank in result.missing:
             # A later save is announced, or this node's own part is gone: ship again
             # (the journal skips every object already sent; the part is rewritten).
