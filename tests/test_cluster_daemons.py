@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -95,3 +96,40 @@ def test_two_daemons_commit_one_dcp_checkpoint_and_node_1_is_awaited(
     whole = run_cli("restore", *cfg, "--run", "run", "--latest", "--to", str(tmp_path / "all"))
     assert whole.returncode == 0, whole.stderr
     assert local_files(tmp_path / "all" / "step-10") == expected
+
+
+def test_sigterm_on_a_follower_node_waits_for_its_share_of_the_emergency_save(
+    tmp_path: Path, local_s3: LocalS3, s3_client: Any, s3_prefix: str, s3_dest: str
+) -> None:
+    d0, w0 = node_daemon(tmp_path, 0, s3_dest, local_s3.endpoint_url)
+    d1, w1 = node_daemon(tmp_path, 1, s3_dest, local_s3.endpoint_url)
+    d1.extra_args = ["--shutdown-timeout", "60"]
+    with d1:
+        assert d1.proc is not None
+        d1.proc.send_signal(signal.SIGTERM)  # the node is being preempted
+        wait_until(
+            lambda: d1.events_named("notice_received"), 10, "the notice", details=d1.log_text
+        )
+        # The trainer's emergency save: node 1's shards; node 0's daemon is not up yet.
+        for r in (2, 3):
+            write_bytes(w1 / "step-30" / f"__{r}_0.distcp", 64 * 1024 + r)
+        wait_until(
+            lambda: d1.events_named("checkpoint_detected", checkpoint="step-30"),
+            10,
+            "node 1 to see its shards",
+        )
+        # Idle, but its share is not announced yet: the flush must not end. (Without the
+        # wait it would exit after 2 s of quiet.)
+        time.sleep(4)
+        assert d1.alive(), d1.log_text()[-2000:]
+        for r in (0, 1):
+            write_bytes(w0 / "step-30" / f"__{r}_0.distcp", 64 * 1024 + r)
+        write_bytes(w0 / "step-30" / ".metadata", 2000)
+        with d0:
+            assert d1.proc.wait(timeout=30) == 0
+            manifest = wait_until(
+                lambda: committed_manifest(s3_client, s3_prefix, "run", "step-30"),
+                30,
+                "the global commit",
+            )
+    assert {f["path"] for f in manifest["files"]} >= {"__2_0.distcp", "__3_0.distcp", ".metadata"}

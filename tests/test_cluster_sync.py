@@ -501,3 +501,22 @@ def test_announcement_and_parts_are_never_taken_for_checkpoints_or_files(
         )["format"]
         == "ckptd.announce/1"
     )
+
+
+async def test_a_followers_share_of_an_emergency_save_holds_the_flush_until_announced(
+    pair: tuple[Node, Node, Repository],
+) -> None:
+    n0, n1, repo = pair
+    p1 = await n1.start()
+    p1.enter_emergency(None)  # a notice: the trainer saves at once, on both nodes
+    dcp_save(n0, n1, name="step-20")
+    # Node 1's shards are there, unannounced: the pipeline is idle, yet a SIGTERM flush
+    # must not end (service._drain_after_sigterm waits on awaiting_emergency()).
+    await drive([n1], lambda: p1.idle() and p1.awaiting_emergency())
+    assert repo.read_manifest(RUN, "step-20") is None
+    await n0.start()
+    await drive(
+        [n0, n1],
+        lambda: repo.read_manifest(RUN, "step-20") is not None and not p1.awaiting_emergency(),
+    )
+    assert_committed_whole(repo, "step-20", union(n0, n1, "step-20"))

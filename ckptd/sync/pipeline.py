@@ -49,7 +49,14 @@ from ckptd.sync import cleanup
 from ckptd.sync.assemble import Assembly, AssemblyResult, Committer, try_commit
 from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
-from ckptd.sync.queue import InFlight, Pending, ShipQueue, completed_in_emergency, uploads_to_pause
+from ckptd.sync.queue import (
+    EMERGENCY_MTIME_SLACK,
+    InFlight,
+    Pending,
+    ShipQueue,
+    completed_in_emergency,
+    uploads_to_pause,
+)
 from ckptd.sync.rate import RateMeter
 from ckptd.sync.runs import Progress, RunState, WaitingEntry
 from ckptd.sync.scanner import list_candidates, snapshot
@@ -296,6 +303,10 @@ class SyncPipeline:
             # sending now rather than at the final check.
             ctx.cancel.set()
         if listing is None:
+            # Gone locally: nothing left to announce or follow (a part already written
+            # stays waiting: the store holds all it needs).
+            state.awaiting.pop(name, None)
+            state.announcements.pop(name, None)
             if self.queue.remove(run_id, name) is not None:
                 self.log.info("checkpoint_vanished", run=run_id, checkpoint=name)
             state.seen.discard(name)
@@ -659,6 +670,15 @@ class SyncPipeline:
             log.info(
                 "checkpoint_waiting_for_nodes", missing=list(entry.missing), reason=entry.reason
             )
+
+    def awaiting_emergency(self) -> bool:
+        """Many nodes, during a notice: a checkpoint that appeared since the notice waits
+        for its announcement. That is this node's share of the emergency save, which the
+        node with the commit record is about to announce: a SIGTERM flush waits for it."""
+        if self.emergency_since is None:
+            return False
+        since = self.emergency_since - EMERGENCY_MTIME_SLACK
+        return any(t >= since for s in self.runs.values() for t in s.awaiting.values())
 
     def cluster_busy(self) -> bool:
         """Many nodes: a checkpoint still waits for an announcement or for other nodes."""
