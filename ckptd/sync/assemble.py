@@ -13,7 +13,8 @@ The store is the only coordinator: every step is an object read or written, so a
 killed anywhere repeats its step on restart (the announcement and part are rewritten
 with the same content, the commit is conditional) and the nodes converge. A part of
 another save than the announcement's is never merged, and a conflict is never committed.
-Blocking functions: run them in a thread.
+Blocking functions (but ``judge_role``, which decides who announces and who follows):
+run them in a thread.
 """
 
 from __future__ import annotations
@@ -23,17 +24,95 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ckptd.cluster import (
+    SAVE_TAIL_SECONDS,
     Announcement,
     Conflict,
     Merged,
     Part,
     announcer_may_overwrite,
     epoch_of,
+    files_fit_save,
+    is_announcer,
     merge_parts,
+    save_id,
 )
-from ckptd.manifest import Manifest, build_manifest
+from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
+from ckptd.manifest import Manifest, build_manifest, utc_timestamp
 from ckptd.repository import Repository
 from ckptd.sync.commit import CommitConflictError, CommitResult, commit
+from ckptd.sync.runs import RunState
+
+
+@dataclass(frozen=True)
+class Committer:
+    """Who commits: this node's host name and environment go into the global manifest."""
+
+    nodes: int
+    rank: int
+    host: str
+    environment: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterShip:
+    """How one node ships its part of a many-node checkpoint."""
+
+    committer: Committer
+    save: str  # the save this node's files answer (its own when it announces)
+    announcement: Announcement | None = None  # to write first: this node holds the record
+
+
+def judge_role(
+    state: RunState,
+    listing: CheckpointListing,
+    verdict: Completion,
+    committer: Committer,
+    now: float,
+) -> tuple[Completion, ClusterShip | None]:
+    """The verdict on one node's files of a checkpoint, and how the node ships them: as
+    the announcer (its rule holds on the commit record, and no lower rank leads the
+    save), or as a follower of the announced save (``state.announcements``) once its files
+    fit that save and are quiet and closed. Otherwise incomplete, and the checkpoint is
+    noted in ``state.awaiting`` for ``poll_cluster`` to look for its announcement."""
+    name = listing.name
+    known = state.announcements.get(name)
+    own = save_id((f.path, f.size, f.mtime_ns) for f in listing.files)
+    if is_announcer(verdict.layout, verdict.complete, committer.rank) and (
+        known is None or known.save == own or known.node_rank >= committer.rank
+    ):
+        announcement = Announcement(
+            run_id=state.run_id,
+            checkpoint=name,
+            save=own,
+            node_rank=committer.rank,
+            layout=verdict.layout,
+            step=step_of(name),
+            announced_at=utc_timestamp(now),
+            record_mtime_ns=listing.newest_mtime_ns,
+        )
+        state.awaiting.pop(name, None)
+        return verdict, ClusterShip(committer, own, announcement)
+    if known is None or not files_fit_save(listing.newest_mtime_ns, known, SAVE_TAIL_SECONDS):
+        state.awaiting.setdefault(name, now)
+        why = (
+            "waiting for the node with the commit record to announce it"
+            if known is None
+            else f"files newer than announced save {known.save}: waiting for a later one"
+        )
+        # Keep the rule's own recheck: on the record's node the verdict may be
+        # "complete but for a quiet window".
+        return not_complete(verdict.layout, why, verdict.recheck_after), None
+    judged = settled(
+        known.layout,
+        listing,
+        int(now * 1e9),
+        state.rules.settle_seconds,
+        f"announced by node {known.node_rank}; this node's files are quiet and closed",
+    )
+    if not judged.complete:
+        return judged, None
+    state.awaiting.pop(name, None)
+    return judged, ClusterShip(committer, known.save)
 
 
 class Assembly(Enum):
@@ -53,16 +132,6 @@ class AssemblyResult:
     reason: str = ""
     conflict: Conflict | None = None
     announcement: Announcement | None = None
-
-
-@dataclass(frozen=True)
-class Committer:
-    """Who commits: this node's host name and environment go into the global manifest."""
-
-    nodes: int
-    rank: int
-    host: str
-    environment: Mapping[str, str] = field(default_factory=dict)
 
 
 def announce(repo: Repository, announcement: Announcement) -> Announcement:

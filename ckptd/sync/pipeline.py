@@ -27,26 +27,25 @@ from typing import Any
 
 from ckptd import layouts
 from ckptd.clock import SYSTEM_CLOCK, Clock
-from ckptd.cluster import (
-    ABANDON_GRACE_SECONDS,
-    SAVE_TAIL_SECONDS,
-    Announcement,
-    files_fit_save,
-    is_announcer,
-    save_id,
-    superseded,
-)
+from ckptd.cluster import ABANDON_GRACE_SECONDS, superseded
 from ckptd.config import Settings
 from ckptd.deadline import plan_flush
 from ckptd.environment import describe
-from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
+from ckptd.layouts.base import CheckpointListing, Completion, step_of
 from ckptd.logs import get_logger
-from ckptd.manifest import Manifest, ManifestError, utc_timestamp
+from ckptd.manifest import Manifest, ManifestError
 from ckptd.metrics import Metrics
 from ckptd.repository import Repository
 from ckptd.storage.base import Storage, StorageError
 from ckptd.sync import cleanup
-from ckptd.sync.assemble import Assembly, AssemblyResult, Committer, try_commit
+from ckptd.sync.assemble import (
+    Assembly,
+    AssemblyResult,
+    ClusterShip,
+    Committer,
+    judge_role,
+    try_commit,
+)
 from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
 from ckptd.sync.queue import (
@@ -62,7 +61,6 @@ from ckptd.sync.runs import Progress, RunState, WaitingEntry
 from ckptd.sync.scanner import list_candidates, snapshot
 from ckptd.sync.ship import (
     ClusterConflictError,
-    ClusterShip,
     Outcome,
     Shipper,
     ShipRequest,
@@ -207,48 +205,9 @@ class SyncPipeline:
         announcer (its rule holds on the commit record) or as a follower of the save the
         store announced (module doc). One node: the rule's verdict, unchanged."""
         verdict = self._verdict(state, listing)
-        committer = self.committer
-        if committer is None:
+        if self.committer is None:
             return verdict, None
-        name = listing.name
-        known = state.announcements.get(name)
-        own = save_id(fingerprint(listing.files))
-        if is_announcer(verdict.layout, verdict.complete, committer.rank) and (
-            known is None or known.save == own or known.node_rank >= committer.rank
-        ):
-            announcement = Announcement(
-                run_id=state.run_id,
-                checkpoint=name,
-                save=own,
-                node_rank=committer.rank,
-                layout=verdict.layout,
-                step=step_of(name),
-                announced_at=utc_timestamp(self.clock.time()),
-                record_mtime_ns=listing.newest_mtime_ns,
-            )
-            state.awaiting.pop(name, None)
-            return verdict, ClusterShip(committer, own, announcement)
-        if known is None or not files_fit_save(listing.newest_mtime_ns, known, SAVE_TAIL_SECONDS):
-            state.awaiting.setdefault(name, self.clock.time())
-            why = (
-                "waiting for the node with the commit record to announce it"
-                if known is None
-                else f"files newer than announced save {known.save}: waiting for a later one"
-            )
-            # Keep the rule's own recheck: on the record's node the verdict may be
-            # "complete but for a quiet window".
-            return not_complete(verdict.layout, why, verdict.recheck_after), None
-        judged = settled(
-            known.layout,
-            listing,
-            int(self.clock.time() * 1e9),
-            state.rules.settle_seconds,
-            f"announced by node {known.node_rank}; this node's files are quiet and closed",
-        )
-        if not judged.complete:
-            return judged, None
-        state.awaiting.pop(name, None)
-        return judged, ClusterShip(committer, known.save)
+        return judge_role(state, listing, verdict, self.committer, self.clock.time())
 
     async def _superseded(
         self, state: RunState, name: str, since: float, *, refresh: bool = False
