@@ -323,17 +323,21 @@ async def test_a_resave_under_the_same_name_never_mixes_parts(
     await n0.start()
     await drive([n0], lambda: bool(n0.status()["waiting"]))
     first = repo.read_announcement(RUN, "step-10")
-    assert first is not None
-    # The trainer restarts and saves step-10 again, on both nodes, other bytes.
-    dcp_save(n0, n1, size=50 * KiB)
-    age(n0.root, 1)
-    age(n1.root, 1)
-    await drive(
-        [n0],
-        lambda: (a := repo.read_announcement(RUN, "step-10")) is not None and a.save != first.save,
-    )
-    await drive([n0], lambda: bool(n0.status()["waiting"]))
+    assert first is not None and repo.part_ranks(RUN, "step-10") == [0]
+    # The trainer restarts and saves step-10 again, other bytes: every rank's shards
+    # first (the old .metadata still beside them, as DCP leaves it until finish()).
+    for node, ranks in ((n0, (0, 1)), (n1, (2, 3))):
+        for r in ranks:
+            write_bytes(node.watch / "step-10" / f"__{r}_0.distcp", 50 * KiB + r)
+    # Node 0 sees its files change: it withdraws the old save's announcement and part,
+    # so node 1 can never pair its new shards with the old save.
+    await drive([n0], lambda: repo.read_announcement(RUN, "step-10") is None)
+    assert repo.part_ranks(RUN, "step-10") == []
     await n1.start()
+    await drive_for([n0, n1], 0.6)
+    assert repo.read_manifest(RUN, "step-10") is None
+    assert repo.part_ranks(RUN, "step-10") == []  # node 1 waits for the new announcement
+    write_bytes(n0.watch / "step-10" / ".metadata", 3100)  # finish(): the new save commits
     await drive([n0, n1], lambda: repo.read_manifest(RUN, "step-10") is not None)
     expected = union(n0, n1, "step-10")
     assert all(len(v) >= 50 * KiB for k, v in expected.items() if k.endswith(".distcp"))

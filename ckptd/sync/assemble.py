@@ -1,7 +1,10 @@
 """One checkpoint from many nodes' parts: announce, write the part, commit the union.
 
     announce  the node holding the framework's commit record writes ckptd.announce.json
-              before it ships (``announce``); the other nodes wait for it
+              before it ships (``announce``); the other nodes wait for it. When that
+              node's files change (a re-save under the same name) it withdraws the
+              announcement and its part at once (``withdraw``), so no node pairs new
+              files with the old save
     part      each node, once its files are uploaded and verified, writes
               ckptd.part-<rank>.json carrying the announced save (``write_part``)
     commit    a node that finds every rank's part of the announced save merges them
@@ -38,7 +41,7 @@ from ckptd.cluster import (
 )
 from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
 from ckptd.manifest import Manifest, build_manifest, utc_timestamp
-from ckptd.repository import Repository
+from ckptd.repository import Repository, announce_key, part_key
 from ckptd.sync.commit import CommitConflictError, CommitResult, commit
 from ckptd.sync.runs import RunState
 
@@ -149,6 +152,22 @@ def announce(repo: Repository, announcement: Announcement) -> Announcement:
 
 def write_part(repo: Repository, part: Part) -> None:
     repo.write_part(part)
+
+
+def withdraw(repo: Repository, run: str, name: str, rank: int, save: str) -> bool:
+    """The announcing node's files changed (a re-save under the same name has begun):
+    remove its announcement and its part of ``save``, so no other node pairs its new
+    files with the old save. Only objects of ``save`` by ``rank`` are removed; returns
+    whether the announcement was."""
+    announcement = repo.read_announcement(run, name)
+    gone = False
+    if announcement is not None and (announcement.node_rank, announcement.save) == (rank, save):
+        repo.delete([announce_key(run, name)])
+        gone = True
+    part = repo.read_part(run, name, rank)
+    if part is not None and part.save == save:
+        repo.delete([part_key(run, name, rank)])
+    return gone
 
 
 def try_commit(

@@ -27,7 +27,7 @@ from typing import Any
 
 from ckptd import layouts
 from ckptd.clock import SYSTEM_CLOCK, Clock
-from ckptd.cluster import ABANDON_GRACE_SECONDS, superseded
+from ckptd.cluster import ABANDON_GRACE_SECONDS, save_id, superseded
 from ckptd.config import Settings
 from ckptd.deadline import plan_flush
 from ckptd.environment import describe
@@ -45,6 +45,7 @@ from ckptd.sync.assemble import (
     Committer,
     judge_role,
     try_commit,
+    withdraw,
 )
 from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
@@ -238,6 +239,27 @@ class SyncPipeline:
         self.update_gauges()
         return True
 
+    async def _withdraw_if_resaved(self, state: RunState, listing: CheckpointListing) -> None:
+        """Many nodes: this node announced a save whose files have since changed (a
+        re-save under the same name): withdraw it (``assemble.withdraw``)."""
+        entry = state.waiting.get(listing.name)
+        committer = self.committer
+        if committer is None or entry is None or not entry.announced:
+            return
+        if save_id((f.path, f.size, f.mtime_ns) for f in listing.files) == entry.save:
+            return
+        state.waiting.pop(listing.name, None)
+        run, name = state.run_id, listing.name
+        try:
+            await asyncio.to_thread(withdraw, self.repo, run, name, committer.rank, entry.save)
+        except StorageError as exc:
+            self.log.warning(
+                "announcement_withdraw_failed", run=run, checkpoint=name, error=str(exc)
+            )
+            return
+        self.log.info("announcement_withdrawn", run=run, checkpoint=name, save=entry.save)
+        self.update_gauges()
+
     async def evaluate(self, run_id: str, name: str) -> Completion | None:
         """Apply the completion rule to one checkpoint now; queue it if complete."""
         # Counted from before the timer is dropped to after a verdict is queued, so idle()
@@ -280,6 +302,7 @@ class SyncPipeline:
         ):
             return None
         verdict, role = self._judge(state, listing)
+        await self._withdraw_if_resaved(state, listing)
         if not verdict.complete:
             if verdict.recheck_after is not None:
                 self.hint(run_id, name, delay=verdict.recheck_after + 0.05)
@@ -552,6 +575,7 @@ class SyncPipeline:
         entry = state.waiting.get(name)
         if entry is None or entry.save != role.save:
             entry = state.waiting[name] = WaitingEntry(role.save, self.clock.time())
+        entry.announced = role.announcement is not None
         if assembly is not None:
             entry.missing, entry.reason = assembly.missing, assembly.reason
         log.info("checkpoint_waiting_for_nodes", missing=list(entry.missing), reason=entry.reason)
@@ -621,6 +645,8 @@ class SyncPipeline:
             state.waiting.pop(name, None)
             if result.announcement is not None:
                 state.announcements[name] = result.announcement
+            else:  # withdrawn: wait for the next announcement
+                state.announcements.pop(name, None)
             log.info("checkpoint_reshipping", reason=result.reason or "own part missing")
             self.update_gauges()
             self.hint(state.run_id, name, delay=0.0)
