@@ -191,7 +191,18 @@ def try_commit(
             reason=f"announced save {announcement.save} is not this node's {save}",
             announcement=announcement,
         )
-    parts = repo.read_parts(run, name)
+    # One LIST first: while a rank has no part object at all, no part is read (a waiting
+    # checkpoint costs three requests a poll, however many nodes).
+    listed = repo.part_ranks(run, name)
+    absent = tuple(r for r in range(committer.nodes) if r not in listed)
+    if absent:
+        return AssemblyResult(
+            Assembly.WAITING,
+            missing=absent,
+            reason=f"waiting for node(s) {', '.join(map(str, absent))}",
+            announcement=announcement,
+        )
+    parts = repo.read_parts(run, name, listed)
     verdict = merge_parts(announcement, parts, committer.nodes)
     if isinstance(verdict, Conflict):
         return AssemblyResult(
