@@ -346,6 +346,22 @@ async def test_a_resave_under_the_same_name_never_mixes_parts(
     assert manifest is not None and manifest.save != first.save
 
 
+async def test_a_node_restarted_during_a_resave_withdraws_its_old_announcement(
+    pair: tuple[Node, Node, Repository],
+) -> None:
+    n0, n1, repo = pair
+    dcp_save(n0, n1, size=40 * KiB)
+    age(n0.root, 60)
+    await n0.start()
+    await drive([n0], lambda: bool(n0.status()["waiting"]))
+    await n0.stop()
+    for r in (0, 1):  # the re-save begins while node 0's daemon is down
+        write_bytes(n0.watch / "step-10" / f"__{r}_0.distcp", 50 * KiB + r)
+    await n0.start()
+    await drive([n0], lambda: repo.read_announcement(RUN, "step-10") is None)
+    assert repo.part_ranks(RUN, "step-10") == []
+
+
 async def test_a_conflicting_file_is_never_committed_and_is_counted(
     pair: tuple[Node, Node, Repository],
 ) -> None:
