@@ -8,6 +8,13 @@ rules); one worker takes the next one and hands it to the ``Shipper``
 again). So this module keeps only hints, timers, the worker loop and the state
 ``/v1/status`` shows; every decision it takes is made by a pure function elsewhere.
 All time is read from one injected ``Clock``.
+
+With many nodes (``cluster.nodes > 1``) the verdict has two sources (``_judge``): a node
+whose own rule holds on a commit record announces the save and ships; any other node
+waits until ``poll_cluster`` finds the checkpoint announced, then ships once its own
+files are quiet and closed (``ckptd.cluster`` says why that is enough, per framework).
+A part written but not yet joined by every node's is "waiting": ``poll_cluster`` tries
+the global commit again every ``cluster.poll_interval_seconds``.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from typing import Any
 
 from ckptd import layouts
 from ckptd.clock import SYSTEM_CLOCK, Clock
+from ckptd.cluster import ABANDON_GRACE_SECONDS, save_id, superseded
 from ckptd.config import Settings
 from ckptd.deadline import plan_flush
+from ckptd.environment import describe
 from ckptd.layouts.base import CheckpointListing, Completion, step_of
 from ckptd.logs import get_logger
 from ckptd.manifest import Manifest, ManifestError
@@ -29,13 +38,36 @@ from ckptd.metrics import Metrics
 from ckptd.repository import Repository
 from ckptd.storage.base import Storage, StorageError
 from ckptd.sync import cleanup
+from ckptd.sync.assemble import (
+    Assembly,
+    AssemblyResult,
+    ClusterShip,
+    Committer,
+    judge_role,
+    try_commit,
+    withdraw,
+)
 from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
-from ckptd.sync.queue import InFlight, Pending, ShipQueue, completed_in_emergency, uploads_to_pause
+from ckptd.sync.queue import (
+    EMERGENCY_MTIME_SLACK,
+    InFlight,
+    Pending,
+    ShipQueue,
+    completed_in_emergency,
+    uploads_to_pause,
+)
 from ckptd.sync.rate import RateMeter
-from ckptd.sync.runs import Progress, RunState
+from ckptd.sync.runs import Progress, RunState, WaitingEntry
 from ckptd.sync.scanner import list_candidates, snapshot
-from ckptd.sync.ship import Outcome, Shipper, ShipRequest, ShipResult, fingerprint
+from ckptd.sync.ship import (
+    ClusterConflictError,
+    Outcome,
+    Shipper,
+    ShipRequest,
+    ShipResult,
+    fingerprint,
+)
 from ckptd.sync.transfer import TransferContext, Transfers
 
 # Coalesces the burst of events one save produces into one look at the checkpoint.
@@ -93,6 +125,15 @@ class SyncPipeline:
         self.emergency_deadline: datetime | None = None
         self.on_emergency_complete: Callable[[str, str], None] = lambda run, name: None
         self.on_commit: CommitHook | None = None
+        cluster = settings.cluster
+        self.committer: Committer | None = (
+            Committer(cluster.nodes, cluster.rank, self.shipper.host, describe())
+            if cluster.multi_node
+            else None
+        )
+        # A checkpoint below the newest committed step, waiting longer than this, is given
+        # up (``cluster.superseded``), here and by retention's sweep.
+        self.abandon_grace_seconds = ABANDON_GRACE_SECONDS
 
     def _count_bytes(self, run: str, n: int) -> None:
         self.metrics.upload_bytes.labels(run=run).inc(n)
@@ -158,6 +199,75 @@ class SyncPipeline:
             state.watch.layout, listing, int(self.clock.time() * 1e9), state.rules
         )
 
+    def _judge(
+        self, state: RunState, listing: CheckpointListing
+    ) -> tuple[Completion, ClusterShip | None]:
+        """The verdict on ``listing`` and, with many nodes, how this node ships it: as the
+        announcer (its rule holds on the commit record) or as a follower of the save the
+        store announced (module doc). One node: the rule's verdict, unchanged."""
+        verdict = self._verdict(state, listing)
+        if self.committer is None:
+            return verdict, None
+        return judge_role(state, listing, verdict, self.committer, self.clock.time())
+
+    async def _superseded(
+        self, state: RunState, name: str, since: float, *, refresh: bool = False
+    ) -> bool:
+        """Many nodes: whether a checkpoint (waiting or written since ``since``) can never
+        commit any more (``cluster.superseded``); if so it is given up and left alone.
+        ``refresh`` reads LATEST again: another node may have committed a later step."""
+        previous = await self._previous_manifest(state)
+        steps = [state.last_step, previous.step if previous else None]
+        if refresh:
+            latest = await asyncio.to_thread(self.repo.read_latest, state.run_id)
+            steps.append(latest.step if latest else None)
+        newest = max((s for s in steps if s is not None), default=None)
+        entry = state.waiting.get(name)
+        since = min(since, entry.since) if entry else since
+        if not superseded(
+            step_of(name), newest, since, self.clock.time(), self.abandon_grace_seconds
+        ):
+            return False
+        state.forget_cluster(name)
+        self.queue.remove(state.run_id, name)
+        state.failed_for_good[name] = (
+            f"superseded: step {newest} committed and not every node's part arrived"
+        )
+        self.log.warning(
+            "checkpoint_superseded", run=state.run_id, checkpoint=name, newest_step=newest
+        )
+        self.update_gauges()
+        return True
+
+    async def _withdraw_if_resaved(self, state: RunState, listing: CheckpointListing) -> None:
+        """Many nodes: this node announced a save whose files have since changed (a
+        re-save under the same name): withdraw it (``assemble.withdraw``)."""
+        committer = self.committer
+        if committer is None:
+            return
+        run, name = state.run_id, listing.name
+        entry = state.waiting.get(name)
+        known = state.announcements.get(name)  # after a restart: found by poll_cluster
+        if entry is not None and entry.announced:
+            save = entry.save
+        elif known is not None and known.node_rank == committer.rank:
+            save = known.save
+        else:
+            return
+        if save_id((f.path, f.size, f.mtime_ns) for f in listing.files) == save:
+            return
+        state.waiting.pop(name, None)
+        state.announcements.pop(name, None)
+        try:
+            await asyncio.to_thread(withdraw, self.repo, run, name, committer.rank, save)
+        except StorageError as exc:
+            self.log.warning(
+                "announcement_withdraw_failed", run=run, checkpoint=name, error=str(exc)
+            )
+            return
+        self.log.info("announcement_withdrawn", run=run, checkpoint=name, save=save)
+        self.update_gauges()
+
     async def evaluate(self, run_id: str, name: str) -> Completion | None:
         """Apply the completion rule to one checkpoint now; queue it if complete."""
         # Counted from before the timer is dropped to after a verdict is queued, so idle()
@@ -182,6 +292,10 @@ class SyncPipeline:
             # sending now rather than at the final check.
             ctx.cancel.set()
         if listing is None:
+            # Gone locally: nothing left to announce or follow (a part already written
+            # stays waiting: the store holds all it needs).
+            state.awaiting.pop(name, None)
+            state.announcements.pop(name, None)
             if self.queue.remove(run_id, name) is not None:
                 self.log.info("checkpoint_vanished", run=run_id, checkpoint=name)
             state.seen.discard(name)
@@ -191,11 +305,19 @@ class SyncPipeline:
             self.log.info(
                 "checkpoint_detected", run=run_id, checkpoint=name, files=len(listing.files)
             )
-        verdict = self._verdict(state, listing)
+        if self.committer is not None and await self._superseded(
+            state, name, listing.newest_mtime_ns / 1e9
+        ):
+            return None
+        verdict, role = self._judge(state, listing)
+        await self._withdraw_if_resaved(state, listing)
         if not verdict.complete:
             if verdict.recheck_after is not None:
                 self.hint(run_id, name, delay=verdict.recheck_after + 0.05)
             return verdict
+        waiting = state.waiting.get(name)
+        if role is not None and waiting is not None and waiting.save == role.save:
+            return verdict  # its part is in the store: poll_cluster takes it from here
         total = sum(f.size for f in verdict.files)
         pending = Pending(
             run_id,
@@ -334,7 +456,7 @@ class SyncPipeline:
         state = self.runs[pending.run]
         run, name = pending.run, pending.name
         listing = await asyncio.to_thread(snapshot, state.dir, name)
-        verdict = self._verdict(state, listing) if listing else None
+        verdict, role = self._judge(state, listing) if listing else (None, None)
         if listing is None or verdict is None or not verdict.complete:
             self.queue.remove(run, name)
             self.update_gauges()
@@ -355,6 +477,7 @@ class SyncPipeline:
             ctx,
             on_started=started,
             on_copied=lambda n: self.metrics.copied_bytes.labels(run=run).inc(n),
+            cluster=role,
         )
         state.current_files, state.current_ctx = fingerprint(listing.files), ctx
         try:
@@ -371,10 +494,10 @@ class SyncPipeline:
             await self._abandon(state, pending, str(result.error), log)
         elif result.outcome is Outcome.CONFLICT:
             self.queue.remove(run, name)
-            state.failed_for_good[name] = str(result.error)
-            self.metrics.failed.labels(run=run, reason="conflict").inc()
-            log.error("checkpoint_conflict", error=str(result.error))
-            self.update_gauges()
+            self._conflict(state, name, result.error, log)
+        elif result.outcome is Outcome.WAITING:
+            self.queue.remove(run, name)
+            self._waiting(state, name, role, result.assembly, log)
         else:
             self._failed(state, pending, result, log)
         return False
@@ -392,7 +515,7 @@ class SyncPipeline:
         if result.commit is None:
             return  # committed before this attempt: nothing was shipped now
         if self.emergency_since is None:  # never spend a preemption's seconds on deletes
-            protected = set(self.queue.names(state.run_id))
+            protected = set(self.queue.names(state.run_id)) | set(state.waiting)
             removed = await after_commit(
                 self.repo,
                 self.settings.retention,
@@ -401,6 +524,9 @@ class SyncPipeline:
                 protected=protected,
                 committed_here=state.committed,
                 log=log,
+                cluster_grace_seconds=None
+                if self.committer is None
+                else self.abandon_grace_seconds,
             )
             state.seen.difference_update(removed)
         run = state.run_id
@@ -423,6 +549,134 @@ class SyncPipeline:
             manifest_crc32c=result.commit.manifest_crc32c,
         )
 
+    def _conflict(self, state: RunState, name: str, error: Exception | None, log: Any) -> None:
+        """Never committed: a manifest of other content holds the name, or (many nodes)
+        two nodes' parts differ on a file."""
+        state.forget_cluster(name)
+        state.failed_for_good[name] = str(error)
+        self.metrics.failed.labels(run=state.run_id, reason="conflict").inc()
+        if isinstance(error, ClusterConflictError):
+            self.metrics.cluster_conflicts.labels(run=state.run_id).inc()
+        log.error("checkpoint_conflict", error=str(error))
+        self.update_gauges()
+
+    def _waiting(
+        self,
+        state: RunState,
+        name: str,
+        role: ClusterShip | None,
+        assembly: AssemblyResult | None,
+        log: Any,
+    ) -> None:
+        """Many nodes: this node's part is written (or another node leads the save);
+        ``poll_cluster`` takes it from here."""
+        if assembly is not None and assembly.outcome is Assembly.RESAVED:
+            # Another save is announced than the one just shipped: follow it.
+            if assembly.announcement is not None:
+                state.announcements[name] = assembly.announcement
+            state.waiting.pop(name, None)
+            log.info("checkpoint_follows_announcement", reason=assembly.reason)
+            self.hint(state.run_id, name, delay=0.0)
+            return
+        if role is None:
+            return
+        entry = state.waiting.get(name)
+        if entry is None or entry.save != role.save:
+            entry = state.waiting[name] = WaitingEntry(role.save, self.clock.time())
+        entry.announced = role.announcement is not None
+        if assembly is not None:
+            entry.missing, entry.reason = assembly.missing, assembly.reason
+        log.info("checkpoint_waiting_for_nodes", missing=list(entry.missing), reason=entry.reason)
+        self.update_gauges()
+
+    async def poll_cluster(self) -> None:
+        """Many nodes, one look at the store: announcements this node waits for, and the
+        global commit of checkpoints whose part is written (``assemble.try_commit``)."""
+        committer = self.committer
+        if committer is None:
+            return
+        for state in self.runs.values():
+            run = state.run_id
+            for name in list(state.awaiting):
+                if name in state.committed or name in state.failed_for_good:
+                    state.awaiting.pop(name, None)
+                    continue
+                found = await asyncio.to_thread(self.repo.read_announcement, run, name)
+                known = state.announcements.get(name)
+                if found is not None and (known is None or known.save != found.save):
+                    state.announcements[name] = found
+                    self.log.info(
+                        "checkpoint_announced_by", run=run, checkpoint=name, node=found.node_rank
+                    )
+                    self.hint(run, name, delay=0.0)
+            for name, entry in list(state.waiting.items()):
+                if await self._superseded(state, name, entry.since):
+                    continue
+                result = await asyncio.to_thread(
+                    try_commit,
+                    self.repo,
+                    run,
+                    name,
+                    committer,
+                    save=entry.save,
+                    now=self.clock.time(),
+                )
+                await self._after_assembly(state, name, entry, result)
+
+    async def _after_assembly(
+        self, state: RunState, name: str, entry: WaitingEntry, result: AssemblyResult
+    ) -> None:
+        log = self.log.bind(run=state.run_id, checkpoint=name)
+        committer = self.committer
+        assert committer is not None
+        if result.outcome is Assembly.COMMITTED:
+            assert result.manifest is not None
+            pending = Pending(state.run_id, name, result.manifest.step, entry.since)
+            shipped = ShipResult(
+                Outcome.COMMITTED,
+                result.manifest,
+                already_committed=result.already_committed,
+                commit=result.commit,
+            )
+            await self._committed(state, pending, shipped, log)
+        elif result.outcome is Assembly.CONFLICT:
+            self._conflict(state, name, ClusterConflictError(result.reason), log)
+        elif committer.rank in result.missing and await self._superseded(
+            state, name, 0.0, refresh=True
+        ):
+            # This node's part is gone (retention's sweep) and a later step is committed:
+            # given up, never announced again.
+            pass
+        elif result.outcome is Assembly.RESAVED or committer.rank in result.missing:
+            # A later save is announced, or this node's own part is gone: ship again
+            # (the journal skips every object already sent; the part is rewritten).
+            state.waiting.pop(name, None)
+            if result.announcement is not None:
+                state.announcements[name] = result.announcement
+            else:  # withdrawn: wait for the next announcement
+                state.announcements.pop(name, None)
+            log.info("checkpoint_reshipping", reason=result.reason or "own part missing")
+            self.update_gauges()
+            self.hint(state.run_id, name, delay=0.0)
+        elif (entry.missing, entry.reason) != (result.missing, result.reason):
+            entry.missing, entry.reason = result.missing, result.reason
+            log.info(
+                "checkpoint_waiting_for_nodes", missing=list(entry.missing), reason=entry.reason
+            )
+
+    def awaiting_emergency(self) -> bool:
+        """Many nodes, during a notice: a checkpoint that appeared since the notice waits
+        for its announcement. That is this node's share of the emergency save, which the
+        node with the commit record is about to announce: a SIGTERM flush waits for it."""
+        if self.emergency_since is None:
+            return False
+        since = self.emergency_since - EMERGENCY_MTIME_SLACK
+        return any(t >= since for s in self.runs.values() for t in s.awaiting.values())
+
+    def cluster_busy(self) -> bool:
+        """Many nodes: a checkpoint still waits for an announcement or for other nodes."""
+        return any(s.awaiting or s.waiting for s in self.runs.values())
+
     async def _previous_manifest(self, state: RunState) -> Manifest | None:
         if not state.previous_loaded:
             try:
@@ -442,6 +696,7 @@ class SyncPipeline:
     ) -> None:
         self.journal.mark_committed(state.run_id, manifest.checkpoint, manifest.step)
         self.queue.remove(state.run_id, manifest.checkpoint)
+        state.forget_cluster(manifest.checkpoint)
         run = state.run_id
         if state.record_commit(manifest) and state.last_step is not None:
             self.metrics.last_step.labels(run=run).set(state.last_step)
@@ -490,6 +745,8 @@ class SyncPipeline:
             self.metrics.sync_lag.labels(run=state.run_id).set(
                 self.queue.sync_lag(state.run_id, now)
             )
+            if self.committer is not None:
+                self.metrics.waiting_for_nodes.labels(run=state.run_id).set(len(state.waiting))
         self.metrics.upload_rate.set(self.rate.rate() or 0.0)
 
     def idle(self) -> bool:
@@ -506,7 +763,13 @@ class SyncPipeline:
         """Per-run state for ``/v1/status``."""
         self.update_gauges()
         now = self.clock.time()
-        return {"runs": {run: state.status(self.queue, now) for run, state in self.runs.items()}}
+        multi = self.committer is not None
+        return {
+            "runs": {
+                run: state.status(self.queue, now, cluster=multi)
+                for run, state in self.runs.items()
+            }
+        }
 
     async def close(self) -> None:
         for timer in self._timers.values():
