@@ -497,7 +497,7 @@ class SyncPipeline:
             self._conflict(state, name, result.error, log)
         elif result.outcome is Outcome.WAITING:
             self.queue.remove(run, name)
-            self._waiting(state, name, role, result.assembly, log)
+            self._waiting(state, name, role, result.assembly, log, emergency=pending.emergency)
         else:
             self._failed(state, pending, result, log)
         return False
@@ -567,6 +567,8 @@ class SyncPipeline:
         role: ClusterShip | None,
         assembly: AssemblyResult | None,
         log: Any,
+        *,
+        emergency: bool = False,
     ) -> None:
         """Many nodes: this node's part is written (or another node leads the save);
         ``poll_cluster`` takes it from here."""
@@ -584,6 +586,7 @@ class SyncPipeline:
         if entry is None or entry.save != role.save:
             entry = state.waiting[name] = WaitingEntry(role.save, self.clock.time())
         entry.announced = role.announcement is not None
+        entry.emergency = entry.emergency or emergency
         if assembly is not None:
             entry.missing, entry.reason = assembly.missing, assembly.reason
         log.info("checkpoint_waiting_for_nodes", missing=list(entry.missing), reason=entry.reason)
@@ -631,7 +634,9 @@ class SyncPipeline:
         assert committer is not None
         if result.outcome is Assembly.COMMITTED:
             assert result.manifest is not None
-            pending = Pending(state.run_id, name, result.manifest.step, entry.since)
+            pending = Pending(
+                state.run_id, name, result.manifest.step, entry.since, emergency=entry.emergency
+            )
             shipped = ShipResult(
                 Outcome.COMMITTED,
                 result.manifest,

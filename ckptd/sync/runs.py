@@ -43,6 +43,9 @@ class WaitingEntry:
     missing: tuple[int, ...] = ()
     reason: str = ""
     announced: bool = False  # this node wrote the announcement (it holds the record)
+    # Shipped as the emergency checkpoint: its global commit, by whichever node, ends
+    # this node's emergency (the responder's report and a drill wait for it).
+    emergency: bool = False
 
 
 @dataclass
