@@ -37,6 +37,7 @@ from ckptd.sdnotify import SystemdNotifier, summarize
 from ckptd.storage import StorageError, open_destination
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
+from ckptd.sync.resume import find_resume_point
 from ckptd.sync.watcher import Watcher
 
 TICK_SECONDS = 1.0
@@ -46,6 +47,9 @@ JOURNAL_STATS_SECONDS = 10.0
 ONCE_MAX_WAIT_SECONDS = 120.0
 # After SIGTERM: exit once nothing is pending, uploading or being written for this long.
 DRAIN_QUIET_SECONDS = 2.0
+# `ckptd exec`: a newer checkpoint complete but for its quiet window (the trainer that
+# wrote it is gone) is waited for this long at most before the trainer starts again.
+RESUME_SETTLE_MAX_SECONDS = 15.0
 
 
 class Service:
@@ -87,6 +91,7 @@ class Service:
         # SIGTERM's deadline is our own grace period: what we may spend flushing.
         self.sigterm_source = SigtermSource(grace=shutdown_timeout, on_repeat=self.request_stop)
         self.http: Any = None  # ckptd.http.HttpServer, imported only when serving
+        self.http_port: int | None = None
 
     def _on_retry(self, operation: str, exc: StorageError, attempt: int, delay: float) -> None:
         self.metrics.retries.labels(operation=operation).inc()
@@ -137,6 +142,7 @@ class Service:
                 token=self.settings.http.token.get_secret_value(),
             )
             port = await self.http.start(self.settings.metrics.host, self.settings.metrics.port)
+            self.http_port = port
             self.log.info("http_listening", host=self.settings.metrics.host, port=port)
 
     async def run_once(self) -> int:
@@ -195,6 +201,24 @@ class Service:
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
         self.log.info("ckptd_stopped")
+
+    async def newest_complete(self, run_id: str) -> tuple[Path | None, int | None]:
+        """Path and step of ``run_id``'s newest complete local checkpoint (None, None when
+        there is none): where ``ckptd exec`` resumes its trainer. A newer one complete but
+        for a quiet window is waited for, at most ``RESUME_SETTLE_MAX_SECONDS``."""
+        state = self.pipeline.runs[run_id]
+        until = self.clock.monotonic() + RESUME_SETTLE_MAX_SECONDS
+        while True:
+            now_ns = int(self.clock.time() * 1e9)
+            point = await asyncio.to_thread(
+                find_resume_point, state.dir, state.watch.layout, state.rules, now_ns
+            )
+            wait = point.recheck_after
+            if wait is None or self.clock.monotonic() + wait > until:
+                break
+            await asyncio.sleep(wait + 0.05)
+        found = point.checkpoint
+        return (None, None) if found is None else (found.path, found.step)
 
     # -- notices -----------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.layouts",
             "ckptd.storage.url",
             "ckptd.sync.queue",
+            "ckptd.restarts",
         ),
     ),
     (
@@ -58,6 +59,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.sdnotify",
             "ckptd.statusview",
             "ckptd.service",
+            "ckptd.supervise",
+            "ckptd.supervised",
         ),
     ),
     ("entry points", ("ckptd.cli", "ckptd.__main__", "ckptd.demo", "ckptd.locals3")),
