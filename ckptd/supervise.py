@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.clock import SYSTEM_CLOCK, Clock
-from ckptd.errors import EXIT_GAVE_UP
+from ckptd.errors import EXIT_GAVE_UP, EXIT_USAGE, CkptdError
 from ckptd.logs import get_logger
 from ckptd.metrics import Metrics
 from ckptd.restarts import Attempt, RestartPolicy, cause_of, decide, shell_code
@@ -64,6 +64,12 @@ def _cmdline(pid: int, proc: Path = _PROC) -> str:
     except OSError:
         return ""
     return " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+
+
+class TrainerStartError(CkptdError):
+    """The trainer command cannot be run at all (exit 2: bad usage)."""
+
+    exit_code = EXIT_USAGE
 
 
 class TrainerSupervisor:
@@ -226,9 +232,15 @@ class TrainerSupervisor:
         if path is not None:
             env["CKPTD_RESUME_FROM"] = str(path)
         self.resumed_from = None if path is None else path.name
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.command, env=env, start_new_session=True
-        )
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.command, env=env, start_new_session=True
+            )
+        except OSError as exc:  # not found, not executable: no restart can help
+            raise TrainerStartError(
+                f"cannot run the trainer {self.command[0]!r}: {exc.strerror or exc}; "
+                "check the command after --"
+            ) from exc
         self.starts += 1
         self.running_since = self.clock.time()
         self.metrics.trainer_starts.labels(run=self.run_id).inc()
