@@ -111,7 +111,7 @@ class SupervisedService(Service):
             host = self.settings.metrics.host
             host = "127.0.0.1" if host in ("", "0.0.0.0") else host
             host = f"[{host}]" if ":" in host else host
-            self.supervisor.env["CKPTD_URL"] = f"http://{host}:{self.http_port}"
+            self.supervisor.env["CKPTD_URL"] = f"http://{host}:{self.http_port}/v1/preemption"
 
     async def exec_loop(self) -> int:
         await self.restore_newest()

@@ -243,6 +243,26 @@ def test_hf_checkpoint_with_a_rank_still_writing_is_incomplete() -> None:
     assert "rng_state_3.pth" in verdict.reason
 
 
+@pytest.mark.parametrize(
+    "weights",
+    [
+        "model.safetensors",
+        "pytorch_model.bin",
+        "model.safetensors.index.json",
+        "adapter_model.safetensors",
+        "pytorch_model_fsdp_0/__0_0.distcp",
+        "global_step500/mp_rank_00_model_states.pt",
+    ],
+)
+def test_hf_checkpoint_half_deleted_by_rotation_is_never_complete(weights: str) -> None:
+    # Rotation's rmtree killed half-way: trainer_state.json left, the weights gone.
+    leftover = ["trainer_state.json", "training_args.bin", "config.json"]
+    verdict = judge("hf", listing("checkpoint-500", leftover))
+    assert not verdict.complete and verdict.recheck_after is None
+    assert "no model weights" in verdict.reason
+    assert judge("hf", listing("checkpoint-500", [*leftover, weights])).complete
+
+
 def test_hf_rule_judges_only_checkpoint_dash_n_directories() -> None:
     assert not judge("hf", listing("runs", HF_FILES)).complete
     assert not judge("hf", listing("checkpoint-5", HF_FILES, is_dir=False)).complete

@@ -20,6 +20,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,9 @@ class Crash:
     """One ``kill -9`` of the trainer under ``ckptd exec``."""
 
     last_step: int  # the last step the killed trainer finished
+    killed_at: float = 0.0  # wall clock
     resumed_step: int = -1  # where its successor started
     restart_s: float = 0.0  # kill -> successor's first step
-    cause_seen_s: float = 0.0  # kill -> ckptd's `trainer_exited`
-    started_s: float = 0.0  # kill -> successor process started (`trainer_started`)
 
     @property
     def steps_lost(self) -> int:
@@ -174,6 +174,13 @@ class ExecNode:
                     out.append(doc)
         return out
 
+    def event_times(self, name: str) -> list[float]:
+        """Wall-clock times (epoch seconds) of each ``name`` event, oldest first."""
+        return [
+            datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+            for e in self.events(name)
+        ]
+
     def get_json(self, path: str) -> Any:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
             return json.loads(r.read())
@@ -232,7 +239,7 @@ def crash_repeatedly(
     since = 0.0  # a progress doc of the current attempt has first_step_at >= this
     for _ in range(crashes):
         doc = node.wait_progress(
-            lambda d: d["first_step_at"] >= since, timeout, "the trainer's first step"
+            lambda d, since=since: d["first_step_at"] >= since, timeout, "the trainer's first step"
         )
         resumed = int(doc["resumed_from"])
         if out:
@@ -242,15 +249,15 @@ def crash_repeatedly(
         # that save is complete, so killing at or after that step loses < 1 save interval.
         target = resumed + spec.save_every + rng.randint(1, spec.save_every - 1)
         assert target < spec.max_steps, f"max_steps too small for {crashes} crashes"
-        node.wait_progress(lambda d: d["step"] >= target, timeout, f"step {target}")
+        node.wait_progress(lambda d, t=target: d["step"] >= t, timeout, f"step {target}")
         pid = node.trainer_pid()
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         since = time.time()
-        wait_until(lambda: not _alive(pid), 10, f"trainer {pid} gone")
+        wait_until(lambda p=pid: not _alive(p), 10, f"trainer {pid} gone")
         last = node.progress_doc()
         assert last is not None
-        out.append(Crash(last_step=int(last["step"])))
+        out.append(Crash(last_step=int(last["step"]), killed_at=since))
     doc = node.wait_progress(
         lambda d: d["first_step_at"] >= since, timeout, "the last successor's first step"
     )
