@@ -239,7 +239,7 @@ def test_the_trainer_gets_its_environment_and_its_own_code_is_the_exit_code(
     script = (
         "import json, os, sys; "
         "json.dump({k: os.environ.get(k) for k in "
-        "('CKPTD_RESUME_FROM', 'CKPTD_RUN', 'CKPTD_WATCH_DIR', 'CKPTD_SIGNAL')}, "
+        "('CKPTD_RESUME_FROM', 'CKPTD_RUN', 'CKPTD_WATCH_DIR', 'CKPTD_SIGNAL', 'CKPTD_URL')}, "
         "open('env.json', 'w')); sys.exit(0)"
     )
     node = _quick_node(tmp_path, [sys.executable, "-c", script])
@@ -256,6 +256,7 @@ def test_the_trainer_gets_its_environment_and_its_own_code_is_the_exit_code(
         "CKPTD_RUN": RUN_ID,
         "CKPTD_WATCH_DIR": str(node.ckpt),
         "CKPTD_SIGNAL": "SIGUSR1",
+        "CKPTD_URL": f"http://127.0.0.1:{node.port}/v1/preemption",
     }
 
 
