@@ -131,11 +131,12 @@ class SupervisedService(Service):
         finally:
             noticed.cancel()
             stopped.cancel()
-            await self.supervisor.stop(TRAINER_STOP_GRACE_SECONDS)
-            with contextlib.suppress(asyncio.CancelledError):
-                await trainer
+            await self.supervisor.stop(TRAINER_STOP_GRACE_SECONDS)  # supervisor.run returns
             self.stop_event.set()
             await main
+            # Its result, or its error, was taken above; only its end is awaited here.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await trainer
         self.log.info("exec_exit", code=code)
         return code
 
