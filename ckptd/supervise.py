@@ -85,6 +85,7 @@ class TrainerSupervisor:
         metrics: Metrics,
         resume_point: ResumeLookup,
         match: str = "",
+        on_exit: Callable[[], Awaitable[None]] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.command = list(command)
@@ -94,6 +95,7 @@ class TrainerSupervisor:
         self.metrics = metrics
         self.resume_point = resume_point
         self.match = match
+        self.on_exit = on_exit  # after each exit: let the daemon look for what it left
         self.clock = clock
         self.log = get_logger(run=run_id)
         self.proc: asyncio.subprocess.Process | None = None
@@ -172,6 +174,11 @@ class TrainerSupervisor:
             ended = self.clock.monotonic()
             self._kill_group(self.proc.pid)
             self.metrics.trainer_running.labels(run=self.run_id).set(0)
+            if self.on_exit is not None:
+                try:
+                    await self.on_exit()
+                except OSError as exc:
+                    self.log.warning("trainer_exit_rescan_failed", error=str(exc))
             self.last_exit = {
                 "code": returncode,
                 "cause": cause_of(returncode),

@@ -81,6 +81,8 @@ class SupervisedService(Service):
             metrics=self.metrics,
             resume_point=lambda: self.newest_complete(self.run_id),
             match=settings.trainer.match,
+            # Ship what it left at once: file events can be missed (a watch set up late).
+            on_exit=lambda: self.pipeline.rescan(self.run_id),
             clock=clock,
         )
         self.responder.trainer_pids = self.supervisor.trainer_pids
@@ -114,6 +116,8 @@ class SupervisedService(Service):
             self.supervisor.env["CKPTD_URL"] = f"http://{host}:{self.http_port}/v1/preemption"
 
     async def exec_loop(self) -> int:
+        # Made now, so the watcher sees the trainer's first save as it happens.
+        self.watch_dir.mkdir(parents=True, exist_ok=True)
         await self.restore_newest()
         main = asyncio.create_task(self.main_loop(), name="main")
         trainer = asyncio.create_task(self.supervisor.run(), name="trainer")
