@@ -146,7 +146,8 @@ def test_sigterm_commits_the_emergency_checkpoint_and_a_fresh_node_resumes_there
     saved = result["saved"]
     assert code == 0, first.log_tail()
     assert result["preempted"] and saved == f"step-{result['step']}", result
-    assert [e["checkpoint"] for e in first.events("checkpoint_committed")][-1] == saved
+    # Committed (the emergency checkpoint jumps the queue: older ones may follow it).
+    assert saved in [e["checkpoint"] for e in first.events("checkpoint_committed")]
     (preempted,) = first.events("exec_preempted")
     assert preempted["committed"] is True and preempted["emergency_checkpoint"] == saved
 
