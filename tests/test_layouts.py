@@ -146,6 +146,16 @@ def test_auto_leaves_a_custom_checkpoint_dash_n_dir_to_quiescence() -> None:
     assert judge("auto", snap).complete
 
 
+@pytest.mark.parametrize(
+    "files",
+    [["config.json"], ["config.json", "generation_config.json", "model.safetensors"]],
+)
+def test_auto_judges_a_save_killed_in_save_model_by_the_hf_rule(files: list[str]) -> None:
+    # Killed before training_args.bin: only save_pretrained's files, quiet for ever.
+    verdict = judge("auto", listing("checkpoint-5", files))
+    assert (verdict.layout, verdict.complete) == ("hf", False)
+
+
 def test_auto_judges_a_half_written_trainer_checkpoint_by_the_hf_rule() -> None:
     snap = listing("checkpoint-5", ["model.safetensors", "training_args.bin", "optimizer.pt"])
     verdict = judge("auto", snap)

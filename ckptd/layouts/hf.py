@@ -41,9 +41,16 @@ INCOMPLETE_SENTINEL = "checkpoint-is-incomplete.txt"
 # name alone, leaves a custom trainer's "checkpoint-<N>" dirs to the quiescent fallback
 # instead of waiting forever for a trainer_state.json that never comes; recognising by more
 # than trainer_state.json keeps a half-written Trainer checkpoint under this rule.
+# ``save_model`` comes first and writes through ``save_pretrained`` (config, then
+# weights), so a save killed that early holds only those: they count too, or the quiescent
+# fallback would call such a dir complete once quiet (committed, and resumed from). A
+# custom loop that writes ``checkpoint-<N>/`` with ``save_pretrained`` and no
+# trainer_state.json names its layout (marker, quiescent).
 _TRAINER_FILES = re.compile(
     r"trainer_state\.json|training_args\.bin|checkpoint-is-incomplete\.txt"
     r"|optimizer\.(pt|bin)|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth"
+    r"|config\.json|generation_config\.json"
+    r"|(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"
 )
 
 
