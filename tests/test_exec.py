@@ -7,6 +7,7 @@
 - SIGTERM mid-training: the trainer's emergency checkpoint is committed, exit 0; a fresh
   node then restores it and resumes from that very step (time to first step printed);
 - SIGTERM with the store unreachable: exit 75 (emergency checkpoint not committed);
+- a cloud's notice (the fake EC2 metadata service) ends it as SIGTERM does;
 - a trainer that fails at start-up is given up on after 3 attempts: exit 76;
 - bad usage exits 2 with one line.
 """
@@ -38,6 +39,7 @@ from tests.e2e.harness import (
     finish_reference,
     start_reference,
 )
+from tests.fakes.aws_imds import FakeAwsImds
 from tests.faultproxy import FaultProxy
 
 SEED = 20261203
@@ -193,6 +195,36 @@ def test_sigterm_with_the_store_unreachable_exits_75(
     assert saved not in [e["checkpoint"] for e in node.events("checkpoint_committed")]
     (preempted,) = node.events("exec_preempted")
     assert preempted["committed"] is False
+
+
+@pytest.mark.slow
+def test_a_cloud_notice_acts_as_sigterm_does(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    imds = FakeAwsImds()
+    url = imds.start_in_thread()
+    node = ExecNode(
+        tmp_path / "node",
+        SHORT,
+        Env(s3_dest, local_s3.endpoint_url),
+        preemption=f'provider = "aws"\nendpoint = "{url}"\npoll_interval_seconds = 0.2',
+    )
+    try:
+        node.start()
+        node.wait_progress(lambda d: d["step"] >= 5, 120, "step 5")
+        imds.trigger_spot("terminate")
+        code = node.wait_exit(90)
+    finally:
+        node.close()
+        imds.stop_thread()
+    saved = node.result_doc()["saved"]
+    assert code == 0, node.log_tail()
+    (notice,) = node.events("notice_received")
+    assert notice["source"] == "aws"
+    assert saved in [e["checkpoint"] for e in node.events("checkpoint_committed")]
+    assert len(node.events("trainer_started")) == 1  # stopped, not restarted
+    (preempted,) = node.events("exec_preempted")  # the notice path, as after SIGTERM
+    assert preempted["committed"] is True and preempted["emergency_checkpoint"] == saved
 
 
 def _quick_node(tmp_path: Path, command: list[str], max_restarts: int = 10) -> ExecNode:

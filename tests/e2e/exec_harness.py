@@ -81,6 +81,7 @@ class ExecNode:
     shutdown_timeout: float = 30.0
     command: list[str] | None = None
     extra_config: str = ""
+    preemption: str = 'provider = "none"'  # the [preemption] section's body
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     started_wall: float = 0.0
@@ -99,7 +100,7 @@ class ExecNode:
             "settle_seconds = 0.2\n"
             f"[destination]\nurl = {json.dumps(self.env.dest)}\n"
             f"endpoint_url = {json.dumps(self.env.endpoint_url)}\n"
-            f'[preemption]\nprovider = "none"\n'
+            f"[preemption]\n{self.preemption}\n"
             f'[metrics]\nlisten = "127.0.0.1:{self.port}"\n'
             f"[state]\ndir = {json.dumps(str(self.dir / 'state'))}\n" + self.extra_config
         )
