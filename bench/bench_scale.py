@@ -102,6 +102,8 @@ def write_many_files(ckpt: Path, n: int) -> None:
             d.mkdir(parents=True, exist_ok=True)
         (d / f"shard_{i:05d}.bin").write_bytes(os.urandom(FILE_SIZE))
     (ckpt / "config.json").write_text("{}")
+    # The weights index (the hf rule wants weights, as the Trainer's loader does).
+    (ckpt / "model.safetensors.index.json").write_text("{}")
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 500}))
 
 

@@ -21,13 +21,15 @@ from typing import Any
 
 from ckptd import __version__, logs
 from ckptd.config import (
+    ConfigError,
     Settings,
     load_settings,
     render_effective_config,
     require_destination,
     require_watch,
 )
-from ckptd.errors import EXIT_FAILED, EXIT_USAGE, CkptdError
+from ckptd.errors import EXIT_FAILED, EXIT_FLUSH_FAILED, EXIT_GAVE_UP, EXIT_USAGE, CkptdError
+from ckptd.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
 from ckptd.storage import open_destination
 from ckptd.storage.retrying import RetryingStorage
 
@@ -100,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to finish the upload in flight on SIGTERM",
     )
 
+    _add_exec(sub)
+
     lst = sub.add_parser("list", help="committed checkpoints, newest last")
     _common(lst)
     lst.add_argument("--run", dest="run_id", default=None)
@@ -168,6 +172,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXEC_EPILOG = f"""\
+Restores the run's newest committed checkpoint into the watch dir (unless a complete local
+one is as new), then runs CMD with CKPTD_RESUME_FROM (the newest complete local checkpoint;
+unset when none), CKPTD_RUN and CKPTD_WATCH_DIR, ships its checkpoints, and starts it again
+from the newest complete checkpoint when it exits non-zero or dies by a signal.
+SIGTERM, SIGINT and cloud notices make CMD save (trainer.signal), then ckptd commits that
+checkpoint, stops CMD and exits.
+
+exit codes:
+  CMD's own     CMD finished by itself (0 included; with --max-restarts 0, any code)
+  0             preempted, and the emergency checkpoint was committed
+  {EXIT_FLUSH_FAILED}            preempted, and the emergency checkpoint was NOT committed
+  {EXIT_GAVE_UP}            gave up: --max-restarts used up, or CMD failed at start-up
+                {RestartPolicy.startup_attempts} times in a row, or {RestartPolicy.same_failure_attempts} times with the same cause and no new checkpoint
+  1 / 2         ckptd could not start (store unreadable) / bad usage or config
+"""
+
+
+def _add_exec(sub: Any) -> None:
+    exe = sub.add_parser(
+        "exec",
+        help="the daemon plus the trainer as its supervised child",
+        usage="ckptd exec [options] -- CMD [ARG...]",
+        epilog=EXEC_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _common(exe)
+    exe.add_argument("--watch", type=Path, default=None, help="local checkpoint dir")
+    exe.add_argument("--run", dest="run_id", default=None, help="run id (default: its basename)")
+    exe.add_argument("--layout", default=None, help="completion rule (default auto)")
+    exe.add_argument("--state-dir", type=Path, default=None, help="journal directory")
+    exe.add_argument(
+        "--max-restarts",
+        type=_at_least(0),
+        default=DEFAULT_MAX_RESTARTS,
+        help=f"restarts after failures before giving up (default {DEFAULT_MAX_RESTARTS})",
+    )
+    exe.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to get the emergency checkpoint committed after SIGTERM/SIGINT",
+    )
+    exe.add_argument(
+        "trainer_command", nargs=argparse.REMAINDER, metavar="CMD", help="the trainer, after --"
+    )
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     dest: dict[str, Any] = {}
@@ -184,7 +236,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         if args.layout:
             watch["layout"] = args.layout
         out["watch"] = [watch]
-    elif getattr(args, "layout", None) or (args.command == "run" and getattr(args, "run_id", None)):
+    elif getattr(args, "layout", None) or (
+        args.command in ("run", "exec") and getattr(args, "run_id", None)
+    ):
         raise UsageError("--run and --layout apply to --watch; give --watch DIR too")
     if getattr(args, "state_dir", None):
         out["state"] = {"dir": str(args.state_dir.expanduser().absolute())}
@@ -213,6 +267,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     return asyncio.run(
         Service(settings, once=args.once, shutdown_timeout=args.shutdown_timeout).serve()
     )
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    from ckptd.supervised import SupervisedService
+
+    command = list(args.trainer_command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise UsageError("no trainer command: ckptd exec [options] -- CMD [ARG...]")
+    settings = _settings(args)
+    require_destination(settings)
+    require_watch(settings)
+    if len(settings.watch) != 1:
+        raise ConfigError(
+            "watch",
+            f"ckptd exec supervises one trainer and needs exactly one [[watch]], "
+            f"not {len(settings.watch)}; keep one, or give --watch DIR",
+        )
+    policy = RestartPolicy(max_restarts=args.max_restarts)
+    service = SupervisedService(
+        settings, command, policy=policy, shutdown_timeout=args.shutdown_timeout
+    )
+    return asyncio.run(service.serve())
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -426,6 +504,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "run": cmd_run,
+    "exec": cmd_exec,
     "list": cmd_list,
     "verify": cmd_verify,
     "restore": cmd_restore,

@@ -19,3 +19,9 @@ class CkptdError(Exception):
     """An error a user can cause or meet; ``exit_code`` is what ``ckptd`` exits with."""
 
     exit_code: ClassVar[int] = EXIT_FAILED
+
+
+# `ckptd exec` (DESIGN.md, "Supervised training"): codes a launcher can act on. Clear of
+# 1/2 (ckptd's own), 126/127 (the shell's) and 128+N (death by signal N).
+EXIT_FLUSH_FAILED = 75  # preempted, and the emergency checkpoint was not committed
+EXIT_GAVE_UP = 76  # the trainer kept failing: gave up after the restarts allowed

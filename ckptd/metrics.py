@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 # Checkpoints run from MiB to TiB, and a commit takes from well under a second to hours.
 SIZE_BUCKETS = tuple(float(2**p) for p in range(20, 42, 2))  # 1 MiB .. 2 TiB
+RESTART_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
 
 
@@ -129,6 +130,26 @@ class Metrics:
             "Many nodes: checkpoints never committed because two nodes' parts differ on a file.",
             ["run"],
             registry=r,
+        )
+        # `ckptd exec`: the supervised trainer (README, "Supervised training").
+        self.trainer_starts = Counter(
+            "ckptd_trainer_starts", "Times the supervised trainer was started.", ["run"], registry=r
+        )
+        self.trainer_restarts = Counter(
+            "ckptd_trainer_restarts",
+            "Supervised trainer restarts after a failure, by cause (exit:N, signal:NAME).",
+            ["run", "cause"],
+            registry=r,
+        )
+        self.trainer_restart_seconds = Histogram(
+            "ckptd_trainer_restart_seconds",
+            "From the trainer's failure seen to its successor started (backoff included).",
+            ["run"],
+            buckets=RESTART_BUCKETS,
+            registry=r,
+        )
+        self.trainer_running = Gauge(
+            "ckptd_trainer_running", "1 while the supervised trainer runs.", ["run"], registry=r
         )
         self.journal_rows = Gauge(
             "ckptd_journal_rows", "Rows in the resume journal, by table.", ["table"], registry=r

@@ -154,8 +154,11 @@ class Responder:
         pipeline: EmergencyMode,
         *,
         clock: Clock = SYSTEM_CLOCK,
+        trainer_pids: Callable[[], list[int]] | None = None,
     ) -> None:
         self.settings = settings
+        # `ckptd exec` knows its trainer: it replaces the pidfile / cmdline-match lookup.
+        self.trainer_pids = trainer_pids
         self.metrics = metrics
         self.pipeline = pipeline
         self.clock = clock
@@ -210,7 +213,10 @@ class Responder:
         # discard on ext4 with `discard`), so it goes second and does not hold up the
         # poller (measured by bench/bench_preemption.py).
         trainer = self.settings.trainer
-        pids = await asyncio.to_thread(find_trainer_pids, trainer.pidfile, trainer.match)
+        if self.trainer_pids is not None:
+            pids = await asyncio.to_thread(self.trainer_pids)
+        else:
+            pids = await asyncio.to_thread(find_trainer_pids, trainer.pidfile, trainer.match)
         for pid in pids:
             try:
                 os.kill(pid, trainer.signal_number)
@@ -220,7 +226,7 @@ class Responder:
         response.signalled = self.clock.monotonic()
         if response.pids:
             self.log.warning("trainer_signalled", pids=response.pids, signal=trainer.signal)
-        elif trainer.pidfile or trainer.match:
+        elif trainer.pidfile or trainer.match or self.trainer_pids is not None:
             self.log.error("trainer_not_found", pidfile=trainer.pidfile, match=trainer.match)
         task = asyncio.get_running_loop().create_task(self._write_notice_files(body))
         self._background.add(task)

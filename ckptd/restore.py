@@ -906,6 +906,17 @@ def _finalise(manifest: Manifest, tree: _Tree, target_fd: int, name: str) -> Non
             st = tree.lstat(parts)
             if st is None or not stat.S_ISREG(st.st_mode):
                 raise RestoreError(f"staged {'/'.join(parts[1:])} vanished before the rename")
+    # One mtime for every file: the order downloads happened to finish in is no write
+    # order, and a completion rule that reads mtimes (DCP: no shard newer than .metadata)
+    # must judge the restored checkpoint complete, as it was when committed.
+    now_ns = time.time_ns()
+    for parts in files:
+        os.utime(
+            parts[-1],
+            ns=(now_ns, now_ns),
+            dir_fd=tree.dir(parts[:-1], create=False),
+            follow_symlinks=False,
+        )
     tree.fsync_dirs()
     try:
         os.stat(name, dir_fd=target_fd, follow_symlinks=False)

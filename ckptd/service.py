@@ -45,6 +45,7 @@ from ckptd.sdnotify import SystemdNotifier, summarize
 from ckptd.storage import StorageError, open_destination
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
+from ckptd.sync.resume import find_resume_point
 from ckptd.sync.watcher import Watcher
 
 TICK_SECONDS = 1.0
@@ -56,6 +57,10 @@ ONCE_MAX_WAIT_SECONDS = 120.0
 DRAIN_QUIET_SECONDS = 2.0
 # At shutdown, a cluster NOTICE write still in flight gets this long before the store closes.
 PUBLISH_DRAIN_SECONDS = 5.0
+
+# `ckptd exec`: a newer checkpoint complete but for its quiet window (the trainer that
+# wrote it is gone) is waited for this long at most before the trainer starts again.
+RESUME_SETTLE_MAX_SECONDS = 15.0
 
 
 class Service:
@@ -103,6 +108,7 @@ class Service:
         self.cluster_source: ClusterNoticeSource | None = None
         self.publisher: NoticePublisher | None = None
         self._followed_drills: set[asyncio.Task[None]] = set()
+        self.http_port: int | None = None
         if settings.cluster.multi_node:
             self._build_cluster_notices()
 
@@ -183,6 +189,7 @@ class Service:
                 token=self.settings.http.token.get_secret_value(),
             )
             port = await self.http.start(self.settings.metrics.host, self.settings.metrics.port)
+            self.http_port = port
             self.log.info("http_listening", host=self.settings.metrics.host, port=port)
 
     async def run_once(self) -> int:
@@ -250,6 +257,24 @@ class Service:
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
         self.log.info("ckptd_stopped")
+
+    async def newest_complete(self, run_id: str) -> tuple[Path | None, int | None]:
+        """Path and step of ``run_id``'s newest complete local checkpoint (None, None when
+        there is none): where ``ckptd exec`` resumes its trainer. A newer one complete but
+        for a quiet window is waited for, at most ``RESUME_SETTLE_MAX_SECONDS``."""
+        state = self.pipeline.runs[run_id]
+        until = self.clock.monotonic() + RESUME_SETTLE_MAX_SECONDS
+        while True:
+            now_ns = int(self.clock.time() * 1e9)
+            point = await asyncio.to_thread(
+                find_resume_point, state.dir, state.watch.layout, state.rules, now_ns
+            )
+            wait = point.recheck_after
+            if wait is None or self.clock.monotonic() + wait > until:
+                break
+            await asyncio.sleep(wait + 0.05)
+        found = point.checkpoint
+        return (None, None) if found is None else (found.path, found.step)
 
     # -- notices -----------------------------------------------------------------------
 

@@ -107,6 +107,26 @@ def notice_text(preemption: Mapping[str, Any] | None) -> Text:
     return text
 
 
+def trainer_text(trainer: Mapping[str, Any] | None) -> Text | None:
+    """The supervised trainer (``ckptd exec``): pid, starts, restarts, last exit; None
+    under ``ckptd run``."""
+    if not trainer:
+        return None
+    text = Text.assemble(("trainer: ", "bold"))
+    pid = trainer.get("pid")
+    text.append(f"pid {pid}" if pid else "not running", style="green" if pid else "yellow")
+    text.append(f"  starts {trainer.get('starts', 0)}  restarts {trainer.get('restarts', 0)}")
+    text.append(f"/{trainer.get('max_restarts', '?')}")
+    last = trainer.get("last_exit") or {}
+    if last:
+        text.append(f"  last exit {last.get('cause', '?')}")
+    if trainer.get("resumed_from"):
+        text.append(f"  resumed from {trainer['resumed_from']}")
+    if trainer.get("gave_up"):
+        text.append(f"  gave up: {trainer['gave_up']}", style="bold red")
+    return text
+
+
 def destination_text(destination: Mapping[str, Any] | None) -> Text:
     destination = destination or {}
     ok = destination.get("ok")
@@ -143,6 +163,9 @@ def render_status(doc: Mapping[str, Any], console: Console) -> None:
     for line in waiting_text(doc):
         console.print(line)
     console.print(notice_text(doc.get("preemption")))
+    trainer = trainer_text(doc.get("trainer"))
+    if trainer is not None:
+        console.print(trainer)
 
 
 __all__ = [

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.layouts",
             "ckptd.storage.url",
             "ckptd.sync.queue",
+            "ckptd.restarts",
         ),
     ),
     (
@@ -59,6 +60,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.sdnotify",
             "ckptd.statusview",
             "ckptd.service",
+            "ckptd.supervise",
+            "ckptd.supervised",
         ),
     ),
     ("entry points", ("ckptd.cli", "ckptd.__main__", "ckptd.demo", "ckptd.locals3")),

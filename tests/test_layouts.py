@@ -146,6 +146,16 @@ def test_auto_leaves_a_custom_checkpoint_dash_n_dir_to_quiescence() -> None:
     assert judge("auto", snap).complete
 
 
+@pytest.mark.parametrize(
+    "files",
+    [["config.json"], ["config.json", "generation_config.json", "model.safetensors"]],
+)
+def test_auto_judges_a_save_killed_in_save_model_by_the_hf_rule(files: list[str]) -> None:
+    # Killed before training_args.bin: only save_pretrained's files, quiet for ever.
+    verdict = judge("auto", listing("checkpoint-5", files))
+    assert (verdict.layout, verdict.complete) == ("hf", False)
+
+
 def test_auto_judges_a_half_written_trainer_checkpoint_by_the_hf_rule() -> None:
     snap = listing("checkpoint-5", ["model.safetensors", "training_args.bin", "optimizer.pt"])
     verdict = judge("auto", snap)
@@ -241,6 +251,26 @@ def test_hf_checkpoint_with_a_rank_still_writing_is_incomplete() -> None:
     verdict = judge("hf", snap)
     assert not verdict.complete
     assert "rng_state_3.pth" in verdict.reason
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        "model.safetensors",
+        "pytorch_model.bin",
+        "model.safetensors.index.json",
+        "adapter_model.safetensors",
+        "pytorch_model_fsdp_0/__0_0.distcp",
+        "global_step500/mp_rank_00_model_states.pt",
+    ],
+)
+def test_hf_checkpoint_half_deleted_by_rotation_is_never_complete(weights: str) -> None:
+    # Rotation's rmtree killed half-way: trainer_state.json left, the weights gone.
+    leftover = ["trainer_state.json", "training_args.bin", "config.json"]
+    verdict = judge("hf", listing("checkpoint-500", leftover))
+    assert not verdict.complete and verdict.recheck_after is None
+    assert "no model weights" in verdict.reason
+    assert judge("hf", listing("checkpoint-500", [*leftover, weights])).complete
 
 
 def test_hf_rule_judges_only_checkpoint_dash_n_directories() -> None:

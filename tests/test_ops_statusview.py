@@ -157,3 +157,21 @@ def test_ckptd_status_prints_the_rich_table(
     assert "checkpoint-10 (step 10)" in table.stdout
     assert "notice: none" in table.stdout
     assert json.loads(as_json.stdout)["runs"]["run1"]["last_committed"]["step"] == 10
+
+
+def test_the_supervised_trainer_renders_under_exec_only() -> None:
+    assert "trainer:" not in render({})
+    trainer = {
+        "pid": 4242,
+        "starts": 3,
+        "restarts": 2,
+        "max_restarts": 10,
+        "last_exit": {"code": -9, "cause": "signal:SIGKILL"},
+        "resumed_from": "step-40",
+        "gave_up": None,
+    }
+    text = render({"trainer": trainer})
+    assert "trainer: pid 4242  starts 3  restarts 2/10  last exit signal:SIGKILL" in text
+    assert "resumed from step-40" in text
+    gave_up = render({"trainer": {**trainer, "pid": None, "gave_up": "failed at start-up"}})
+    assert "not running" in gave_up and "gave up: failed at start-up" in gave_up

@@ -17,7 +17,8 @@ import pytest
 import structlog
 from botocore.exceptions import ClientError
 
-from ckptd import checksum
+from ckptd import checksum, layouts
+from ckptd.layouts.base import RuleSettings
 from ckptd.locals3 import LocalS3, free_port
 from ckptd.manifest import ManifestError, build_manifest
 from ckptd.repository import LEASE_DIR, Repository, chunk_ranges, manifest_key, object_key
@@ -32,6 +33,7 @@ from ckptd.restore import (
 from ckptd.retention import apply_retention
 from ckptd.storage import NotFoundError, RetryingStorage, open_storage
 from ckptd.sync.commit import commit
+from ckptd.sync.scanner import snapshot
 from ckptd.verify import verify_checkpoint
 from tests.daemon import run_cli, wait_until, write_config
 from tests.faultproxy import FaultProxy
@@ -197,6 +199,14 @@ def test_hf_dcp_deepspeed_restore_byte_identical(
         assert local_files(result.path) == local_files(local_dir), run
         assert result.downloaded_bytes == result.total_bytes
     assert ".metadata" in local_files(target / "step-20")
+    # Each restored checkpoint is complete by its own rule (DCP: no shard newer than
+    # .metadata, whatever order the downloads finished in): one mtime for every file.
+    for name in ("checkpoint-10", "global_step30", "step-20"):
+        mtimes = {p.stat().st_mtime_ns for p in (target / name).rglob("*") if p.is_file()}
+        assert len(mtimes) == 1, (name, mtimes)
+    listing = snapshot(target, "step-20")
+    assert listing is not None
+    assert layouts.evaluate("dcp", listing, time.time_ns(), RuleSettings()).complete
     # Nothing but the checkpoints themselves: no staging dir, no state file left.
     assert sorted(os.listdir(target)) == ["checkpoint-10", "global_step30", "step-20"]
     # The restore leases are gone too.

@@ -12,6 +12,13 @@ ranks may still be writing their RNG state or optimizer shards (FSDP, DeepSpeed 
 the Trainer). Hence a short quiet window (``settle_seconds``) and no writers on top. The
 JIT-checkpoint callback (Kubeflow trainer / transformers) brackets the save with
 ``checkpoint-is-incomplete.txt``; while it exists the save is in progress.
+
+A save is not the only thing that touches a checkpoint dir: rotation (``save_total_limit``)
+``rmtree``s old ones, and a trainer killed mid-rotation (OOM, ``kill -9``) leaves a dir that
+is quiet forever, maybe with ``trainer_state.json`` but without its weights. So the weights
+must be there too, as the Trainer's own loader requires (``_load_from_checkpoint`` refuses
+a dir without ``model.safetensors``, ``pytorch_model.bin``, their ``.index.json``, an
+adapter, or an FSDP ``pytorch_model_fsdp*`` dir; under DeepSpeed a ``global_step*`` dir).
 """
 
 from __future__ import annotations
@@ -34,9 +41,23 @@ INCOMPLETE_SENTINEL = "checkpoint-is-incomplete.txt"
 # name alone, leaves a custom trainer's "checkpoint-<N>" dirs to the quiescent fallback
 # instead of waiting forever for a trainer_state.json that never comes; recognising by more
 # than trainer_state.json keeps a half-written Trainer checkpoint under this rule.
+# ``save_model`` comes first and writes through ``save_pretrained`` (config, then
+# weights), so a save killed that early holds only those: they count too, or the quiescent
+# fallback would call such a dir complete once quiet (committed, and resumed from). A
+# custom loop that writes ``checkpoint-<N>/`` with ``save_pretrained`` and no
+# trainer_state.json names its layout (marker, quiescent).
 _TRAINER_FILES = re.compile(
     r"trainer_state\.json|training_args\.bin|checkpoint-is-incomplete\.txt"
     r"|optimizer\.(pt|bin)|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth"
+    r"|config\.json|generation_config\.json"
+    r"|(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"
+)
+
+
+# What the Trainer's loader accepts as weights (see the module doc).
+_WEIGHTS = re.compile(
+    r"(model\.safetensors|pytorch_model\.bin)(\.index\.json)?|adapter_model\.(safetensors|bin)"
+    r"|(pytorch_model_fsdp|global_step)[^/]*/.+"
 )
 
 
@@ -65,6 +86,9 @@ class HfRule:
             return not_complete(self.name, f"{INCOMPLETE_SENTINEL} present: save in progress")
         if not listing.has(TRAINER_STATE):
             return not_complete(self.name, f"no {TRAINER_STATE} yet (it is written last)")
+        if not any(_WEIGHTS.fullmatch(f.path) for f in listing.files):
+            # Rotation deleting it, killed half-way (module doc): never complete again.
+            return not_complete(self.name, f"{TRAINER_STATE} but no model weights")
         return settled(
             self.name,
             listing,

@@ -67,6 +67,7 @@ __all__ = [
     "parse_signal",
     "preempted",
     "preempted_on_any_rank",
+    "resume_from",
     "uninstall",
 ]
 
@@ -145,6 +146,17 @@ def notice() -> dict[str, Any] | None:
     """Return the current notice's JSON, or None (see :meth:`PreemptionListener.notice`)."""
     current = _listener
     return current.notice() if current is not None else None
+
+
+def resume_from() -> Path | None:
+    """The checkpoint ``ckptd exec`` says to resume from (``CKPTD_RESUME_FROM``), or None
+    when there is none (a fresh run, or not under ``ckptd exec``)::
+
+        trainer.train(resume_from_checkpoint=ckptd.trainer.resume_from())   # HF Trainer
+        trainer.fit(model, ckpt_path=ckptd.trainer.resume_from())           # Lightning
+    """
+    value = os.environ.get("CKPTD_RESUME_FROM", "")
+    return Path(value) if value else None
 
 
 def uninstall() -> None:

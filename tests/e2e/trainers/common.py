@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+import ckptd.trainer
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
@@ -23,7 +25,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--final", type=Path, required=True, help="final weights, at max steps")
     p.add_argument("--max-steps", type=int, required=True)
     p.add_argument("--save-every", type=int, required=True)
-    p.add_argument("--resume", type=Path, default=None, help="a restored checkpoint")
+    # Under `ckptd exec`, the checkpoint it names: the one line a trainer needs.
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=ckptd.trainer.resume_from(),
+        help="a restored checkpoint (default: CKPTD_RESUME_FROM)",
+    )
     p.add_argument("--hang-at", type=int, default=0, help="block after this step (kill -9 me)")
     p.add_argument("--step-delay", type=float, default=0.0, help="stands in for real compute")
     return p
