@@ -319,8 +319,11 @@ def snapshot(files: dict[int, dict[str, Path]], into: Path) -> dict[int, dict[st
     return out
 
 
-def restore_latest(dest: str, endpoint_url: str, to: Path, work: Path) -> str:
-    """``ckptd restore --latest`` (the whole checkpoint) on a fresh node; the name restored."""
+def restore_latest(
+    dest: str, endpoint_url: str, to: Path, work: Path, *, checkpoint: str | None = None
+) -> str:
+    """``ckptd restore --latest`` (or ``--checkpoint NAME``; the whole checkpoint) on a
+    fresh node; the name restored."""
     config = work / "restore.toml"
     work.mkdir(parents=True, exist_ok=True)
     config.write_text(
@@ -329,7 +332,8 @@ def restore_latest(dest: str, endpoint_url: str, to: Path, work: Path) -> str:
     )
     done = subprocess.run(
         [
-            *(sys.executable, "-m", "ckptd", "restore", "--run", RUN_ID, "--latest"),
+            *(sys.executable, "-m", "ckptd", "restore", "--run", RUN_ID),
+            *(["--checkpoint", checkpoint] if checkpoint else ["--latest"]),
             *("--to", str(to), "--json", "--config", str(config)),
         ],
         capture_output=True,
@@ -351,13 +355,11 @@ class TrainerGroup:
         self,
         out: Path,
         run_dirs: list[Path],
+        args: list[str],
         *,
-        ranks_per_node: int = 2,
-        max_steps: int,
-        save_every: int,
+        module: str = TRAINER_MODULE,
         resume: list[Path] | None = None,
-        hang_at: int = 0,
-        step_delay: float = 0.0,
+        ranks_per_node: int = 2,
     ) -> None:
         self.out = out
         self.final = out / "final.pt"
@@ -369,12 +371,10 @@ class TrainerGroup:
         self.started_wall = time.time()
         for rank in range(world):
             node = rank // ranks_per_node
-            args = [sys.executable, "-m", TRAINER_MODULE, "--node-dir", str(run_dirs[node])]
-            args += ["--out", str(out), "--final", str(self.final)]
-            args += ["--max-steps", str(max_steps), "--save-every", str(save_every)]
-            args += ["--hang-at", str(hang_at), "--step-delay", str(step_delay)]
+            argv = [sys.executable, "-m", module, "--node-dir", str(run_dirs[node])]
+            argv += ["--out", str(out), *args]
             if resume is not None:
-                args += ["--resume", str(resume[node])]
+                argv += ["--resume", str(resume[node])]
             env = script_env(
                 out,
                 RANK=str(rank),
@@ -390,7 +390,7 @@ class TrainerGroup:
             with log.open("wb") as fh:
                 self.procs.append(
                     subprocess.Popen(
-                        args,
+                        argv,
                         env=env,
                         cwd=out,
                         stdout=fh,
@@ -449,6 +449,23 @@ class TrainerGroup:
                 os.kill(p.pid, signal.SIGKILL)
         for p in self.procs:
             p.wait(timeout=10)
+
+
+def dcp_trainer(
+    out: Path,
+    run_dirs: list[Path],
+    *,
+    max_steps: int,
+    save_every: int,
+    resume: list[Path] | None = None,
+    hang_at: int = 0,
+    step_delay: float = 0.0,
+) -> TrainerGroup:
+    """The FSDP2/DCP trainer (:mod:`tests.e2e.trainers.cluster_dcp`) on every node."""
+    args = ["--final", str(out / "final.pt"), "--max-steps", str(max_steps)]
+    args += ["--save-every", str(save_every), "--hang-at", str(hang_at)]
+    args += ["--step-delay", str(step_delay)]
+    return TrainerGroup(out, run_dirs, args, resume=resume)
 
 
 def compare_weights(reference: Path, resumed: Path) -> list[str]:

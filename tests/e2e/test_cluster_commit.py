@@ -13,7 +13,7 @@ from typing import Any
 
 from ckptd.locals3 import LocalS3
 from tests.daemon import wait_until
-from tests.e2e.cluster import Cluster, Store, TrainerGroup, check_committed, restore_latest
+from tests.e2e.cluster import Cluster, Store, check_committed, dcp_trainer, restore_latest
 
 
 def test_a_two_node_dcp_checkpoint_commits_only_with_every_shard_of_both_nodes(
@@ -22,7 +22,7 @@ def test_a_two_node_dcp_checkpoint_commits_only_with_every_shard_of_both_nodes(
     store = Store(s3_client, s3_prefix)
     with Cluster(tmp_path / "cluster", 2, s3_dest, local_s3.endpoint_url) as cluster:
         cluster.start(0)  # node 1's daemon is down
-        trainer = TrainerGroup(
+        trainer = dcp_trainer(
             tmp_path / "trainer",
             [cluster[0].run_dir, cluster[1].run_dir],
             max_steps=10,

@@ -23,9 +23,9 @@ from tests.daemon import wait_until
 from tests.e2e.cluster import (
     Cluster,
     Store,
-    TrainerGroup,
     check_committed,
     compare_weights,
+    dcp_trainer,
     restore_latest,
 )
 from tests.fakes.aws_imds import FakeAwsImds
@@ -66,7 +66,7 @@ def test_a_two_node_run_preempted_then_killed_resumes_bit_identical(
     store = Store(s3_client, s3_prefix)
     endpoint = local_s3.endpoint_url
 
-    reference = TrainerGroup(
+    reference = dcp_trainer(
         tmp_path / "reference",
         [tmp_path / "reference" / "node-0", tmp_path / "reference" / "node-1"],
         max_steps=MAX_STEPS,
@@ -84,7 +84,7 @@ def test_a_two_node_run_preempted_then_killed_resumes_bit_identical(
         cluster, _ = fresh_cluster(tmp_path / "seg-0", s3_dest, endpoint, {1: imds_url}, False)
         with cluster:
             cluster.start()
-            trainer = TrainerGroup(
+            trainer = dcp_trainer(
                 tmp_path / "seg-0" / "trainer",
                 [n.run_dir for n in cluster.members],
                 max_steps=MAX_STEPS,
@@ -126,7 +126,7 @@ def test_a_two_node_run_preempted_then_killed_resumes_bit_identical(
             kill_at = between_saves(rng, restored_step)
             newest = f"step-{kill_at - kill_at % SAVE_EVERY}"
             cluster.start()
-            trainer = TrainerGroup(
+            trainer = dcp_trainer(
                 tmp_path / "seg-1" / "trainer",
                 [n.run_dir for n in cluster.members],
                 max_steps=MAX_STEPS,
@@ -154,7 +154,7 @@ def test_a_two_node_run_preempted_then_killed_resumes_bit_identical(
         assert 0 < lost < SAVE_EVERY
         with cluster:
             cluster.start()
-            trainer = TrainerGroup(
+            trainer = dcp_trainer(
                 tmp_path / "seg-2" / "trainer",
                 [n.run_dir for n in cluster.members],
                 max_steps=MAX_STEPS,
