@@ -135,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="parallel ranged GETs (default: destination.concurrency)",
     )
+    res.add_argument(
+        "--part",
+        type=_at_least(0),
+        default=None,
+        metavar="NODE_RANK",
+        help="many nodes: only that node's files (default: the whole checkpoint)",
+    )
     res.add_argument("--chunk-mib", type=_at_least(1), default=16)
     res.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     res.add_argument("--json", action="store_true")
@@ -301,6 +308,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         concurrency=concurrency,
         chunk_bytes=args.chunk_mib * 1024 * 1024,
         progress=False if args.no_progress else None,
+        part=args.part,
     )
     if args.json:
         _print_json(

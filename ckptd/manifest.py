@@ -78,6 +78,10 @@ class Manifest(BaseModel):
     total_bytes: int = Field(ge=0)
     files: list[ManifestFile]
     environment: dict[str, str] = Field(default_factory=dict)
+    # Many nodes (DESIGN.md "Many nodes, one checkpoint"): how many nodes' parts this
+    # manifest joins, and the save they all answered. Absent (None) on one node.
+    nodes: int | None = Field(default=None, ge=1)
+    save: str | None = None
 
     @field_validator("format")
     @classmethod
@@ -115,7 +119,10 @@ class Manifest(BaseModel):
         return {f.path: f for f in self.files}
 
     def to_bytes(self) -> bytes:
-        return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=False) + "\n").encode()
+        # The many-node fields are left out when unset: one node's manifest stays as it was.
+        unset = {k for k in ("nodes", "save") if getattr(self, k) is None}
+        doc = self.model_dump(mode="json", exclude=unset)
+        return (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode()
 
 
 def parse_manifest(data: bytes) -> Manifest:
@@ -144,10 +151,14 @@ def build_manifest(
     committed_at: float,
     files: Iterable[tuple[str, int, str]],
     environment: Mapping[str, str],
+    nodes: int | None = None,
+    save: str | None = None,
 ) -> Manifest:
     """A manifest from ``(path, size, crc32c hex)`` triples; times are epoch seconds."""
     entries = sorted(files)
     return Manifest(
+        nodes=nodes,
+        save=save,
         run_id=run_id,
         checkpoint=checkpoint,
         step=step,

@@ -118,6 +118,18 @@ class Metrics:
         self.destination_up = Gauge(
             "ckptd_destination_up", "1 when the last destination check succeeded.", registry=r
         )
+        self.waiting_for_nodes = Gauge(
+            "ckptd_checkpoints_waiting_for_nodes",
+            "Many nodes: checkpoints whose part this node wrote, waiting for other nodes' parts.",
+            ["run"],
+            registry=r,
+        )
+        self.cluster_conflicts = Counter(
+            "ckptd_cluster_conflicts",
+            "Many nodes: checkpoints never committed because two nodes' parts differ on a file.",
+            ["run"],
+            registry=r,
+        )
         self.journal_rows = Gauge(
             "ckptd_journal_rows", "Rows in the resume journal, by table.", ["table"], registry=r
         )

@@ -4,6 +4,13 @@
     <run>/<checkpoint>/ckptd.manifest.json      written last: present = committed
     <run>/LATEST                                the newest committed step's pointer
     <run>/.ckptd-restoring/<checkpoint>-<uuid>  a restore's lease (retention keeps off)
+    <run>/<checkpoint>/ckptd.announce.json      many nodes: a save is complete on the
+                                                node holding the commit record
+    <run>/<checkpoint>/ckptd.part-<rank>.json   many nodes: one node's verified files
+
+Only a manifest makes a checkpoint: announcements, parts and ``<run>/NOTICE`` are never
+taken for a checkpoint (a name is one only with a manifest) nor for one of its files
+(only a manifest's entries are).
 
 A ``Repository`` wraps a ``Storage`` and is the only code that spells a key or parses
 what the store holds. Committing (``ckptd.sync.commit``), retention, restore, verify and
@@ -26,6 +33,15 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptd import checksum
+from ckptd.cluster import (
+    ANNOUNCE_NAME,
+    Announcement,
+    Part,
+    parse_announcement,
+    parse_part,
+    part_name,
+    rank_of_part,
+)
 from ckptd.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -69,6 +85,14 @@ def manifest_key(run_id: str, checkpoint: str) -> str:
 
 def latest_key(run_id: str) -> str:
     return f"{run_id}/{LATEST_NAME}"
+
+
+def announce_key(run_id: str, checkpoint: str) -> str:
+    return f"{run_id}/{checkpoint}/{ANNOUNCE_NAME}"
+
+
+def part_key(run_id: str, checkpoint: str, rank: int) -> str:
+    return f"{run_id}/{checkpoint}/{part_name(rank)}"
 
 
 def lease_prefix(run_id: str) -> str:
@@ -299,6 +323,59 @@ class Repository:
 
         return checksum.combine_parts(pool.map(read, chunk_ranges(size, range_bytes)))
 
+    # -- many nodes: announcements and parts ------------------------------------------------
+
+    def _put_json(self, key: str, body: bytes) -> None:
+        self.storage.put_bytes(key, body, crc32c=checksum.crc32c(body))
+
+    def read_announcement(self, run_id: str, checkpoint: str) -> Announcement | None:
+        """The checkpoint's announcement, or None if absent or unreadable (an unreadable
+        one is overwritten by the next announcer, and commits nothing meanwhile)."""
+        try:
+            return parse_announcement(self.storage.get_bytes(announce_key(run_id, checkpoint)))
+        except (NotFoundError, ManifestError):
+            return None
+
+    def write_announcement(self, announcement: Announcement) -> None:
+        key = announce_key(announcement.run_id, announcement.checkpoint)
+        self._put_json(key, announcement.to_bytes())
+
+    def write_part(self, part: Part) -> None:
+        self._put_json(part_key(part.run_id, part.checkpoint, part.node_rank), part.to_bytes())
+
+    def read_part(self, run_id: str, checkpoint: str, rank: int) -> Part | None:
+        """One node's part, or None if absent or unreadable."""
+        try:
+            return parse_part(self.storage.get_bytes(part_key(run_id, checkpoint, rank)))
+        except (NotFoundError, ManifestError):
+            return None
+
+    def read_parts(self, run_id: str, checkpoint: str) -> dict[int, Part]:
+        """Every readable part of a checkpoint by rank, from one listing; a part that does
+        not parse, or names another rank than its key, is left out."""
+        found: dict[int, Part] = {}
+        for rank in self.part_ranks(run_id, checkpoint):
+            part = self.read_part(run_id, checkpoint, rank)
+            if part is not None and part.node_rank == rank:
+                found[rank] = part
+        return found
+
+    def part_ranks(self, run_id: str, checkpoint: str) -> list[int]:
+        """Ranks with a part object under the checkpoint, from one listing."""
+        ranks = []
+        for info in self.list_objects(run_id, checkpoint):
+            rank = rank_of_part(info.key.rsplit("/", 1)[-1])
+            if rank is not None and info.key == part_key(run_id, checkpoint, rank):
+                ranks.append(rank)
+        return sorted(ranks)
+
+    def cluster_keys(self, run_id: str, checkpoint: str) -> list[str]:
+        """Keys of the checkpoint's announcement and parts (what the sweep removes)."""
+        keys = [part_key(run_id, checkpoint, r) for r in self.part_ranks(run_id, checkpoint)]
+        if self.storage.head(announce_key(run_id, checkpoint)) is not None:
+            keys.append(announce_key(run_id, checkpoint))
+        return keys
+
     # -- restore leases ------------------------------------------------------------------
 
     def take_lease(self, run_id: str, checkpoint: str, *, now: float) -> str:
@@ -343,6 +420,7 @@ __all__ = [
     "ObjectMismatch",
     "RangeCrc",
     "Repository",
+    "announce_key",
     "checkpoint_prefix",
     "chunk_ranges",
     "latest_key",
@@ -351,4 +429,5 @@ __all__ = [
     "lease_prefix",
     "manifest_key",
     "object_key",
+    "part_key",
 ]

@@ -42,6 +42,11 @@ manifest) and some ``lstat``s; the bytes were verified when it was restored. Res
 into one ``DIR`` take turns (``flock`` on ``DIR``): the ranks of a node that all ask for
 the same checkpoint at start-up cause one download.
 
+A checkpoint committed by many nodes is restored whole by default (DCP and ZeRO loaders
+read shards other ranks wrote). ``part=RANK`` restores only the files of that node's part
+(``ckptd.part-<rank>.json``), each of which must be in the global manifest with the same
+size and CRC-32C; the global manifest's entries are what is downloaded and verified.
+
 While it runs, a restore holds a lease (``ckptd.repository``) so retention on another
 node does not delete the checkpoint under it; taking it is best effort (a node with
 read-only credentials restores without one).
@@ -505,6 +510,32 @@ def _check_manifest(manifest: Manifest, run_id: str, checkpoint: str | None) -> 
         check_relative_path(f.path)
 
 
+def part_manifest(repo: Repository, manifest: Manifest, rank: int) -> Manifest:
+    """``manifest`` narrowed to node ``rank``'s part, checked against it (module doc)."""
+    where = f"{manifest.run_id}/{manifest.checkpoint}"
+    if manifest.nodes is None:
+        raise RestoreError(
+            f"{where} was committed by one node and has no part {rank}: restore it whole"
+        )
+    if not 0 <= rank < manifest.nodes:
+        raise RestoreError(
+            f"{where} has no part {rank}: it was committed by nodes 0..{manifest.nodes - 1}"
+        )
+    part = repo.read_part(manifest.run_id, manifest.checkpoint, rank)
+    if part is None or part.save != manifest.save:
+        raise RestoreError(f"{where} has no part {rank} of the committed save {manifest.save}")
+    committed = manifest.file_map()
+    problems = [
+        FileProblem(f.path, "not in the global manifest, or with other content")
+        for f in part.files
+        if (g := committed.get(f.path)) is None or (g.size, g.crc32c) != (f.size, f.crc32c)
+    ]
+    if problems:
+        raise RestoreError(f"{where}: part {rank} disagrees with the global manifest", problems)
+    files = [committed[f.path] for f in part.files]
+    return manifest.model_copy(update={"files": files, "total_bytes": sum(f.size for f in files)})
+
+
 def _preflight(repo: Repository, manifest: Manifest) -> list[FileProblem]:
     """Objects missing or of another size than the manifest says: refused before a byte
     is written."""
@@ -562,6 +593,7 @@ def restore(
     take_lease: bool = True,
     environment: Mapping[str, str] | None = None,
     on_file: Callable[[str], None] | None = None,
+    part: int | None = None,
 ) -> RestoreResult:
     """Restore ``checkpoint`` (None: the newest committed) of ``run_id`` as ``target_dir/NAME``.
 
@@ -570,6 +602,7 @@ def restore(
     and does not match; a local I/O error). ``progress`` None draws a bar when stderr is
     a terminal. ``environment`` is this node's (default ``ckptd.environment.describe()``).
     ``on_file`` is called with each path once it is verified and recorded (tests).
+    ``part`` restores only that node's part of a many-node checkpoint (module doc).
     """
     from ckptd import logs
     from ckptd.environment import describe
@@ -580,6 +613,8 @@ def restore(
     repo = Repository(storage)
     manifest = repo.resolve(run_id, checkpoint)
     _check_manifest(manifest, run_id, checkpoint)
+    if part is not None:
+        manifest = part_manifest(repo, manifest, part)
     name = manifest.checkpoint
     log = logs.get_logger(run=run_id, checkpoint=name)
 

@@ -18,6 +18,12 @@ policy would delete the moment it committed anyway. An orphan without a step, on
 is protected (in flight on this node, being restored) or one whose manifest exists but
 does not parse (a newer ckptd's format, say) is never touched.
 
+Many nodes: a checkpoint whose parts never all arrived leaves an announcement and parts
+(``ckptd.cluster``) beside its objects. Once its step is below the newest committed one
+and its announcement is older than a grace period (``cluster_grace_seconds``), it can
+never commit: ``sweep_cluster`` removes its announcement and parts (its objects are
+orphans, collected by the rule above).
+
 Restores in progress announce themselves with a lease object (``ckptd.repository``
 writes and reads them, JSON with the time it was taken); a checkpoint
 with a lease younger than ``LEASE_TTL_SECONDS`` is protected, and older leases are
@@ -35,6 +41,7 @@ import time
 from collections.abc import Iterable, Sequence, Set
 from pathlib import Path
 
+from ckptd.cluster import epoch_of, superseded
 from ckptd.layouts.base import step_of
 from ckptd.repository import LEASE_TTL_SECONDS, Repository, manifest_key
 from ckptd.storage.base import Storage
@@ -138,6 +145,7 @@ def apply_retention(
     collect_orphans: bool = True,
     now: float | None = None,
     lease_ttl_seconds: float = LEASE_TTL_SECONDS,
+    cluster_grace_seconds: float | None = None,
 ) -> list[str]:
     """Apply the policy to ``run_id``; returns the names deleted (victims, then orphans).
 
@@ -185,8 +193,59 @@ def apply_retention(
                 log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
                 deleted.append(name)
 
+    if cluster_grace_seconds is not None:
+        sweep_cluster(
+            repo,
+            run_id,
+            entries,
+            skip=guarded | set(deleted),
+            now=clock,
+            grace_seconds=cluster_grace_seconds,
+        )
     repo.delete(stale_leases)
     return deleted
+
+
+def sweep_cluster(
+    repo: Repository,
+    run_id: str,
+    committed: Sequence[Entry],
+    *,
+    skip: Set[str],
+    now: float,
+    grace_seconds: float,
+) -> list[str]:
+    """Remove the announcement and parts of uncommitted checkpoints that can never commit
+    (module doc); returns their names. One whose age cannot be read is kept."""
+    from ckptd import logs
+
+    steps = [step for _, step in committed if step is not None]
+    if not steps:
+        return []
+    newest = max(steps)
+    committed_names = {name for name, _ in committed}
+    swept: list[str] = []
+    for name in repo.list_names(run_id):
+        step = step_of(name)
+        if name.startswith(".") or name in committed_names or name in skip:
+            continue
+        if step is None or step >= newest or repo.has_manifest(run_id, name):
+            continue
+        announcement = repo.read_announcement(run_id, name)
+        since = epoch_of(announcement.announced_at) if announcement is not None else None
+        if since is None:
+            times = [epoch_of(p.verified_at) for p in repo.read_parts(run_id, name).values()]
+            since = min((t for t in times if t is not None), default=None)
+        if since is None or not superseded(step, newest, since, now, grace_seconds):
+            continue
+        keys = repo.cluster_keys(run_id, name)
+        repo.delete(keys)
+        if keys:
+            logs.get_logger(run=run_id).info(
+                "retention_cluster_swept", checkpoint=name, objects=len(keys), newest_step=newest
+            )
+            swept.append(name)
+    return swept
 
 
 def apply_local_cleanup(
@@ -240,4 +299,5 @@ __all__ = [
     "plan_local_cleanup",
     "plan_orphans",
     "plan_retention",
+    "sweep_cluster",
 ]

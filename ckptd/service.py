@@ -5,8 +5,9 @@
     start-up   SIGTERM handled as a notice from here on -> destination check ->
                recover the journal -> HTTP
     main loop  watcher + rescan, then worker (ships checkpoints), ticker (gauges,
-               rescans, destination check) and notices (every source, SIGTERM included,
-               through one loop into the responder) until a stop
+               rescans, destination check), notices (every source, SIGTERM included,
+               through one loop into the responder) and, with many nodes, the cluster
+               poll (announcements, other nodes' parts) until a stop
     shutdown   stop intake (watcher) -> let the checkpoint in flight finish or journal
                it (bounded by ``shutdown_timeout``) -> stop HTTP -> close
 
@@ -28,6 +29,7 @@ from ckptd.clock import SYSTEM_CLOCK, Clock
 from ckptd.config import Settings
 from ckptd.health import DestinationHealth
 from ckptd.logs import get_logger
+from ckptd.manifest import ManifestError
 from ckptd.metrics import Metrics
 from ckptd.notices.detect import make_source
 from ckptd.notices.model import Notice, NoticeSource
@@ -148,10 +150,15 @@ class Service:
         # Checkpoints complete but for a quiet window (settle/quiescence) are waited
         # for, within ONCE_MAX_WAIT, then shipped too.
         waited_until = self.clock.monotonic() + ONCE_MAX_WAIT_SECONDS
-        while not pipeline.idle() and self.clock.monotonic() < waited_until:
+        # With many nodes, also until every checkpoint is announced and joined by the
+        # other nodes' parts (or the wait runs out: then 1).
+        while (not pipeline.idle() or pipeline.cluster_busy()) and (
+            self.clock.monotonic() < waited_until
+        ):
             await asyncio.sleep(0.1)
+            await self._cluster_round()
             ok = await pipeline.drain_once() and ok
-        return 0 if ok else 1
+        return 0 if ok and not pipeline.cluster_busy() else 1
 
     async def main_loop(self) -> int:
         pipeline = self.pipeline
@@ -162,6 +169,7 @@ class Service:
         worker = asyncio.create_task(pipeline.work(self.stop_event), name="worker")
         ticker = asyncio.create_task(self._tick(), name="ticker")
         notices = asyncio.create_task(self._watch_notices(), name="notices")
+        cluster = asyncio.create_task(self._poll_cluster(), name="cluster")
         self.log.info("ckptd_ready", watching=self.watching)
         self.sd.ready(summarize(self.status()))
         stop_wait = asyncio.ensure_future(self.stop_event.wait())
@@ -177,6 +185,7 @@ class Service:
         self.watcher.stop()
         ticker.cancel()
         notices.cancel()
+        cluster.cancel()
         try:
             await asyncio.wait_for(worker, timeout=self.shutdown_timeout)
         except TimeoutError:
@@ -283,6 +292,20 @@ class Service:
             if now - last_check >= self.destination.recheck_seconds:
                 last_check = now
                 await self.destination.check()
+
+    async def _poll_cluster(self) -> None:
+        """Many nodes: look in the store every ``cluster.poll_interval_seconds``."""
+        if not self.settings.cluster.multi_node:
+            return
+        while True:
+            await asyncio.sleep(self.settings.cluster.poll_interval_seconds)
+            await self._cluster_round()
+
+    async def _cluster_round(self) -> None:
+        try:
+            await self.pipeline.poll_cluster()
+        except (StorageError, ManifestError, OSError) as exc:  # the next round tries again
+            self.log.warning("cluster_poll_failed", error=str(exc))
 
     # -- what HTTP shows -----------------------------------------------------------------
 

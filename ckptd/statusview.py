@@ -1,8 +1,8 @@
 """``ckptd status`` for people: the ``/v1/status`` document as a rich table.
 
 One row per run: pending checkpoints, the upload in flight with its progress, the last
-committed checkpoint, and the sync lag; a line above for the destination and one below
-for the preemption notice. Pure presentation: it takes the document, asks nothing.
+committed checkpoint, and the sync lag; a line above for the destination, one per
+checkpoint waiting for other nodes (many nodes) and one for the preemption notice below. Pure presentation: it takes the document, asks nothing.
 """
 
 from __future__ import annotations
@@ -118,6 +118,21 @@ def destination_text(destination: Mapping[str, Any] | None) -> Text:
     )
 
 
+def waiting_text(doc: Mapping[str, Any]) -> list[Text]:
+    """Many nodes: one line per checkpoint whose part is written, waiting for others'."""
+    lines = []
+    runs: Mapping[str, Any] = doc.get("runs") or {}
+    for run_id, run in sorted(runs.items()):
+        for entry in run.get("waiting") or []:
+            missing = ", ".join(str(r) for r in entry.get("missing_nodes") or []) or "?"
+            text = Text.assemble(("waiting: ", "bold yellow"))
+            text.append(f"{run_id}/{entry.get('checkpoint', '?')}")
+            text.append(f" for node(s) {missing}", style="yellow")
+            text.append(f"  since {entry.get('since') or '?'}", style="dim")
+            lines.append(text)
+    return lines
+
+
 def render_status(doc: Mapping[str, Any], console: Console) -> None:
     """Print a ``/v1/status`` document: destination, the per-run table, the notice."""
     console.print(destination_text(doc.get("destination")))
@@ -125,7 +140,16 @@ def render_status(doc: Mapping[str, Any], console: Console) -> None:
         console.print(status_table(doc))
     else:
         console.print(Text("no runs watched", style="dim"))
+    for line in waiting_text(doc):
+        console.print(line)
     console.print(notice_text(doc.get("preemption")))
 
 
-__all__ = ["human_bytes", "human_seconds", "progress_text", "render_status", "status_table"]
+__all__ = [
+    "human_bytes",
+    "human_seconds",
+    "progress_text",
+    "render_status",
+    "status_table",
+    "waiting_text",
+]

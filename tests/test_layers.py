@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.errors",
             "ckptd.checksum",
             "ckptd.manifest",
+            "ckptd.cluster",
             "ckptd.plan",
             "ckptd.deadline",
             "ckptd.layouts",

@@ -30,6 +30,7 @@ async def after_commit(
     protected: Set[str],
     committed_here: Set[str],
     log: Any,
+    cluster_grace_seconds: float | None = None,
 ) -> list[str]:
     """Apply retention to ``run``; returns the local checkpoints deleted (if any)."""
     try:
@@ -40,6 +41,7 @@ async def after_commit(
             keep_last=policy.keep_last,
             keep_every_steps=policy.keep_every_steps,
             protected=protected,
+            cluster_grace_seconds=cluster_grace_seconds,
         )
         if deleted:
             log.info("retention_deleted", deleted=deleted)

@@ -8,6 +8,13 @@ rules); one worker takes the next one and hands it to the ``Shipper``
 again). So this module keeps only hints, timers, the worker loop and the state
 ``/v1/status`` shows; every decision it takes is made by a pure function elsewhere.
 All time is read from one injected ``Clock``.
+
+With many nodes (``cluster.nodes > 1``) the verdict has two sources (``_judge``): a node
+whose own rule holds on a commit record announces the save and ships; any other node
+waits until ``poll_cluster`` finds the checkpoint announced, then ships once its own
+files are quiet and closed (``ckptd.cluster`` says why that is enough, per framework).
+A part written but not yet joined by every node's is "waiting": ``poll_cluster`` tries
+the global commit again every ``cluster.poll_interval_seconds``.
 """
 
 from __future__ import annotations
@@ -20,22 +27,41 @@ from typing import Any
 
 from ckptd import layouts
 from ckptd.clock import SYSTEM_CLOCK, Clock
+from ckptd.cluster import (
+    ABANDON_GRACE_SECONDS,
+    SAVE_TAIL_SECONDS,
+    Announcement,
+    files_fit_save,
+    is_announcer,
+    save_id,
+    superseded,
+)
 from ckptd.config import Settings
 from ckptd.deadline import plan_flush
-from ckptd.layouts.base import CheckpointListing, Completion, step_of
+from ckptd.environment import describe
+from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
 from ckptd.logs import get_logger
-from ckptd.manifest import Manifest, ManifestError
+from ckptd.manifest import Manifest, ManifestError, utc_timestamp
 from ckptd.metrics import Metrics
 from ckptd.repository import Repository
 from ckptd.storage.base import Storage, StorageError
 from ckptd.sync import cleanup
+from ckptd.sync.assemble import Assembly, AssemblyResult, Committer, try_commit
 from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
 from ckptd.sync.queue import InFlight, Pending, ShipQueue, completed_in_emergency, uploads_to_pause
 from ckptd.sync.rate import RateMeter
-from ckptd.sync.runs import Progress, RunState
+from ckptd.sync.runs import Progress, RunState, WaitingEntry
 from ckptd.sync.scanner import list_candidates, snapshot
-from ckptd.sync.ship import Outcome, Shipper, ShipRequest, ShipResult, fingerprint
+from ckptd.sync.ship import (
+    ClusterConflictError,
+    ClusterShip,
+    Outcome,
+    Shipper,
+    ShipRequest,
+    ShipResult,
+    fingerprint,
+)
 from ckptd.sync.transfer import TransferContext, Transfers
 
 # Coalesces the burst of events one save produces into one look at the checkpoint.
@@ -93,6 +119,12 @@ class SyncPipeline:
         self.emergency_deadline: datetime | None = None
         self.on_emergency_complete: Callable[[str, str], None] = lambda run, name: None
         self.on_commit: CommitHook | None = None
+        cluster = settings.cluster
+        self.committer: Committer | None = (
+            Committer(cluster.nodes, cluster.rank, self.shipper.host, describe())
+            if cluster.multi_node
+            else None
+        )
 
     def _count_bytes(self, run: str, n: int) -> None:
         self.metrics.upload_bytes.labels(run=run).inc(n)
@@ -158,6 +190,78 @@ class SyncPipeline:
             state.watch.layout, listing, int(self.clock.time() * 1e9), state.rules
         )
 
+    def _judge(
+        self, state: RunState, listing: CheckpointListing
+    ) -> tuple[Completion, ClusterShip | None]:
+        """The verdict on ``listing`` and, with many nodes, how this node ships it: as the
+        announcer (its rule holds on the commit record) or as a follower of the save the
+        store announced (module doc). One node: the rule's verdict, unchanged."""
+        verdict = self._verdict(state, listing)
+        committer = self.committer
+        if committer is None:
+            return verdict, None
+        name = listing.name
+        known = state.announcements.get(name)
+        own = save_id(fingerprint(listing.files))
+        if is_announcer(verdict.layout, verdict.complete, committer.rank) and (
+            known is None or known.save == own or known.node_rank >= committer.rank
+        ):
+            announcement = Announcement(
+                run_id=state.run_id,
+                checkpoint=name,
+                save=own,
+                node_rank=committer.rank,
+                layout=verdict.layout,
+                step=step_of(name),
+                announced_at=utc_timestamp(self.clock.time()),
+                record_mtime_ns=listing.newest_mtime_ns,
+            )
+            state.awaiting.pop(name, None)
+            return verdict, ClusterShip(committer, own, announcement)
+        if known is None or not files_fit_save(listing.newest_mtime_ns, known, SAVE_TAIL_SECONDS):
+            state.awaiting.setdefault(name, self.clock.time())
+            why = (
+                "waiting for the node with the commit record to announce it"
+                if known is None
+                else f"files newer than announced save {known.save}: waiting for a later one"
+            )
+            # Keep the rule's own recheck: on the record's node the verdict may be
+            # "complete but for a quiet window".
+            return not_complete(verdict.layout, why, verdict.recheck_after), None
+        judged = settled(
+            known.layout,
+            listing,
+            int(self.clock.time() * 1e9),
+            state.rules.settle_seconds,
+            f"announced by node {known.node_rank}; this node's files are quiet and closed",
+        )
+        if not judged.complete:
+            return judged, None
+        state.awaiting.pop(name, None)
+        return judged, ClusterShip(committer, known.save)
+
+    async def _superseded(self, state: RunState, listing: CheckpointListing) -> bool:
+        """Many nodes: whether a checkpoint can never commit any more (``cluster.superseded``)
+        and is left alone, with its step below the newest committed one."""
+        previous = await self._previous_manifest(state)
+        newest = max(
+            (s for s in (state.last_step, previous.step if previous else None) if s is not None),
+            default=None,
+        )
+        entry = state.waiting.get(listing.name)
+        since = entry.since if entry else listing.newest_mtime_ns / 1e9
+        if not superseded(step_of(listing.name), newest, since, self.clock.time()):
+            return False
+        state.forget_cluster(listing.name)
+        state.failed_for_good[listing.name] = (
+            f"superseded: step {newest} committed and not every node's part arrived"
+        )
+        self.log.warning(
+            "checkpoint_superseded", run=state.run_id, checkpoint=listing.name, newest_step=newest
+        )
+        self.update_gauges()
+        return True
+
     async def evaluate(self, run_id: str, name: str) -> Completion | None:
         """Apply the completion rule to one checkpoint now; queue it if complete."""
         # Counted from before the timer is dropped to after a verdict is queued, so idle()
@@ -191,7 +295,9 @@ class SyncPipeline:
             self.log.info(
                 "checkpoint_detected", run=run_id, checkpoint=name, files=len(listing.files)
             )
-        verdict = self._verdict(state, listing)
+        if self.committer is not None and await self._superseded(state, listing):
+            return None
+        verdict, _ = self._judge(state, listing)
         if not verdict.complete:
             if verdict.recheck_after is not None:
                 self.hint(run_id, name, delay=verdict.recheck_after + 0.05)
@@ -334,7 +440,7 @@ class SyncPipeline:
         state = self.runs[pending.run]
         run, name = pending.run, pending.name
         listing = await asyncio.to_thread(snapshot, state.dir, name)
-        verdict = self._verdict(state, listing) if listing else None
+        verdict, role = self._judge(state, listing) if listing else (None, None)
         if listing is None or verdict is None or not verdict.complete:
             self.queue.remove(run, name)
             self.update_gauges()
@@ -355,6 +461,7 @@ class SyncPipeline:
             ctx,
             on_started=started,
             on_copied=lambda n: self.metrics.copied_bytes.labels(run=run).inc(n),
+            cluster=role,
         )
         state.current_files, state.current_ctx = fingerprint(listing.files), ctx
         try:
@@ -371,10 +478,10 @@ class SyncPipeline:
             await self._abandon(state, pending, str(result.error), log)
         elif result.outcome is Outcome.CONFLICT:
             self.queue.remove(run, name)
-            state.failed_for_good[name] = str(result.error)
-            self.metrics.failed.labels(run=run, reason="conflict").inc()
-            log.error("checkpoint_conflict", error=str(result.error))
-            self.update_gauges()
+            self._conflict(state, name, result.error, log)
+        elif result.outcome is Outcome.WAITING:
+            self.queue.remove(run, name)
+            self._waiting(state, name, role, result.assembly, log)
         else:
             self._failed(state, pending, result, log)
         return False
@@ -392,7 +499,7 @@ class SyncPipeline:
         if result.commit is None:
             return  # committed before this attempt: nothing was shipped now
         if self.emergency_since is None:  # never spend a preemption's seconds on deletes
-            protected = set(self.queue.names(state.run_id))
+            protected = set(self.queue.names(state.run_id)) | set(state.waiting)
             removed = await after_commit(
                 self.repo,
                 self.settings.retention,
@@ -401,6 +508,7 @@ class SyncPipeline:
                 protected=protected,
                 committed_here=state.committed,
                 log=log,
+                cluster_grace_seconds=None if self.committer is None else ABANDON_GRACE_SECONDS,
             )
             state.seen.difference_update(removed)
         run = state.run_id
@@ -423,6 +531,114 @@ class SyncPipeline:
             manifest_crc32c=result.commit.manifest_crc32c,
         )
 
+    def _conflict(self, state: RunState, name: str, error: Exception | None, log: Any) -> None:
+        """Never committed: a manifest of other content holds the name, or (many nodes)
+        two nodes' parts differ on a file."""
+        state.forget_cluster(name)
+        state.failed_for_good[name] = str(error)
+        self.metrics.failed.labels(run=state.run_id, reason="conflict").inc()
+        if isinstance(error, ClusterConflictError):
+            self.metrics.cluster_conflicts.labels(run=state.run_id).inc()
+        log.error("checkpoint_conflict", error=str(error))
+        self.update_gauges()
+
+    def _waiting(
+        self,
+        state: RunState,
+        name: str,
+        role: ClusterShip | None,
+        assembly: AssemblyResult | None,
+        log: Any,
+    ) -> None:
+        """Many nodes: this node's part is written (or another node leads the save);
+        ``poll_cluster`` takes it from here."""
+        if assembly is not None and assembly.outcome is Assembly.RESAVED:
+            # Another save is announced than the one just shipped: follow it.
+            if assembly.announcement is not None:
+                state.announcements[name] = assembly.announcement
+            state.waiting.pop(name, None)
+            log.info("checkpoint_follows_announcement", reason=assembly.reason)
+            self.hint(state.run_id, name, delay=0.0)
+            return
+        if role is None:
+            return
+        entry = state.waiting.get(name)
+        if entry is None or entry.save != role.save:
+            entry = state.waiting[name] = WaitingEntry(role.save, self.clock.time())
+        if assembly is not None:
+            entry.missing, entry.reason = assembly.missing, assembly.reason
+        log.info("checkpoint_waiting_for_nodes", missing=list(entry.missing), reason=entry.reason)
+        self.update_gauges()
+
+    async def poll_cluster(self) -> None:
+        """Many nodes, one look at the store: announcements this node waits for, and the
+        global commit of checkpoints whose part is written (``assemble.try_commit``)."""
+        committer = self.committer
+        if committer is None:
+            return
+        for state in self.runs.values():
+            run = state.run_id
+            for name in list(state.awaiting):
+                if name in state.committed or name in state.failed_for_good:
+                    state.awaiting.pop(name, None)
+                    continue
+                found = await asyncio.to_thread(self.repo.read_announcement, run, name)
+                known = state.announcements.get(name)
+                if found is not None and (known is None or known.save != found.save):
+                    state.announcements[name] = found
+                    self.log.info(
+                        "checkpoint_announced_by", run=run, checkpoint=name, node=found.node_rank
+                    )
+                    self.hint(run, name, delay=0.0)
+            for name, entry in list(state.waiting.items()):
+                result = await asyncio.to_thread(
+                    try_commit,
+                    self.repo,
+                    run,
+                    name,
+                    committer,
+                    save=entry.save,
+                    now=self.clock.time(),
+                )
+                await self._after_assembly(state, name, entry, result)
+
+    async def _after_assembly(
+        self, state: RunState, name: str, entry: WaitingEntry, result: AssemblyResult
+    ) -> None:
+        log = self.log.bind(run=state.run_id, checkpoint=name)
+        committer = self.committer
+        assert committer is not None
+        if result.outcome is Assembly.COMMITTED:
+            assert result.manifest is not None
+            pending = Pending(state.run_id, name, result.manifest.step, entry.since)
+            shipped = ShipResult(
+                Outcome.COMMITTED,
+                result.manifest,
+                already_committed=result.already_committed,
+                commit=result.commit,
+            )
+            await self._committed(state, pending, shipped, log)
+        elif result.outcome is Assembly.CONFLICT:
+            self._conflict(state, name, ClusterConflictError(result.reason), log)
+        elif result.outcome is Assembly.RESAVED or committer.rank in result.missing:
+            # A later save is announced, or this node's own part is gone: ship again
+            # (the journal skips every object already sent; the part is rewritten).
+            state.waiting.pop(name, None)
+            if result.announcement is not None:
+                state.announcements[name] = result.announcement
+            log.info("checkpoint_reshipping", reason=result.reason or "own part missing")
+            self.update_gauges()
+            self.hint(state.run_id, name, delay=0.0)
+        elif (entry.missing, entry.reason) != (result.missing, result.reason):
+            entry.missing, entry.reason = result.missing, result.reason
+            log.info(
+                "checkpoint_waiting_for_nodes", missing=list(entry.missing), reason=entry.reason
+            )
+
+    def cluster_busy(self) -> bool:
+        """Many nodes: a checkpoint still waits for an announcement or for other nodes."""
+        return any(s.awaiting or s.waiting for s in self.runs.values())
+
     async def _previous_manifest(self, state: RunState) -> Manifest | None:
         if not state.previous_loaded:
             try:
@@ -442,6 +658,7 @@ class SyncPipeline:
     ) -> None:
         self.journal.mark_committed(state.run_id, manifest.checkpoint, manifest.step)
         self.queue.remove(state.run_id, manifest.checkpoint)
+        state.forget_cluster(manifest.checkpoint)
         run = state.run_id
         if state.record_commit(manifest) and state.last_step is not None:
             self.metrics.last_step.labels(run=run).set(state.last_step)
@@ -490,6 +707,8 @@ class SyncPipeline:
             self.metrics.sync_lag.labels(run=state.run_id).set(
                 self.queue.sync_lag(state.run_id, now)
             )
+            if self.committer is not None:
+                self.metrics.waiting_for_nodes.labels(run=state.run_id).set(len(state.waiting))
         self.metrics.upload_rate.set(self.rate.rate() or 0.0)
 
     def idle(self) -> bool:
@@ -506,7 +725,13 @@ class SyncPipeline:
         """Per-run state for ``/v1/status``."""
         self.update_gauges()
         now = self.clock.time()
-        return {"runs": {run: state.status(self.queue, now) for run, state in self.runs.items()}}
+        multi = self.committer is not None
+        return {
+            "runs": {
+                run: state.status(self.queue, now, cluster=multi)
+                for run, state in self.runs.items()
+            }
+        }
 
     async def close(self) -> None:
         for timer in self._timers.values():

@@ -3,6 +3,11 @@
 A ``RunState`` is only ever changed on the event loop. ``committed`` holds every
 checkpoint this daemon saw committed (by itself or found in the store); ``previous`` is
 the newest committed manifest by step, the base that unchanged files are copied from.
+
+With many nodes, ``announcements`` caches what the store announced for checkpoints this
+node does not hold the commit record of, ``awaiting`` holds those it still waits to see
+announced (since when), and ``waiting`` those whose part is written but not yet joined by
+every other node's (``/v1/status``'s ``waiting``).
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptd.cluster import Announcement
 from ckptd.config import WatchConfig
 from ckptd.layouts.base import RuleSettings
-from ckptd.manifest import Manifest
+from ckptd.manifest import Manifest, utc_timestamp
 from ckptd.sync.queue import ShipQueue
 from ckptd.sync.transfer import TransferContext
 
@@ -26,6 +32,16 @@ class Progress:
     started_at: float
     total_bytes: int
     sent_bytes: int = 0
+
+
+@dataclass
+class WaitingEntry:
+    """A checkpoint whose part this node wrote, waiting for other nodes' parts."""
+
+    save: str
+    since: float  # wall clock: when this node's part was first written
+    missing: tuple[int, ...] = ()
+    reason: str = ""
 
 
 @dataclass
@@ -47,6 +63,10 @@ class RunState:
     # tell its transfers to stop if a file event shows it changed or vanished.
     current_files: list[tuple[str, int, int]] | None = None
     current_ctx: TransferContext | None = None
+    # Many nodes (module doc).
+    announcements: dict[str, Announcement] = field(default_factory=dict)
+    awaiting: dict[str, float] = field(default_factory=dict)
+    waiting: dict[str, WaitingEntry] = field(default_factory=dict)
 
     @classmethod
     def of(cls, watch: WatchConfig) -> RunState:
@@ -78,10 +98,29 @@ class RunState:
             return True
         return False
 
-    def status(self, queue: ShipQueue, now: float) -> dict[str, Any]:
-        """This run's entry in ``/v1/status`` (``now``: wall clock, for the sync lag)."""
+    def forget_cluster(self, name: str) -> None:
+        """Drop what many-node bookkeeping holds for ``name`` (committed, or given up)."""
+        self.announcements.pop(name, None)
+        self.awaiting.pop(name, None)
+        self.waiting.pop(name, None)
+
+    def waiting_status(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "checkpoint": name,
+                "missing_nodes": list(entry.missing),
+                "since": utc_timestamp(entry.since),
+                "save": entry.save,
+                "reason": entry.reason,
+            }
+            for name, entry in sorted(self.waiting.items())
+        ]
+
+    def status(self, queue: ShipQueue, now: float, *, cluster: bool = False) -> dict[str, Any]:
+        """This run's entry in ``/v1/status`` (``now``: wall clock, for the sync lag);
+        ``cluster`` adds the checkpoints waiting for other nodes."""
         current = self.current
-        return {
+        doc: dict[str, Any] = {
             "dir": str(self.dir),
             "layout": self.watch.layout,
             "pending": queue.names(self.run_id),
@@ -96,3 +135,6 @@ class RunState:
             "failed": self.failed_for_good,
             "sync_lag_seconds": queue.sync_lag(self.run_id, now),
         }
+        if cluster:
+            doc["waiting"] = self.waiting_status()
+        return doc

@@ -7,10 +7,16 @@ checkpoint in the normal course of things (the caller decides what each means):
     paused      made way for an emergency checkpoint; the journal keeps every finished part
     changed     the local files changed or vanished while shipping: never committed
     conflict    another manifest with other content holds the name: never overwritten
+                (many nodes: or two nodes' parts disagree on a file)
+    waiting     many nodes: this node's part is in the store, another node's is not yet
     failed      the store or the local disk failed; worth another try later
 
 The files are listed before and after the transfer: a checkpoint whose listing differs
 is ``changed``, so a manifest only ever describes files that stood still while sent.
+
+With many nodes (``ShipRequest.cluster``) the node holding the commit record announces
+first, every node writes its part once its files are verified, and the commit is of the
+union of every node's part (``ckptd.sync.assemble``).
 """
 
 from __future__ import annotations
@@ -26,12 +32,22 @@ from typing import Any, TypeVar
 
 from ckptd import checksum
 from ckptd.clock import Clock
+from ckptd.cluster import Announcement, Part, part_files
 from ckptd.environment import describe
+from ckptd.errors import CkptdError
 from ckptd.layouts.base import CheckpointListing, Completion, FileEntry, step_of
-from ckptd.manifest import Manifest, ManifestError, build_manifest
+from ckptd.manifest import Manifest, ManifestError, build_manifest, utc_timestamp
 from ckptd.plan import plan_upload, resolve_copies
 from ckptd.repository import Repository, object_key
 from ckptd.storage.base import StorageError
+from ckptd.sync.assemble import (
+    Assembly,
+    AssemblyResult,
+    Committer,
+    announce,
+    try_commit,
+    write_part,
+)
 from ckptd.sync.commit import CommitConflictError, CommitResult, commit
 from ckptd.sync.journal import Journal
 from ckptd.sync.scanner import snapshot
@@ -51,7 +67,21 @@ class Outcome(Enum):
     PAUSED = "paused"
     CHANGED = "changed"
     CONFLICT = "conflict"
+    WAITING = "waiting"
     FAILED = "failed"
+
+
+class ClusterConflictError(CkptdError):
+    """Two nodes' parts name one path with different bytes."""
+
+
+@dataclass(frozen=True)
+class ClusterShip:
+    """How one node ships its part of a many-node checkpoint."""
+
+    committer: Committer
+    save: str  # the save this node's files answer (its own when it announces)
+    announcement: Announcement | None = None  # to write first: this node holds the record
 
 
 @dataclass
@@ -66,6 +96,7 @@ class ShipResult:
     error: Exception | None = None
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    assembly: AssemblyResult | None = None  # many nodes: what the committer found
 
     @property
     def reason(self) -> str:
@@ -87,6 +118,7 @@ class ShipRequest:
     context: TransferContext
     on_started: Callable[[int], None] = lambda total_bytes: None
     on_copied: Callable[[int], None] = lambda nbytes: None
+    cluster: ClusterShip | None = None
 
     @property
     def name(self) -> str:
@@ -129,12 +161,28 @@ class Shipper:
             existing = await asyncio.to_thread(self.repo.read_manifest, run, name)
             if existing is not None:
                 return ShipResult(Outcome.COMMITTED, existing, already_committed=True)
+            cluster = request.cluster
+            if cluster is not None and cluster.announcement is not None:
+                in_force = await asyncio.to_thread(announce, self.repo, cluster.announcement)
+                if in_force.save != cluster.save:
+                    # A lower rank holds the record too and leads: follow its save.
+                    return ShipResult(
+                        Outcome.WAITING,
+                        assembly=AssemblyResult(
+                            Assembly.RESAVED,
+                            reason=f"node {in_force.node_rank} announced save {in_force.save}",
+                            announcement=in_force,
+                        ),
+                    )
+                log.info("checkpoint_announced", save=cluster.save)
             files = await self._transfer_all(request, log)
             after = await asyncio.to_thread(snapshot, request.dir, name)
             if after is None or fingerprint(after.files) != fingerprint(request.listing.files):
                 return ShipResult(
                     Outcome.CHANGED, error=CheckpointChangedError("files changed while uploading")
                 )
+            if cluster is not None:
+                return await self._part_and_commit(request, cluster, files, started, log)
             manifest = build_manifest(
                 run_id=run,
                 checkpoint=name,
@@ -167,6 +215,53 @@ class Shipper:
             # checkpoint on a node whose cores the trainer wants.
             cpu_seconds=time.process_time() - cpu_started,
         )
+
+    async def _part_and_commit(
+        self,
+        request: ShipRequest,
+        cluster: ClusterShip,
+        files: list[FileResult],
+        started: float,
+        log: Any,
+    ) -> ShipResult:
+        """Write this node's part of ``cluster.save``, then commit the union if every
+        node's part is there (``ckptd.sync.assemble``)."""
+        run, name = request.run, request.name
+        now = self.clock.time()
+        part = Part(
+            run_id=run,
+            checkpoint=name,
+            node_rank=cluster.committer.rank,
+            nodes=cluster.committer.nodes,
+            save=cluster.save,
+            layout=request.verdict.layout,
+            step=step_of(name),
+            host=self.host,
+            created_at=utc_timestamp(request.listing.newest_mtime_ns / 1e9),
+            verified_at=utc_timestamp(now),
+            total_bytes=sum(r.size for r in files),
+            files=part_files([(r.path, r.size, checksum.to_hex(r.crc32c)) for r in files]),
+            environment=self.environment,
+        )
+        await asyncio.to_thread(write_part, self.repo, part)
+        log.info("part_written", save=cluster.save, files=len(files), bytes=part.total_bytes)
+        assembly = await asyncio.to_thread(
+            try_commit, self.repo, run, name, cluster.committer, save=cluster.save, now=now
+        )
+        result = ShipResult(
+            Outcome.WAITING,
+            files=files,
+            seconds=self.clock.monotonic() - started,
+            assembly=assembly,
+        )
+        if assembly.outcome is Assembly.COMMITTED:
+            assert assembly.manifest is not None
+            result.outcome, result.manifest = Outcome.COMMITTED, assembly.manifest
+            result.already_committed, result.commit = assembly.already_committed, assembly.commit
+        elif assembly.outcome is Assembly.CONFLICT:
+            result.outcome = Outcome.CONFLICT
+            result.error = ClusterConflictError(f"{run}/{name}: {assembly.reason}")
+        return result
 
     async def _transfer_all(self, request: ShipRequest, log: Any) -> list[FileResult]:
         run, name, listing, ctx = request.run, request.name, request.listing, request.context

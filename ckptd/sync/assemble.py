@@ -1,0 +1,156 @@
+"""One checkpoint from many nodes' parts: announce, write the part, commit the union.
+
+    announce  the node holding the framework's commit record writes ckptd.announce.json
+              before it ships (``announce``); the other nodes wait for it
+    part      each node, once its files are uploaded and verified, writes
+              ckptd.part-<rank>.json carrying the announced save (``write_part``)
+    commit    a node that finds every rank's part of the announced save merges them
+              (``ckptd.cluster.merge_parts``), checks every object is in the store with
+              the listed size, and commits the union with ``ckptd.sync.commit``'s one
+              conditional write (``try_commit``); exactly one node's write wins
+
+The store is the only coordinator: every step is an object read or written, so a daemon
+killed anywhere repeats its step on restart (the announcement and part are rewritten
+with the same content, the commit is conditional) and the nodes converge. A part of
+another save than the announcement's is never merged, and a conflict is never committed.
+Blocking functions: run them in a thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ckptd.cluster import (
+    Announcement,
+    Conflict,
+    Merged,
+    Part,
+    announcer_may_overwrite,
+    epoch_of,
+    merge_parts,
+)
+from ckptd.manifest import Manifest, build_manifest
+from ckptd.repository import Repository
+from ckptd.sync.commit import CommitConflictError, CommitResult, commit
+
+
+class Assembly(Enum):
+    COMMITTED = "committed"  # the global manifest is in the store (now or before)
+    WAITING = "waiting"  # some node's part of this save is not there yet
+    CONFLICT = "conflict"  # the parts disagree on a file, or another manifest holds the name
+    RESAVED = "resaved"  # the announcement names another save than this node's part
+
+
+@dataclass
+class AssemblyResult:
+    outcome: Assembly
+    manifest: Manifest | None = None
+    commit: CommitResult | None = None
+    already_committed: bool = False
+    missing: tuple[int, ...] = ()
+    reason: str = ""
+    conflict: Conflict | None = None
+    announcement: Announcement | None = None
+
+
+@dataclass(frozen=True)
+class Committer:
+    """Who commits: this node's host name and environment go into the global manifest."""
+
+    nodes: int
+    rank: int
+    host: str
+    environment: Mapping[str, str] = field(default_factory=dict)
+
+
+def announce(repo: Repository, announcement: Announcement) -> Announcement:
+    """Write ``announcement`` unless one in force wins over it (``announcer_may_overwrite``);
+    returns the announcement in force afterwards."""
+    existing = repo.read_announcement(announcement.run_id, announcement.checkpoint)
+    if existing is not None and existing.save == announcement.save:
+        return existing
+    if not announcer_may_overwrite(existing, announcement.node_rank, announcement.save):
+        assert existing is not None  # None always may be overwritten
+        return existing
+    repo.write_announcement(announcement)
+    return announcement
+
+
+def write_part(repo: Repository, part: Part) -> None:
+    repo.write_part(part)
+
+
+def try_commit(
+    repo: Repository, run: str, name: str, committer: Committer, *, save: str | None, now: float
+) -> AssemblyResult:
+    """Commit ``run/name`` if every part of the announced save is there (module doc).
+
+    ``save`` is the save this node's part answered (None: no opinion, as when a node
+    only looks); an announcement of another save means this node's part is stale."""
+    existing = repo.read_manifest(run, name)
+    if existing is not None:
+        return AssemblyResult(Assembly.COMMITTED, existing, already_committed=True)
+    announcement = repo.read_announcement(run, name)
+    if announcement is None:
+        return AssemblyResult(
+            Assembly.WAITING, missing=tuple(range(committer.nodes)), reason="no announcement"
+        )
+    if save is not None and announcement.save != save:
+        return AssemblyResult(
+            Assembly.RESAVED,
+            reason=f"announced save {announcement.save} is not this node's {save}",
+            announcement=announcement,
+        )
+    parts = repo.read_parts(run, name)
+    verdict = merge_parts(announcement, parts, committer.nodes)
+    if isinstance(verdict, Conflict):
+        return AssemblyResult(
+            Assembly.CONFLICT,
+            reason=verdict.describe(),
+            conflict=verdict,
+            announcement=announcement,
+        )
+    if not isinstance(verdict, Merged):
+        reason = f"waiting for node(s) {', '.join(map(str, verdict.missing))}"
+        if verdict.stale:
+            reason += f" (part(s) of another save from {', '.join(map(str, verdict.stale))})"
+        return AssemblyResult(
+            Assembly.WAITING, missing=verdict.missing, reason=reason, announcement=announcement
+        )
+    manifest = build_manifest(
+        run_id=run,
+        checkpoint=name,
+        step=announcement.step,
+        layout=announcement.layout,
+        host=committer.host,
+        created_at=epoch_of(verdict.created_at) or now,
+        committed_at=now,
+        files=[(f.path, f.size, f.crc32c) for f in verdict.files],
+        environment=committer.environment,
+        nodes=committer.nodes,
+        save=announcement.save,
+    )
+    mismatches = repo.object_mismatches(manifest)
+    if mismatches:
+        # A part says verified, yet an object is gone or of another size: a node is
+        # re-shipping (a re-save) or something deleted it. Never commit; wait.
+        first = mismatches[0]
+        return AssemblyResult(
+            Assembly.WAITING,
+            missing=(),
+            reason=f"{len(mismatches)} object(s) not as the parts list them, e.g. {first.path}",
+            announcement=announcement,
+        )
+    try:
+        result = commit(repo, manifest)
+    except CommitConflictError as exc:
+        return AssemblyResult(Assembly.CONFLICT, reason=str(exc), announcement=announcement)
+    return AssemblyResult(
+        Assembly.COMMITTED,
+        manifest,
+        commit=result,
+        already_committed=result.already_committed,
+        announcement=announcement,
+    )
