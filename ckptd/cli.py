@@ -385,6 +385,11 @@ def cmd_drill(args: argparse.Namespace) -> int:
     print(f"  {'trainer signalled':<22} {at('signalled_after_s')}")
     print(f"  {'checkpoint complete':<22} {at('complete_after_s')}   {doc.get('checkpoint') or ''}")
     print(f"  {'committed':<22} {at('committed_after_s')}   {_human(int(doc.get('bytes') or 0))}")
+    if doc.get("notice_published") is not None:
+        # Many nodes: the other nodes' daemons follow <run>/NOTICE; the timings above are
+        # this node's own emergency checkpoint.
+        published = "written" if doc["notice_published"] else "NOT written"
+        print(f"  {'cluster NOTICE':<22} {published} (every node's trainer saves)")
     print(
         "result: "
         + ("committed before the deadline" if ok else "NOT committed before the deadline")

@@ -133,6 +133,12 @@ class Metrics:
         self.journal_rows = Gauge(
             "ckptd_journal_rows", "Rows in the resume journal, by table.", ["table"], registry=r
         )
+        self.cluster_notices = Counter(
+            "ckptd_cluster_notices",
+            "Cluster NOTICE events (many nodes): published, publish_failed (retried), followed.",
+            ["run", "event"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

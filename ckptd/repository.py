@@ -7,6 +7,8 @@
     <run>/<checkpoint>/ckptd.announce.json      many nodes: a save is complete on the
                                                 node holding the commit record
     <run>/<checkpoint>/ckptd.part-<rank>.json   many nodes: one node's verified files
+    <run>/NOTICE                                a preemption notice seen by any node
+                                                (many nodes only; overwritten by the next)
 
 Only a manifest makes a checkpoint: announcements, parts and ``<run>/NOTICE`` are never
 taken for a checkpoint (a name is one only with a manifest) nor for one of its files
@@ -29,8 +31,10 @@ from __future__ import annotations
 import json
 import socket
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from ckptd import checksum
 from ckptd.cluster import (
@@ -60,6 +64,10 @@ from ckptd.storage.base import (
 )
 
 LEASE_DIR = ".ckptd-restoring"
+NOTICE_NAME = "NOTICE"
+NOTICE_FORMAT = "ckptd.notice/1"
+# A NOTICE is a few hundred bytes; anything much larger is not one (never parse it).
+NOTICE_MAX_BYTES = 64 * 1024
 LEASE_TTL_SECONDS = 3600.0
 # Ranged reads of one object: large enough that per-request cost vanishes, small
 # enough that a file's ranges spread over the pool.
@@ -99,6 +107,10 @@ def lease_prefix(run_id: str) -> str:
     return f"{run_id}/{LEASE_DIR}/"
 
 
+def notice_key(run_id: str) -> str:
+    return f"{run_id}/{NOTICE_NAME}"
+
+
 # -- pure helpers ------------------------------------------------------------------------
 
 
@@ -129,6 +141,20 @@ def lease_checkpoint(body: bytes, key_name: str) -> str | None:
         pass
     head, sep, token = key_name.rpartition("-")
     return head if sep and len(token) == 32 else None
+
+
+def parse_notice_document(body: bytes) -> dict[str, Any] | None:
+    """A NOTICE's JSON object when it is one of ours (``format`` ckptd.notice/1), else None;
+    never raises: garbage in the store is no notice."""
+    if len(body) > NOTICE_MAX_BYTES:
+        return None
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != NOTICE_FORMAT:
+        return None
+    return doc
 
 
 def lease_is_fresh(body: bytes, now: float, ttl: float = LEASE_TTL_SECONDS) -> bool:
@@ -376,6 +402,21 @@ class Repository:
             keys.append(announce_key(run_id, checkpoint))
         return keys
 
+    # -- the run's preemption NOTICE ------------------------------------------------------
+
+    def read_notice(self, run_id: str) -> dict[str, Any] | None:
+        """The run's NOTICE document, or None when there is none or it is not ours."""
+        try:
+            body = self.storage.get_bytes(notice_key(run_id))
+        except NotFoundError:
+            return None
+        return parse_notice_document(body)
+
+    def write_notice(self, run_id: str, document: Mapping[str, Any]) -> None:
+        """Write (overwrite) the run's NOTICE; ``format`` is set here."""
+        data = json.dumps({**document, "format": NOTICE_FORMAT}, sort_keys=True).encode()
+        self.storage.put_bytes(notice_key(run_id), data, crc32c=checksum.crc32c(data))
+
     # -- restore leases ------------------------------------------------------------------
 
     def take_lease(self, run_id: str, checkpoint: str, *, now: float) -> str:
@@ -414,6 +455,8 @@ class Repository:
 __all__ = [
     "LEASE_DIR",
     "LEASE_TTL_SECONDS",
+    "NOTICE_FORMAT",
+    "NOTICE_NAME",
     "RANGE_BYTES",
     "CommittedCheckpoint",
     "FileProblem",
@@ -428,6 +471,8 @@ __all__ = [
     "lease_is_fresh",
     "lease_prefix",
     "manifest_key",
+    "notice_key",
     "object_key",
+    "parse_notice_document",
     "part_key",
 ]

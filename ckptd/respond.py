@@ -10,6 +10,9 @@ Within one poll interval of a notice the responder
   5. once that checkpoint is committed, acknowledges the notice (Azure StartRequests)
      and logs the timings noticed -> signalled -> complete -> committed.
 One notice is acted on once (deduplicated by id); a cancelled one clears the state.
+With many nodes, a notice of this node's own is also handed to ``publish_notice`` (the
+cluster's NOTICE, ``ckptd.notices.cluster``), which only schedules the write: the
+trainer's signal never waits for the store. A notice followed from another node is not.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import itertools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -94,6 +98,8 @@ class Response:
     run: str | None = None
     bytes: int = 0
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # The cluster NOTICE write for this notice (many nodes, a notice of our own only).
+    published: asyncio.Task[bool] | None = None
 
     def timings(self, now: datetime) -> dict[str, Any]:
         def rel(t: float | None) -> float | None:
@@ -115,6 +121,15 @@ class Response:
             "committed_before_deadline": None
             if self.committed is None
             else (self.notice.deadline is None or (left is not None and left >= 0)),
+            # Many nodes: whether <run>/NOTICE was written (None: one node, or followed).
+            "notice_published": None
+            if self.published is None
+            else bool(
+                self.published.done()
+                and not self.published.cancelled()
+                and self.published.exception() is None
+                and self.published.result()
+            ),
         }
 
 
@@ -149,6 +164,8 @@ class Responder:
         self._background: set[asyncio.Task[None]] = set()
         self._files_lock = asyncio.Lock()  # notice-file writes and removals, in order
         self.log = get_logger()
+        # Set by the service with many nodes: schedules the cluster NOTICE write.
+        self.publish_notice: Callable[[Notice], asyncio.Task[bool]] | None = None
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.clock.time(), UTC)
@@ -159,8 +176,11 @@ class Responder:
             return {"notice": False}
         return {"notice": True, **self.current.notice.to_json()}
 
-    async def handle(self, notice: Notice, source: NoticeSource | None = None) -> Response | None:
-        """Act on one notice (once per id)."""
+    async def handle(
+        self, notice: Notice, source: NoticeSource | None = None, *, publish: bool = True
+    ) -> Response | None:
+        """Act on one notice (once per id); ``publish=False`` for one followed from another
+        node, which must not be published again."""
         if notice.cancelled:
             if self.current is not None and self.current.notice.id == notice.id:
                 self.log.info("notice_cancelled", source=notice.source, id=notice.id)
@@ -182,6 +202,9 @@ class Responder:
         self.metrics.preemption_notice.set(1)
         if notice.deadline is not None:
             self.metrics.preemption_deadline.set(notice.deadline.timestamp())
+        if publish and self.publish_notice is not None:
+            # Only schedules: the write runs in a thread beside the signalling below.
+            response.published = self.publish_notice(notice)
         # The signal first: it is what makes the trainer save. Writing the notice file
         # can stall on a busy disk (a rename over an old file issues a synchronous
         # discard on ext4 with `discard`), so it goes second and does not hold up the

@@ -7,9 +7,11 @@
     main loop  watcher + rescan, then worker (ships checkpoints), ticker (gauges,
                rescans, destination check), notices (every source, SIGTERM included,
                through one loop into the responder) and, with many nodes, the cluster
-               poll (announcements, other nodes' parts) until a stop
+               poll (announcements, other nodes' parts) until a stop; with many nodes the
+               other nodes' NOTICE is one more source, and our own notices are published
     shutdown   stop intake (watcher) -> let the checkpoint in flight finish or journal
-               it (bounded by ``shutdown_timeout``) -> stop HTTP -> close
+               it (bounded by ``shutdown_timeout``) -> stop HTTP -> a NOTICE write in
+               flight gets a few seconds -> close
 
 As in uvicorn, a signal handler only sets a flag; the main loop acts on it. The first
 SIGTERM is a notice (Kubernetes, systemd: flush first, exit last); SIGINT, or a second
@@ -21,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +35,12 @@ from ckptd.health import DestinationHealth
 from ckptd.logs import get_logger
 from ckptd.manifest import ManifestError
 from ckptd.metrics import Metrics
+from ckptd.notices.cluster import ClusterNoticeSource, NoticePublisher
 from ckptd.notices.detect import make_source
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.sigterm import SigtermSource
-from ckptd.respond import Responder
+from ckptd.repository import Repository
+from ckptd.respond import Responder, Response
 from ckptd.sdnotify import SystemdNotifier, summarize
 from ckptd.storage import StorageError, open_destination
 from ckptd.sync.journal import Journal
@@ -48,6 +54,8 @@ JOURNAL_STATS_SECONDS = 10.0
 ONCE_MAX_WAIT_SECONDS = 120.0
 # After SIGTERM: exit once nothing is pending, uploading or being written for this long.
 DRAIN_QUIET_SECONDS = 2.0
+# At shutdown, a cluster NOTICE write still in flight gets this long before the store closes.
+PUBLISH_DRAIN_SECONDS = 5.0
 
 
 class Service:
@@ -89,6 +97,42 @@ class Service:
         # SIGTERM's deadline is our own grace period: what we may spend flushing.
         self.sigterm_source = SigtermSource(grace=shutdown_timeout, on_repeat=self.request_stop)
         self.http: Any = None  # ckptd.http.HttpServer, imported only when serving
+        # Many nodes: our own notices go to <run>/NOTICE, and the other nodes' come from it.
+        # A NOTICE from before this moment is an earlier cluster's, never followed.
+        self.started_at = datetime.fromtimestamp(clock.time(), UTC)
+        self.cluster_source: ClusterNoticeSource | None = None
+        self.publisher: NoticePublisher | None = None
+        self._followed_drills: set[asyncio.Task[None]] = set()
+        if settings.cluster.multi_node:
+            self._build_cluster_notices()
+
+    def _build_cluster_notices(self) -> None:
+        cluster = self.settings.cluster
+        repo = Repository(self.storage)
+        runs = list(self.pipeline.runs)
+
+        def now() -> datetime:
+            return datetime.fromtimestamp(self.clock.time(), UTC)
+
+        self.publisher = NoticePublisher(
+            repo,
+            runs,
+            node_rank=cluster.rank,
+            host=socket.gethostname(),
+            retry_seconds=cluster.poll_interval_seconds,
+            metrics=self.metrics,
+            clock=now,
+        )
+        self.responder.publish_notice = self.publisher.publish
+        self.cluster_source = ClusterNoticeSource(
+            repo,
+            runs,
+            own_rank=cluster.rank,
+            started_at=self.started_at,
+            interval=cluster.poll_interval_seconds,
+            metrics=self.metrics,
+            clock=now,
+        )
 
     def _on_retry(self, operation: str, exc: StorageError, attempt: int, delay: float) -> None:
         self.metrics.retries.labels(operation=operation).inc()
@@ -198,6 +242,8 @@ class Service:
         self.watcher.stop()
         if self.http is not None:
             await self.http.stop()
+        if self.publisher is not None:
+            await self.publisher.drain(PUBLISH_DRAIN_SECONDS)
         await self.pipeline.close()
         self.journal.close()
         self.sigterm_source.close()
@@ -209,6 +255,8 @@ class Service:
 
     def _sources(self) -> list[NoticeSource]:
         sources: list[NoticeSource] = [self.sigterm_source]
+        if self.cluster_source is not None:
+            sources.append(self.cluster_source)
         p = self.settings.preemption
         try:
             cloud = make_source(p.provider, p.endpoint, p.poll_interval_seconds, p.imdsv1_fallback)
@@ -239,9 +287,24 @@ class Service:
             await asyncio.sleep(self.settings.preemption.poll_interval_seconds)
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
-        await self.responder.handle(notice, source)
+        followed = source is self.cluster_source
+        # A notice followed from another node is never published again (no echo).
+        response = await self.responder.handle(notice, source, publish=not followed)
         if notice.source == "sigterm":
             self.sigterm.set()  # the main loop flushes, then stops
+        if followed and notice.kind == "drill" and response is not None:
+            task = asyncio.create_task(self._end_followed_drill(response))
+            self._followed_drills.add(task)
+            task.add_done_callback(self._followed_drills.discard)
+
+    async def _end_followed_drill(self, response: Response) -> None:
+        """Another node's drill: as ``ckptd drill`` does on its own node, leave emergency
+        mode once our emergency checkpoint is committed or the drill's deadline passed."""
+        left = response.notice.seconds_left(datetime.fromtimestamp(self.clock.time(), UTC))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(response.done.wait(), timeout=max(0.0, left or 0.0))
+        if self.responder.current is response:
+            self.responder.clear()
 
     async def _drain_after_sigterm(self) -> None:
         """SIGTERM: keep shipping (the trainer may be saving its emergency checkpoint

@@ -11,6 +11,14 @@ A plain training loop::
             save_checkpoint(f"/data/ckpt/run1/step-{step}")
             break
 
+With several ranks (``torch.distributed``) every rank must save the *same* step: call
+:func:`preempted_on_any_rank` on every rank at every step instead of :func:`preempted`
+(an all-reduce of the ranks' flags, see ``ckptd.trainer.agree``)::
+
+    if ckptd.trainer.preempted_on_any_rank():   # True on all ranks at the same step
+        save_checkpoint(step)                    # a collective save meets
+        break
+
 Call :func:`install` (or build a callback) early: until a handler is installed, the
 daemon's signal (SIGUSR1 by default) kills the process, as it does any program that does
 not expect it. :func:`preempted` alone installs lazily, on its first call.
@@ -28,6 +36,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptd.trainer.agree import agree_to_save
 from ckptd.trainer.listener import (
     DEFAULT_SIGNAL,
     DEFAULT_URL,
@@ -49,6 +58,7 @@ __all__ = [
     "CkptdCallback",
     "CkptdLightningCallback",
     "PreemptionListener",
+    "agree_to_save",
     "get_listener",
     "install",
     "notice",
@@ -56,6 +66,7 @@ __all__ = [
     "parse_notice",
     "parse_signal",
     "preempted",
+    "preempted_on_any_rank",
     "uninstall",
 ]
 
@@ -120,6 +131,14 @@ def preempted(watch_dir: str | os.PathLike[str] | None = None) -> bool:
     current = get_listener(watch_dir)
     _last_watch_dir = watch_dir
     return current.preempted()
+
+
+def preempted_on_any_rank(group: Any = None) -> bool:
+    """:func:`preempted` agreed over the trainer's process group (default: every rank):
+    True on every rank at the first step where any rank has the notice. A collective:
+    call it on every rank at every step. Without ``torch.distributed`` it is
+    :func:`preempted`."""
+    return agree_to_save(preempted(), group)
 
 
 def notice() -> dict[str, Any] | None:

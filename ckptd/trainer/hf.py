@@ -19,6 +19,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import ckptd.trainer
+from ckptd.trainer.agree import agree_to_save
 from ckptd.trainer.listener import PreemptionListener
 
 __all__ = ["CkptdCallback"]
@@ -33,9 +34,10 @@ class CkptdCallback(TrainerCallback):
     callback is built, so build it at start-up, in the main thread. Its notice file is
     looked for under ``watch_dir``, else ``CKPTD_WATCH_DIR``, else ``args.output_dir``.
 
-    In multi-process training every rank must reach the same decision at the same step:
-    deliver the notice to every rank (signal each process, or rely on the notice file on a
-    shared or per-node watch dir), or the ranks' collective saves will not meet.
+    In multi-process training (``torch.distributed`` initialised) the ranks agree on the
+    step: each step's decision is an all-reduce of every rank's own flag
+    (:func:`ckptd.trainer.agree_to_save`), so a notice that one rank sees makes every
+    rank save that same step, and the collective save meets.
     """
 
     def __init__(
@@ -70,7 +72,10 @@ class CkptdCallback(TrainerCallback):
         """Ask the Trainer to save now and stop, once, when a notice has arrived."""
         # Only at step end, not on_substep_end: mid gradient-accumulation there is no
         # consistent state to save, and the Trainer saves only at step boundaries anyway.
-        if self.fired_at_step is not None or not self.listener.preempted():
+        if self.fired_at_step is not None:
+            return
+        # Every rank runs this at every step: the all-reduce inside is a collective.
+        if not agree_to_save(self.listener.preempted()):
             return
         self.fired_at_step = state.global_step
         log.warning(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ckptd.trainer
+from ckptd.trainer.agree import agree_to_save
 from ckptd.trainer.listener import PreemptionListener
 
 if TYPE_CHECKING:
@@ -48,7 +49,9 @@ class CkptdLightningCallback(Callback):
 
     ``dirpath`` overrides where the checkpoint goes; the notice file is looked for under
     ``watch_dir``, else ``CKPTD_WATCH_DIR``, else that checkpoint dir. As with any
-    ``save_checkpoint``, every rank must take the decision at the same batch.
+    ``save_checkpoint``, every rank must take the decision at the same batch: each
+    batch's decision is an all-reduce of every rank's own flag over the default process
+    group (:func:`ckptd.trainer.agree_to_save`), so one rank's notice is every rank's.
     """
 
     def __init__(
@@ -90,7 +93,10 @@ class CkptdLightningCallback(Callback):
         batch_idx: int,
     ) -> None:
         """Save now and ask the trainer to stop, once, when a notice has arrived."""
-        if self.saved_path is not None or not self.listener.preempted():
+        if self.saved_path is not None:
+            return
+        # Every rank runs this at every batch: the all-reduce inside is a collective.
+        if not agree_to_save(self.listener.preempted()):
             return
         path = self.checkpoint_dir(trainer) / self.filename.format(step=trainer.global_step)
         log.warning(

@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--result", type=Path, required=True)
     parser.add_argument("--max-steps", type=int, default=100_000)
     parser.add_argument("--save-steps", type=int, default=100_000)
+    # Under torch.distributed with node-local output dirs: each node's first rank saves.
+    parser.add_argument("--save-on-each-node", action="store_true")
     options = parser.parse_args()
 
     # Built first, at start-up: from here on the daemon's SIGUSR1 is caught.
@@ -47,6 +49,7 @@ def main() -> None:
         max_steps=options.max_steps,
         save_strategy="steps",
         save_steps=options.save_steps,
+        save_on_each_node=options.save_on_each_node,
     )
     trainer = Trainer(
         model=model,

@@ -21,6 +21,10 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--pidfile", type=Path, required=True)
     parser.add_argument("--mib", type=int, default=8)
+    # Many nodes: every node saves under one name; only one holds the commit record.
+    parser.add_argument("--name", default="checkpoint-{step}")
+    parser.add_argument("--shard", default="model.safetensors")
+    parser.add_argument("--no-commit-record", action="store_true")
     options = parser.parse_args()
     ckptd.trainer.install(options.dir)  # before the pidfile: the daemon may signal from then on
     options.pidfile.write_text(str(os.getpid()))
@@ -29,10 +33,11 @@ def main() -> None:
         step += 1
         (options.dir / ".progress").write_text(str(step))
         time.sleep(0.01)
-    target = options.dir / f"checkpoint-{step}"
+    target = options.dir / options.name.format(step=step)
     target.mkdir()
-    (target / "model.safetensors").write_bytes(os.urandom(options.mib * 1024 * 1024))
-    (target / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (target / options.shard).write_bytes(os.urandom(options.mib * 1024 * 1024))
+    if not options.no_commit_record:
+        (target / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     (options.dir / ".saved").write_text(target.name)
 
 
