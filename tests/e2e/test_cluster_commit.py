@@ -51,11 +51,7 @@ def test_a_two_node_dcp_checkpoint_commits_only_with_every_shard_of_both_nodes(
         assert part is not None and part["node_rank"] == 0
         assert {f["path"] for f in part["files"]} == set(files[0])
         waiting = wait_until(
-            lambda: [
-                w
-                for r in cluster.daemon(0).get_json("/v1/status").get("runs", [])
-                for w in r.get("waiting", [])
-            ],
+            lambda: cluster.daemon(0).get_json("/v1/status")["runs"]["run"].get("waiting"),
             30,
             "node 0 reporting checkpoints waiting for node 1",
             details=cluster.logs,

@@ -14,8 +14,9 @@ across the four ranks), so no node holds the whole state. Each rank also writes
 
 Resume (``--resume DIR``, a node-local directory holding the *whole* checkpoint, as
 ``ckptd restore`` puts it there) loads the shards through DCP, which reads shards written by
-other ranks, and the rank file of this rank. The ranks agree on the preemption step with an
-all-reduce (MAX) of the local flag, so every rank saves the same step.
+other ranks, and the rank file of this rank. The ranks agree on the preemption step with
+``ckptd.trainer.preempted_on_any_rank()`` (an all-reduce of the local flag), so every rank
+saves the same step.
 """
 
 from __future__ import annotations
@@ -125,13 +126,6 @@ def load(
     return int(record["step"])
 
 
-def agreed(flag: bool) -> bool:
-    """True on every rank once any rank saw the notice (the step all ranks save)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def main() -> None:
     o = options()
     rank = int(os.environ["RANK"])
@@ -170,7 +164,7 @@ def main() -> None:
         write_json(
             progress, {"step": step, "resumed_from": resumed_from, "first_step_at": first_step_at}
         )
-        preempted = agreed(ckptd.trainer.preempted())
+        preempted = ckptd.trainer.preempted_on_any_rank()  # the same answer on all ranks
         if step % o.save_every == 0 or preempted:
             save(o.node_dir / f"step-{step}", rank, model, optimizer, scheduler, data, step)
             saved = f"step-{step}"
