@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ckptd.cluster import SAVE_TAIL_SECONDS
 from ckptd.locals3 import LocalS3
 from tests.daemon import wait_until
 from tests.e2e.cluster import Cluster, Node, Store, check_committed, snapshot
@@ -28,7 +29,7 @@ INSTANTS = int(os.environ.get("CKPTD_KILL_INSTANTS", "12"))
 SEED = int(os.environ.get("CKPTD_KILL_SEED", str(random.SystemRandom().randrange(10**6))))
 RANKS_PER_NODE = 2
 #: Uploads slowed so a kill lands mid-upload (node-wide cap, each daemon its own).
-THROTTLE = {"max_upload_mib_per_s": 8, "part_size_mib": 5}
+THROTTLE = {"max_upload_mib_per_s": 4, "part_size_mib": 5}
 
 
 def write_node_shards(node: Node, name: str, rng: random.Random, size: int) -> None:
@@ -57,7 +58,7 @@ def test_kill9_at_random_instants_never_commits_a_checkpoint_missing_a_shard(
     print(f"kill -9 campaign: seed {SEED}, {INSTANTS} instants (CKPTD_KILL_SEED to replay)")
     rng = random.Random(SEED)
     store = Store(s3_client, s3_prefix)
-    size = 1 << 20
+    size = 3 << 19  # 1.5 MiB a shard: about 0.75 s of upload per node at the cap
     with Cluster(
         tmp_path, 2, s3_dest, local_s3.endpoint_url, destination=dict(THROTTLE)
     ) as cluster:
@@ -66,8 +67,8 @@ def test_kill9_at_random_instants_never_commits_a_checkpoint_missing_a_shard(
         began = time.monotonic()
         write_save(cluster, "step-0", rng, size)
         wait_until(lambda: store.manifest("step-0"), 60, "step-0", details=cluster.logs)
-        window = (time.monotonic() - began) * 1.5
-        print(f"an undisturbed save commits in {window / 1.5:.2f} s; kills within {window:.2f} s")
+        window = (time.monotonic() - began) * 1.2
+        print(f"an undisturbed save commits in {window / 1.2:.2f} s; kills within {window:.2f} s")
 
         checked: set[str] = set()
         victims_seen: set[str] = set()
@@ -110,7 +111,7 @@ def test_a_resave_under_the_same_name_never_mixes_two_saves(
     tmp_path: Path, local_s3: LocalS3, s3_dest: str, s3_client: Any, s3_prefix: str
 ) -> None:
     """Save A is announced and node 0 ships its part while node 1's daemon is down; node 0
-    stops. Then the trainer saves the same name again (B, same sizes, new bytes): node 1's
+    stops. A minute later the trainer saves the same name again (B, same sizes, new bytes): node 1's
     shards first, with node 1's daemon up and A's announcement still in the store, then
     node 0's shards and ``.metadata``, and node 0 comes back. What is committed is B on
     both nodes; A's part (its objects still in the store) must not be merged with B's."""
@@ -118,8 +119,15 @@ def test_a_resave_under_the_same_name_never_mixes_two_saves(
     size = 256 * 1024
     name = "step-10"
     with Cluster(tmp_path / "c", 2, s3_dest, local_s3.endpoint_url) as cluster:
-        cluster.start(0)
         write_save(cluster, name, random.Random(1), size)
+        # Save A was made a minute before save B: what ties a follower's files to a save is
+        # time (``ckptd.cluster.files_fit_save``: a follower's files newer than the
+        # announcing node's newest by more than SAVE_TAIL_SECONDS belong to a later save).
+        a_time = time.time() - 2 * SAVE_TAIL_SECONDS
+        for node in cluster.members:
+            for path in node.checkpoint(name).iterdir():
+                os.utime(path, (a_time, a_time))
+        cluster.start(0)
         wait_until(lambda: store.part(name, 0), 60, "node 0's part of save A", details=cluster.logs)
         announced = store.announcement(name)
         assert announced is not None
