@@ -38,7 +38,7 @@ STEP_DELAY = 0.05  # stands in for compute, so a notice lands mid-interval
 
 def between_saves(rng: random.Random, after: int) -> int:
     """A step past the next save after ``after``, never a save step itself."""
-    step = after + SAVE_EVERY + rng.randint(1, SAVE_EVERY - 1)
+    step = (after // SAVE_EVERY + 1) * SAVE_EVERY + rng.randint(1, SAVE_EVERY - 1)
     assert step % SAVE_EVERY and step < MAX_STEPS - SAVE_EVERY, step
     return step
 
@@ -92,7 +92,7 @@ def test_a_two_node_run_preempted_then_killed_resumes_bit_identical(
                 step_delay=STEP_DELAY,
             )
             try:
-                notice_at = between_saves(rng, 0) - SAVE_EVERY
+                notice_at = between_saves(rng, 0)
                 trainer.wait_step(notice_at, 120)
                 imds.trigger_spot("terminate")
                 results = trainer.wait_exit(60)
