@@ -32,7 +32,9 @@ announced and its own files are quiet and closed, by framework (read in their so
   ``if save_latest and rank == 0`` writes ``latest``, and only *then* ``dist.barrier()``.
   No barrier stands between another rank's last write and ``latest``: a node's
   ``zero_pp_rank_*`` files may still be open when ``latest`` appears, so the quiet,
-  closed window is what makes the part complete.
+  closed window is what makes the part complete. (Older releases wrote ``latest`` on
+  *every* rank right after its own ZeRO files: every node then holds a record, and the
+  lowest rank's announcement wins, ``announcer_may_overwrite``.)
 - Megatron, ``megatron/training/checkpointing.py`` ``save_checkpoint``: every rank
   saves, ``torch.distributed.barrier()``, then rank 0 writes
   ``latest_checkpointed_iteration.txt`` (then another barrier): the tracker follows

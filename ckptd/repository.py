@@ -376,11 +376,13 @@ class Repository:
         except (NotFoundError, ManifestError):
             return None
 
-    def read_parts(self, run_id: str, checkpoint: str) -> dict[int, Part]:
-        """Every readable part of a checkpoint by rank, from one listing; a part that does
-        not parse, or names another rank than its key, is left out."""
+    def read_parts(
+        self, run_id: str, checkpoint: str, ranks: list[int] | None = None
+    ) -> dict[int, Part]:
+        """Every readable part of a checkpoint by rank (of ``ranks``, else of one listing);
+        a part that does not parse, or names another rank than its key, is left out."""
         found: dict[int, Part] = {}
-        for rank in self.part_ranks(run_id, checkpoint):
+        for rank in self.part_ranks(run_id, checkpoint) if ranks is None else ranks:
             part = self.read_part(run_id, checkpoint, rank)
             if part is not None and part.node_rank == rank:
                 found[rank] = part

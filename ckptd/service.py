@@ -318,7 +318,9 @@ class Service:
                 # keeps what was sent, and waiting out the grace period helps no one.
                 self.log.error("sigterm_flush_impossible", error=self.destination.error)
                 return
-            if self.pipeline.idle():
+            # With many nodes, this node's share of an emergency save is idle until the
+            # node with the commit record announces it: wait for that too.
+            if self.pipeline.idle() and not self.pipeline.awaiting_emergency():
                 quiet_since = quiet_since or self.clock.monotonic()
                 if self.clock.monotonic() - quiet_since >= DRAIN_QUIET_SECONDS:
                     self.log.info("flushed_on_sigterm")

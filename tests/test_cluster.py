@@ -23,7 +23,11 @@ from ckptd.cluster import (
     save_id,
     superseded,
 )
+from ckptd.config import WatchConfig
+from ckptd.layouts.base import CheckpointListing, Completion, FileEntry
 from ckptd.manifest import ManifestError, ManifestFile, build_manifest, parse_manifest
+from ckptd.sync.assemble import ClusterShip, Committer, judge_role
+from ckptd.sync.runs import RunState
 
 
 def ann(save: str = "aaaa0000", rank: int = 0, record_ns: int = 0) -> Announcement:
@@ -189,3 +193,73 @@ def test_single_node_manifest_has_no_cluster_fields() -> None:
     assert doc["nodes"] == 2 and doc["save"] == "abcd0123"
     assert parse_manifest(many.to_bytes()) == many
     assert ManifestFile(path="a", size=1, crc32c="00000001") in many.files
+
+
+# -- who ships what: judge_role (sync layer, no I/O) ------------------------------------
+
+
+def _judge(
+    rank: int,
+    files: tuple[tuple[str, int, int], ...],
+    known: Announcement | None,
+    *,
+    complete: bool,
+    layout: str = "dcp",
+    now: float = 1000.0,
+) -> tuple[Completion, ClusterShip | None, RunState]:
+    state = RunState.of(WatchConfig(dir="/tmp/run", run_id="run", settle_seconds=1.0))
+    if known is not None:
+        state.announcements["step-10"] = known
+    listing = CheckpointListing(
+        name="step-10",
+        is_dir=True,
+        files=tuple(FileEntry(p, s, m) for p, s, m in files),
+        open_for_write=frozenset(),
+    )
+    verdict = Completion(complete=complete, layout=layout, reason="rule", files=listing.files)
+    verdict, role = judge_role(state, listing, verdict, Committer(2, rank, "h"), now)
+    return verdict, role, state
+
+
+SHARDS = (("__2_0.distcp", 10, 900 * 10**9), ("__3_0.distcp", 11, 901 * 10**9))
+
+
+def test_the_record_holder_announces_its_own_save() -> None:
+    verdict, role, state = _judge(0, SHARDS, None, complete=True)
+    assert verdict.complete and role is not None and role.announcement is not None
+    assert role.save == role.announcement.save == save_id(SHARDS)
+    assert role.announcement.record_mtime_ns == 901 * 10**9
+    assert not state.awaiting
+
+
+def test_a_node_without_the_record_waits_for_the_announcement() -> None:
+    verdict, role, state = _judge(1, SHARDS, None, complete=False)
+    assert not verdict.complete and role is None
+    assert "announce" in verdict.reason and "step-10" in state.awaiting
+
+
+def test_a_follower_ships_the_announced_save_once_quiet() -> None:
+    known = ann("feed0001", rank=0, record_ns=905 * 10**9)
+    verdict, role, _ = _judge(1, SHARDS, known, complete=False)
+    assert verdict.complete and role is not None
+    assert role.save == "feed0001" and role.announcement is None
+    assert verdict.layout == "dcp"
+    # Changed within the quiet window: not yet.
+    verdict, role, _ = _judge(1, SHARDS, known, complete=False, now=901.5)
+    assert not verdict.complete and role is None and verdict.recheck_after
+
+
+def test_files_of_a_later_save_wait_for_its_announcement() -> None:
+    known = ann("feed0001", rank=0, record_ns=800 * 10**9)  # 100 s before these files
+    verdict, role, state = _judge(1, SHARDS, known, complete=False)
+    assert not verdict.complete and role is None
+    assert "later" in verdict.reason and "step-10" in state.awaiting
+
+
+def test_a_second_record_holder_follows_the_lower_rank() -> None:
+    known = ann("feed0001", rank=0, record_ns=905 * 10**9)
+    _, role, _ = _judge(1, SHARDS, known, complete=True, layout="hf")
+    assert role is not None and role.announcement is None and role.save == "feed0001"
+    # ...but a higher rank's announcement does not lead this node.
+    _, role, _ = _judge(1, SHARDS, ann("feed0002", rank=3), complete=True, layout="hf")
+    assert role is not None and role.announcement is not None and role.save == save_id(SHARDS)

@@ -323,17 +323,21 @@ async def test_a_resave_under_the_same_name_never_mixes_parts(
     await n0.start()
     await drive([n0], lambda: bool(n0.status()["waiting"]))
     first = repo.read_announcement(RUN, "step-10")
-    assert first is not None
-    # The trainer restarts and saves step-10 again, on both nodes, other bytes.
-    dcp_save(n0, n1, size=50 * KiB)
-    age(n0.root, 1)
-    age(n1.root, 1)
-    await drive(
-        [n0],
-        lambda: (a := repo.read_announcement(RUN, "step-10")) is not None and a.save != first.save,
-    )
-    await drive([n0], lambda: bool(n0.status()["waiting"]))
+    assert first is not None and repo.part_ranks(RUN, "step-10") == [0]
+    # The trainer restarts and saves step-10 again, other bytes: every rank's shards
+    # first (the old .metadata still beside them, as DCP leaves it until finish()).
+    for node, ranks in ((n0, (0, 1)), (n1, (2, 3))):
+        for r in ranks:
+            write_bytes(node.watch / "step-10" / f"__{r}_0.distcp", 50 * KiB + r)
+    # Node 0 sees its files change: it withdraws the old save's announcement and part,
+    # so node 1 can never pair its new shards with the old save.
+    await drive([n0], lambda: repo.read_announcement(RUN, "step-10") is None)
+    assert repo.part_ranks(RUN, "step-10") == []
     await n1.start()
+    await drive_for([n0, n1], 0.6)
+    assert repo.read_manifest(RUN, "step-10") is None
+    assert repo.part_ranks(RUN, "step-10") == []  # node 1 waits for the new announcement
+    write_bytes(n0.watch / "step-10" / ".metadata", 3100)  # finish(): the new save commits
     await drive([n0, n1], lambda: repo.read_manifest(RUN, "step-10") is not None)
     expected = union(n0, n1, "step-10")
     assert all(len(v) >= 50 * KiB for k, v in expected.items() if k.endswith(".distcp"))
@@ -398,8 +402,8 @@ async def test_retention_sweeps_announcements_and_parts_that_can_never_commit(
     await n0.start()
     await drive([n0], lambda: bool(n0.status()["waiting"]))
     dcp_save(n0, n1, name="step-10")
-    age(n0.root)
-    age(n1.root)
+    age(n0.watch / "step-10")
+    age(n1.watch / "step-10")
     await n1.start()
     await drive([n0, n1], lambda: repo.read_manifest(RUN, "step-10") is not None)
     assert repo.storage.head(announce_key(RUN, "step-5")) is not None
@@ -413,6 +417,34 @@ async def test_retention_sweeps_announcements_and_parts_that_can_never_commit(
     assert repo.cluster_keys(RUN, "step-5") == []
     assert repo.read_manifest(RUN, "step-10") is not None
     assert repo.cluster_keys(RUN, "step-10")  # a committed checkpoint keeps its parts
+    # Node 0, finding its part of step-5 gone and step-10 committed, gives step-5 up:
+    # no longer waiting, never announced again.
+    await drive([n0], lambda: not n0.status()["waiting"])
+    assert "superseded" in str(n0.status()["failed"])
+    assert n0.metric("ckptd_checkpoints_waiting_for_nodes") == 0
+    await drive_for([n0], 0.3)
+    assert repo.cluster_keys(RUN, "step-5") == []
+
+
+async def test_a_waiting_checkpoint_below_a_newer_commit_is_given_up_after_the_grace(
+    pair: tuple[Node, Node, Repository],
+) -> None:
+    n0, n1, repo = pair
+    dcp_save(n0, n1, name="step-5")
+    shutil.rmtree(n1.watch / "step-5")
+    dcp_save(n0, n1, name="step-10")
+    age(n0.root)
+    age(n1.root)
+    await n0.start()
+    await n1.start()
+    await drive([n0, n1], lambda: repo.read_manifest(RUN, "step-10") is not None)
+    await drive_for([n0, n1], 0.3)
+    assert [w["checkpoint"] for w in n0.status()["waiting"]] == ["step-5"]  # type: ignore[attr-defined]
+    assert n0.pipeline is not None
+    n0.pipeline.abandon_grace_seconds = 0.2
+    await drive([n0], lambda: not n0.status()["waiting"])
+    assert "superseded" in str(n0.status()["failed"])
+    assert repo.read_manifest(RUN, "step-5") is None
 
 
 def test_status_view_shows_waiting_checkpoints() -> None:
@@ -473,3 +505,22 @@ def test_announcement_and_parts_are_never_taken_for_checkpoints_or_files(
         )["format"]
         == "ckptd.announce/1"
     )
+
+
+async def test_a_followers_share_of_an_emergency_save_holds_the_flush_until_announced(
+    pair: tuple[Node, Node, Repository],
+) -> None:
+    n0, n1, repo = pair
+    p1 = await n1.start()
+    p1.enter_emergency(None)  # a notice: the trainer saves at once, on both nodes
+    dcp_save(n0, n1, name="step-20")
+    # Node 1's shards are there, unannounced: the pipeline is idle, yet a SIGTERM flush
+    # must not end (service._drain_after_sigterm waits on awaiting_emergency()).
+    await drive([n1], lambda: p1.idle() and p1.awaiting_emergency())
+    assert repo.read_manifest(RUN, "step-20") is None
+    await n0.start()
+    await drive(
+        [n0, n1],
+        lambda: repo.read_manifest(RUN, "step-20") is not None and not p1.awaiting_emergency(),
+    )
+    assert_committed_whole(repo, "step-20", union(n0, n1, "step-20"))

@@ -1,7 +1,10 @@
 """One checkpoint from many nodes' parts: announce, write the part, commit the union.
 
     announce  the node holding the framework's commit record writes ckptd.announce.json
-              before it ships (``announce``); the other nodes wait for it
+              before it ships (``announce``); the other nodes wait for it. When that
+              node's files change (a re-save under the same name) it withdraws the
+              announcement and its part at once (``withdraw``), so no node pairs new
+              files with the old save
     part      each node, once its files are uploaded and verified, writes
               ckptd.part-<rank>.json carrying the announced save (``write_part``)
     commit    a node that finds every rank's part of the announced save merges them
@@ -13,7 +16,8 @@ The store is the only coordinator: every step is an object read or written, so a
 killed anywhere repeats its step on restart (the announcement and part are rewritten
 with the same content, the commit is conditional) and the nodes converge. A part of
 another save than the announcement's is never merged, and a conflict is never committed.
-Blocking functions: run them in a thread.
+Blocking functions (but ``judge_role``, which decides who announces and who follows):
+run them in a thread.
 """
 
 from __future__ import annotations
@@ -23,17 +27,95 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ckptd.cluster import (
+    SAVE_TAIL_SECONDS,
     Announcement,
     Conflict,
     Merged,
     Part,
     announcer_may_overwrite,
     epoch_of,
+    files_fit_save,
+    is_announcer,
     merge_parts,
+    save_id,
 )
-from ckptd.manifest import Manifest, build_manifest
-from ckptd.repository import Repository
+from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
+from ckptd.manifest import Manifest, build_manifest, utc_timestamp
+from ckptd.repository import Repository, announce_key, part_key
 from ckptd.sync.commit import CommitConflictError, CommitResult, commit
+from ckptd.sync.runs import RunState
+
+
+@dataclass(frozen=True)
+class Committer:
+    """Who commits: this node's host name and environment go into the global manifest."""
+
+    nodes: int
+    rank: int
+    host: str
+    environment: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterShip:
+    """How one node ships its part of a many-node checkpoint."""
+
+    committer: Committer
+    save: str  # the save this node's files answer (its own when it announces)
+    announcement: Announcement | None = None  # to write first: this node holds the record
+
+
+def judge_role(
+    state: RunState,
+    listing: CheckpointListing,
+    verdict: Completion,
+    committer: Committer,
+    now: float,
+) -> tuple[Completion, ClusterShip | None]:
+    """The verdict on one node's files of a checkpoint, and how the node ships them: as
+    the announcer (its rule holds on the commit record, and no lower rank leads the
+    save), or as a follower of the announced save (``state.announcements``) once its files
+    fit that save and are quiet and closed. Otherwise incomplete, and the checkpoint is
+    noted in ``state.awaiting`` for ``poll_cluster`` to look for its announcement."""
+    name = listing.name
+    known = state.announcements.get(name)
+    own = save_id((f.path, f.size, f.mtime_ns) for f in listing.files)
+    if is_announcer(verdict.layout, verdict.complete, committer.rank) and (
+        known is None or known.save == own or known.node_rank >= committer.rank
+    ):
+        announcement = Announcement(
+            run_id=state.run_id,
+            checkpoint=name,
+            save=own,
+            node_rank=committer.rank,
+            layout=verdict.layout,
+            step=step_of(name),
+            announced_at=utc_timestamp(now),
+            record_mtime_ns=listing.newest_mtime_ns,
+        )
+        state.awaiting.pop(name, None)
+        return verdict, ClusterShip(committer, own, announcement)
+    if known is None or not files_fit_save(listing.newest_mtime_ns, known, SAVE_TAIL_SECONDS):
+        state.awaiting.setdefault(name, now)
+        why = (
+            "waiting for the node with the commit record to announce it"
+            if known is None
+            else f"files newer than announced save {known.save}: waiting for a later one"
+        )
+        # Keep the rule's own recheck: on the record's node the verdict may be
+        # "complete but for a quiet window".
+        return not_complete(verdict.layout, why, verdict.recheck_after), None
+    judged = settled(
+        known.layout,
+        listing,
+        int(now * 1e9),
+        state.rules.settle_seconds,
+        f"announced by node {known.node_rank}; this node's files are quiet and closed",
+    )
+    if not judged.complete:
+        return judged, None
+    state.awaiting.pop(name, None)
+    return judged, ClusterShip(committer, known.save)
 
 
 class Assembly(Enum):
@@ -55,16 +137,6 @@ class AssemblyResult:
     announcement: Announcement | None = None
 
 
-@dataclass(frozen=True)
-class Committer:
-    """Who commits: this node's host name and environment go into the global manifest."""
-
-    nodes: int
-    rank: int
-    host: str
-    environment: Mapping[str, str] = field(default_factory=dict)
-
-
 def announce(repo: Repository, announcement: Announcement) -> Announcement:
     """Write ``announcement`` unless one in force wins over it (``announcer_may_overwrite``);
     returns the announcement in force afterwards."""
@@ -80,6 +152,22 @@ def announce(repo: Repository, announcement: Announcement) -> Announcement:
 
 def write_part(repo: Repository, part: Part) -> None:
     repo.write_part(part)
+
+
+def withdraw(repo: Repository, run: str, name: str, rank: int, save: str) -> bool:
+    """The announcing node's files changed (a re-save under the same name has begun):
+    remove its announcement and its part of ``save``, so no other node pairs its new
+    files with the old save. Only objects of ``save`` by ``rank`` are removed; returns
+    whether the announcement was."""
+    announcement = repo.read_announcement(run, name)
+    gone = False
+    if announcement is not None and (announcement.node_rank, announcement.save) == (rank, save):
+        repo.delete([announce_key(run, name)])
+        gone = True
+    part = repo.read_part(run, name, rank)
+    if part is not None and part.save == save:
+        repo.delete([part_key(run, name, rank)])
+    return gone
 
 
 def try_commit(
@@ -103,7 +191,18 @@ def try_commit(
             reason=f"announced save {announcement.save} is not this node's {save}",
             announcement=announcement,
         )
-    parts = repo.read_parts(run, name)
+    # One LIST first: while a rank has no part object at all, no part is read (a waiting
+    # checkpoint costs three requests a poll, however many nodes).
+    listed = repo.part_ranks(run, name)
+    absent = tuple(r for r in range(committer.nodes) if r not in listed)
+    if absent:
+        return AssemblyResult(
+            Assembly.WAITING,
+            missing=absent,
+            reason=f"waiting for node(s) {', '.join(map(str, absent))}",
+            announcement=announcement,
+        )
+    parts = repo.read_parts(run, name, listed)
     verdict = merge_parts(announcement, parts, committer.nodes)
     if isinstance(verdict, Conflict):
         return AssemblyResult(

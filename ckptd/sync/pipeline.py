@@ -27,35 +27,41 @@ from typing import Any
 
 from ckptd import layouts
 from ckptd.clock import SYSTEM_CLOCK, Clock
-from ckptd.cluster import (
-    ABANDON_GRACE_SECONDS,
-    SAVE_TAIL_SECONDS,
-    Announcement,
-    files_fit_save,
-    is_announcer,
-    save_id,
-    superseded,
-)
+from ckptd.cluster import ABANDON_GRACE_SECONDS, save_id, superseded
 from ckptd.config import Settings
 from ckptd.deadline import plan_flush
 from ckptd.environment import describe
-from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
+from ckptd.layouts.base import CheckpointListing, Completion, step_of
 from ckptd.logs import get_logger
-from ckptd.manifest import Manifest, ManifestError, utc_timestamp
+from ckptd.manifest import Manifest, ManifestError
 from ckptd.metrics import Metrics
 from ckptd.repository import Repository
 from ckptd.storage.base import Storage, StorageError
 from ckptd.sync import cleanup
-from ckptd.sync.assemble import Assembly, AssemblyResult, Committer, try_commit
+from ckptd.sync.assemble import (
+    Assembly,
+    AssemblyResult,
+    ClusterShip,
+    Committer,
+    judge_role,
+    try_commit,
+    withdraw,
+)
 from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
-from ckptd.sync.queue import InFlight, Pending, ShipQueue, completed_in_emergency, uploads_to_pause
+from ckptd.sync.queue import (
+    EMERGENCY_MTIME_SLACK,
+    InFlight,
+    Pending,
+    ShipQueue,
+    completed_in_emergency,
+    uploads_to_pause,
+)
 from ckptd.sync.rate import RateMeter
 from ckptd.sync.runs import Progress, RunState, WaitingEntry
 from ckptd.sync.scanner import list_candidates, snapshot
 from ckptd.sync.ship import (
     ClusterConflictError,
-    ClusterShip,
     Outcome,
     Shipper,
     ShipRequest,
@@ -125,6 +131,9 @@ class SyncPipeline:
             if cluster.multi_node
             else None
         )
+        # A checkpoint below the newest committed step, waiting longer than this, is given
+        # up (``cluster.superseded``), here and by retention's sweep.
+        self.abandon_grace_seconds = ABANDON_GRACE_SECONDS
 
     def _count_bytes(self, run: str, n: int) -> None:
         self.metrics.upload_bytes.labels(run=run).inc(n)
@@ -197,70 +206,59 @@ class SyncPipeline:
         announcer (its rule holds on the commit record) or as a follower of the save the
         store announced (module doc). One node: the rule's verdict, unchanged."""
         verdict = self._verdict(state, listing)
-        committer = self.committer
-        if committer is None:
+        if self.committer is None:
             return verdict, None
-        name = listing.name
-        known = state.announcements.get(name)
-        own = save_id(fingerprint(listing.files))
-        if is_announcer(verdict.layout, verdict.complete, committer.rank) and (
-            known is None or known.save == own or known.node_rank >= committer.rank
-        ):
-            announcement = Announcement(
-                run_id=state.run_id,
-                checkpoint=name,
-                save=own,
-                node_rank=committer.rank,
-                layout=verdict.layout,
-                step=step_of(name),
-                announced_at=utc_timestamp(self.clock.time()),
-                record_mtime_ns=listing.newest_mtime_ns,
-            )
-            state.awaiting.pop(name, None)
-            return verdict, ClusterShip(committer, own, announcement)
-        if known is None or not files_fit_save(listing.newest_mtime_ns, known, SAVE_TAIL_SECONDS):
-            state.awaiting.setdefault(name, self.clock.time())
-            why = (
-                "waiting for the node with the commit record to announce it"
-                if known is None
-                else f"files newer than announced save {known.save}: waiting for a later one"
-            )
-            # Keep the rule's own recheck: on the record's node the verdict may be
-            # "complete but for a quiet window".
-            return not_complete(verdict.layout, why, verdict.recheck_after), None
-        judged = settled(
-            known.layout,
-            listing,
-            int(self.clock.time() * 1e9),
-            state.rules.settle_seconds,
-            f"announced by node {known.node_rank}; this node's files are quiet and closed",
-        )
-        if not judged.complete:
-            return judged, None
-        state.awaiting.pop(name, None)
-        return judged, ClusterShip(committer, known.save)
+        return judge_role(state, listing, verdict, self.committer, self.clock.time())
 
-    async def _superseded(self, state: RunState, listing: CheckpointListing) -> bool:
-        """Many nodes: whether a checkpoint can never commit any more (``cluster.superseded``)
-        and is left alone, with its step below the newest committed one."""
+    async def _superseded(
+        self, state: RunState, name: str, since: float, *, refresh: bool = False
+    ) -> bool:
+        """Many nodes: whether a checkpoint (waiting or written since ``since``) can never
+        commit any more (``cluster.superseded``); if so it is given up and left alone.
+        ``refresh`` reads LATEST again: another node may have committed a later step."""
         previous = await self._previous_manifest(state)
-        newest = max(
-            (s for s in (state.last_step, previous.step if previous else None) if s is not None),
-            default=None,
-        )
-        entry = state.waiting.get(listing.name)
-        since = entry.since if entry else listing.newest_mtime_ns / 1e9
-        if not superseded(step_of(listing.name), newest, since, self.clock.time()):
+        steps = [state.last_step, previous.step if previous else None]
+        if refresh:
+            latest = await asyncio.to_thread(self.repo.read_latest, state.run_id)
+            steps.append(latest.step if latest else None)
+        newest = max((s for s in steps if s is not None), default=None)
+        entry = state.waiting.get(name)
+        since = min(since, entry.since) if entry else since
+        if not superseded(
+            step_of(name), newest, since, self.clock.time(), self.abandon_grace_seconds
+        ):
             return False
-        state.forget_cluster(listing.name)
-        state.failed_for_good[listing.name] = (
+        state.forget_cluster(name)
+        self.queue.remove(state.run_id, name)
+        state.failed_for_good[name] = (
             f"superseded: step {newest} committed and not every node's part arrived"
         )
         self.log.warning(
-            "checkpoint_superseded", run=state.run_id, checkpoint=listing.name, newest_step=newest
+            "checkpoint_superseded", run=state.run_id, checkpoint=name, newest_step=newest
         )
         self.update_gauges()
         return True
+
+    async def _withdraw_if_resaved(self, state: RunState, listing: CheckpointListing) -> None:
+        """Many nodes: this node announced a save whose files have since changed (a
+        re-save under the same name): withdraw it (``assemble.withdraw``)."""
+        entry = state.waiting.get(listing.name)
+        committer = self.committer
+        if committer is None or entry is None or not entry.announced:
+            return
+        if save_id((f.path, f.size, f.mtime_ns) for f in listing.files) == entry.save:
+            return
+        state.waiting.pop(listing.name, None)
+        run, name = state.run_id, listing.name
+        try:
+            await asyncio.to_thread(withdraw, self.repo, run, name, committer.rank, entry.save)
+        except StorageError as exc:
+            self.log.warning(
+                "announcement_withdraw_failed", run=run, checkpoint=name, error=str(exc)
+            )
+            return
+        self.log.info("announcement_withdrawn", run=run, checkpoint=name, save=entry.save)
+        self.update_gauges()
 
     async def evaluate(self, run_id: str, name: str) -> Completion | None:
         """Apply the completion rule to one checkpoint now; queue it if complete."""
@@ -286,6 +284,10 @@ class SyncPipeline:
             # sending now rather than at the final check.
             ctx.cancel.set()
         if listing is None:
+            # Gone locally: nothing left to announce or follow (a part already written
+            # stays waiting: the store holds all it needs).
+            state.awaiting.pop(name, None)
+            state.announcements.pop(name, None)
             if self.queue.remove(run_id, name) is not None:
                 self.log.info("checkpoint_vanished", run=run_id, checkpoint=name)
             state.seen.discard(name)
@@ -295,13 +297,19 @@ class SyncPipeline:
             self.log.info(
                 "checkpoint_detected", run=run_id, checkpoint=name, files=len(listing.files)
             )
-        if self.committer is not None and await self._superseded(state, listing):
+        if self.committer is not None and await self._superseded(
+            state, name, listing.newest_mtime_ns / 1e9
+        ):
             return None
-        verdict, _ = self._judge(state, listing)
+        verdict, role = self._judge(state, listing)
+        await self._withdraw_if_resaved(state, listing)
         if not verdict.complete:
             if verdict.recheck_after is not None:
                 self.hint(run_id, name, delay=verdict.recheck_after + 0.05)
             return verdict
+        waiting = state.waiting.get(name)
+        if role is not None and waiting is not None and waiting.save == role.save:
+            return verdict  # its part is in the store: poll_cluster takes it from here
         total = sum(f.size for f in verdict.files)
         pending = Pending(
             run_id,
@@ -508,7 +516,9 @@ class SyncPipeline:
                 protected=protected,
                 committed_here=state.committed,
                 log=log,
-                cluster_grace_seconds=None if self.committer is None else ABANDON_GRACE_SECONDS,
+                cluster_grace_seconds=None
+                if self.committer is None
+                else self.abandon_grace_seconds,
             )
             state.seen.difference_update(removed)
         run = state.run_id
@@ -565,6 +575,7 @@ class SyncPipeline:
         entry = state.waiting.get(name)
         if entry is None or entry.save != role.save:
             entry = state.waiting[name] = WaitingEntry(role.save, self.clock.time())
+        entry.announced = role.announcement is not None
         if assembly is not None:
             entry.missing, entry.reason = assembly.missing, assembly.reason
         log.info("checkpoint_waiting_for_nodes", missing=list(entry.missing), reason=entry.reason)
@@ -591,6 +602,8 @@ class SyncPipeline:
                     )
                     self.hint(run, name, delay=0.0)
             for name, entry in list(state.waiting.items()):
+                if await self._superseded(state, name, entry.since):
+                    continue
                 result = await asyncio.to_thread(
                     try_commit,
                     self.repo,
@@ -620,12 +633,20 @@ class SyncPipeline:
             await self._committed(state, pending, shipped, log)
         elif result.outcome is Assembly.CONFLICT:
             self._conflict(state, name, ClusterConflictError(result.reason), log)
+        elif committer.rank in result.missing and await self._superseded(
+            state, name, 0.0, refresh=True
+        ):
+            # This node's part is gone (retention's sweep) and a later step is committed:
+            # given up, never announced again.
+            pass
         elif result.outcome is Assembly.RESAVED or committer.rank in result.missing:
             # A later save is announced, or this node's own part is gone: ship again
             # (the journal skips every object already sent; the part is rewritten).
             state.waiting.pop(name, None)
             if result.announcement is not None:
                 state.announcements[name] = result.announcement
+            else:  # withdrawn: wait for the next announcement
+                state.announcements.pop(name, None)
             log.info("checkpoint_reshipping", reason=result.reason or "own part missing")
             self.update_gauges()
             self.hint(state.run_id, name, delay=0.0)
@@ -634,6 +655,15 @@ class SyncPipeline:
             log.info(
                 "checkpoint_waiting_for_nodes", missing=list(entry.missing), reason=entry.reason
             )
+
+    def awaiting_emergency(self) -> bool:
+        """Many nodes, during a notice: a checkpoint that appeared since the notice waits
+        for its announcement. That is this node's share of the emergency save, which the
+        node with the commit record is about to announce: a SIGTERM flush waits for it."""
+        if self.emergency_since is None:
+            return False
+        since = self.emergency_since - EMERGENCY_MTIME_SLACK
+        return any(t >= since for s in self.runs.values() for t in s.awaiting.values())
 
     def cluster_busy(self) -> bool:
         """Many nodes: a checkpoint still waits for an announcement or for other nodes."""

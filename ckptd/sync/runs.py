@@ -42,6 +42,7 @@ class WaitingEntry:
     since: float  # wall clock: when this node's part was first written
     missing: tuple[int, ...] = ()
     reason: str = ""
+    announced: bool = False  # this node wrote the announcement (it holds the record)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from ckptd import checksum
 from ckptd.clock import Clock
-from ckptd.cluster import Announcement, Part, part_files
+from ckptd.cluster import Part, part_files
 from ckptd.environment import describe
 from ckptd.errors import CkptdError
 from ckptd.layouts.base import CheckpointListing, Completion, FileEntry, step_of
@@ -43,7 +43,7 @@ from ckptd.storage.base import StorageError
 from ckptd.sync.assemble import (
     Assembly,
     AssemblyResult,
-    Committer,
+    ClusterShip,
     announce,
     try_commit,
     write_part,
@@ -73,15 +73,6 @@ class Outcome(Enum):
 
 class ClusterConflictError(CkptdError):
     """Two nodes' parts name one path with different bytes."""
-
-
-@dataclass(frozen=True)
-class ClusterShip:
-    """How one node ships its part of a many-node checkpoint."""
-
-    committer: Committer
-    save: str  # the save this node's files answer (its own when it announces)
-    announcement: Announcement | None = None  # to write first: this node holds the record
 
 
 @dataclass
