@@ -288,6 +288,18 @@ class Service:
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
         followed = source is self.cluster_source
+        current = self.responder.current
+        if followed and current is not None:
+            # Already signalled and in emergency mode (typically our own notice: a cloud
+            # reclaims the whole cluster at once). Acting again would move the emergency
+            # start past a checkpoint already saved for it, and take the response (and
+            # its acknowledgement to our cloud) from our own notice.
+            self.log.info(
+                "cluster_notice_already_responding",
+                source=notice.source,
+                responding_to=current.notice.source,
+            )
+            return
         # A notice followed from another node is never published again (no echo).
         response = await self.responder.handle(notice, source, publish=not followed)
         if notice.source == "sigterm":

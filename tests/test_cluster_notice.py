@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,8 +49,10 @@ def doc(
     }
 
 
-def own_notice(source: str = "aws", *, deadline_s: float | None = 120.0) -> Notice:
-    now = datetime.now(UTC)
+def own_notice(
+    source: str = "aws", *, deadline_s: float | None = 120.0, at: datetime | None = None
+) -> Notice:
+    now = at or datetime.now(UTC)
     return Notice(
         source=source,
         kind="spot-termination",
@@ -161,7 +164,7 @@ async def test_the_follower_yields_each_notice_once_and_never_its_own(storage: S
     repo.write_notice("run", doc(rank=0, noticed_at=started - timedelta(minutes=5)))
     assert await source.poll_once() == []
     # Its own notice (this node published it) is never followed.
-    fresh = own_notice()
+    fresh = own_notice(at=started + timedelta(milliseconds=5))  # times have ms precision
     repo.write_notice("run", notice_document(fresh, node_rank=1, host="me"))
     assert await source.poll_once() == []
     # Another node's: followed once, though both runs carry it and the poll repeats.
@@ -179,13 +182,13 @@ async def test_the_follower_keeps_polling_through_a_store_outage(
 ) -> None:
     storage = open_storage(s3_dest, endpoint_url=fault_proxy.url, max_attempts=1)
     repo = Repository(storage)
-    source = ClusterNoticeSource(
-        repo, ["run"], own_rank=1, started_at=datetime.now(UTC), interval=0.05
-    )
+    started = datetime.now(UTC)
+    source = ClusterNoticeSource(repo, ["run"], own_rank=1, started_at=started, interval=0.05)
     fault_proxy.deny("503-unavailable", methods={"GET"})
     assert await source.poll_once() == []  # logged, not raised
     fault_proxy.clear_faults()
-    repo.write_notice("run", notice_document(own_notice(), node_rank=0, host="peer"))
+    later = own_notice(at=started + timedelta(milliseconds=5))
+    repo.write_notice("run", notice_document(later, node_rank=0, host="peer"))
     notices: list[Notice] = []
 
     async def collect() -> None:
@@ -237,3 +240,152 @@ async def test_publishing_gives_up_at_the_deadline(
     fault_proxy.deny("500", methods={"PUT"})
     task = publisher.publish(own_notice(deadline_s=0.5))
     assert await asyncio.wait_for(task, timeout=10) is False
+
+
+class StubEmergency:
+    """The responder's view of the pipeline (watch dirs, emergency switch), recorded."""
+
+    def __init__(self, watch: Path) -> None:
+        self.watch = watch
+        self.deadlines: list[datetime | None] = []
+
+    def watch_dirs(self) -> list[Path]:
+        return [self.watch]
+
+    def enter_emergency(self, deadline: datetime | None) -> None:
+        self.deadlines.append(deadline)
+
+    def leave_emergency(self) -> None:
+        pass
+
+
+async def test_the_trainer_is_signalled_while_the_store_still_hangs_on_the_notice(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    """Publishing never delays the trainer's signal: the NOTICE write hangs (a proxy that
+    never answers the PUT) while the real trainer process has its signal already."""
+    import subprocess
+    import sys
+
+    from ckptd.config import load_settings
+    from ckptd.respond import Responder
+    from tests.daemon import wait_until
+
+    pidfile, record = tmp_path / "trainer.pid", tmp_path / "signals"
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.trainers.signal_recorder",
+            *("--pidfile", str(pidfile), "--record", str(record), "--max-seconds", "60"),
+        ],
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(pidfile.exists, 30, "trainer started")
+        watch = tmp_path / "watch"
+        watch.mkdir()
+        settings = load_settings(
+            overrides={
+                "watch": [{"dir": str(watch), "run_id": "run"}],
+                "destination": {"url": s3_dest},
+                "trainer": {"pidfile": str(pidfile)},
+                "cluster": {"nodes": 2, "node_rank": 0},
+            },
+            environ={},
+        )
+        with FaultProxy(local_s3.endpoint_url, stall_seconds=3) as proxy:
+            proxy.deny("timeout", methods={"PUT"})
+            storage = open_storage(s3_dest, endpoint_url=proxy.url, max_attempts=1)
+            publisher = NoticePublisher(
+                Repository(storage), ["run"], node_rank=0, host="me", retry_seconds=0.05
+            )
+            responder = Responder(settings, Metrics(), StubEmergency(watch))
+            responder.publish_notice = publisher.publish
+            notice = own_notice()
+            response = await asyncio.wait_for(responder.handle(notice), timeout=5)
+            assert response is not None and response.pids == [trainer.pid]
+            wait_until(record.exists, 5, "the trainer's signal")
+            assert response.published is not None and not response.published.done()
+            assert response.timings(datetime.now(UTC))["notice_published"] is False
+            # Once the store answers again, the NOTICE is written after all.
+            proxy.clear_faults()
+            await publisher.drain(30)
+            assert response.published.done() and response.published.result() is True
+            assert response.timings(datetime.now(UTC))["notice_published"] is True
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+# -- the service's notice loop -----------------------------------------------------------------
+
+
+class CloudStandIn:
+    """A notice source object as the service's loop hands it over (no I/O)."""
+
+    name = "aws"
+
+    def watch(self) -> Any:
+        raise NotImplementedError
+
+    async def acknowledge(self, notice: Notice) -> None:
+        pass
+
+
+def cluster_service(tmp_path: Path, storage_url: str) -> Any:
+    from ckptd.config import load_settings
+    from ckptd.service import Service
+
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    settings = load_settings(
+        overrides={
+            "watch": [{"dir": str(watch), "run_id": "run"}],
+            "destination": {"url": storage_url},
+            "state": {"dir": str(tmp_path / "state")},
+            "cluster": {"nodes": 2, "node_rank": 1, "poll_interval_seconds": 0.05},
+        },
+        environ={},
+    )
+    return Service(settings)
+
+
+async def test_a_followed_notice_is_acted_on_and_never_published_again(tmp_path: Path) -> None:
+    service = cluster_service(tmp_path, f"file://{tmp_path / 'store'}")
+    assert service.cluster_source is not None and service.publisher is not None
+    # Noticed on the peer a moment after this daemon started (times have ms precision).
+    later = service.started_at + timedelta(milliseconds=5)
+    peer = notice_document(own_notice(at=later), node_rank=0, host="peer")
+    Repository(service.storage).write_notice("run", peer)
+    (followed,) = await service.cluster_source.poll_once()
+    await service._on_notice(followed, service.cluster_source)
+    response = service.responder.current
+    assert response is not None and response.notice.source == "node-0/aws"
+    assert response.published is None  # not handed to the publisher
+    assert (Repository(service.storage).read_notice("run") or {})["node_rank"] == 0
+    assert service.status()["preemption"]["source"] == "node-0/aws"
+    await service.publisher.drain(1)
+
+
+async def test_own_notice_is_published_and_a_later_followed_one_does_not_replace_it(
+    tmp_path: Path,
+) -> None:
+    service = cluster_service(tmp_path, f"file://{tmp_path / 'store'}")
+    assert service.cluster_source is not None and service.publisher is not None
+    mine = own_notice()
+    await service._on_notice(mine, CloudStandIn())
+    response = service.responder.current
+    assert response is not None and response.published is not None
+    assert await asyncio.wait_for(response.published, 10) is True
+    written = Repository(service.storage).read_notice("run")
+    assert written is not None and (written["node_rank"], written["id"]) == (1, mine.id)
+    # Another node, preempted at the same moment, publishes too; we are responding already.
+    later = service.started_at + timedelta(milliseconds=5)
+    Repository(service.storage).write_notice(
+        "run", notice_document(own_notice(at=later), node_rank=0, host="peer")
+    )
+    (followed,) = await service.cluster_source.poll_once()
+    await service._on_notice(followed, service.cluster_source)
+    assert service.responder.current is response
+    await service.publisher.drain(1)

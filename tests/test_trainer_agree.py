@@ -32,6 +32,19 @@ def test_without_a_process_group_the_flag_is_returned_unchanged() -> None:
     assert agree_to_save(False) is False
 
 
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo"])
+def test_cpu_backends_take_a_cpu_tensor(backend: str) -> None:
+    """Backends (or mixed groups) that serve CPU tensors get one: no GPU is touched."""
+    from ckptd.trainer.agree import _device_for
+
+    class Group:
+        @staticmethod
+        def get_backend(group: object) -> str:
+            return backend
+
+    assert str(_device_for(Group, None)) == "cpu"
+
+
 @pytest.fixture
 def ranks(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[bytes]]]]:
     work = tmp_path / "work"

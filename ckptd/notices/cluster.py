@@ -89,7 +89,8 @@ def judge_notice(
     except (KeyError, ValueError, TypeError):
         return Judgement(None, "malformed")
     # Stale first: an earlier cluster's NOTICE is stale whoever wrote it (and is logged so).
-    if noticed_at <= started_at:
+    # A NOTICE's times have millisecond precision: compare the start time at that precision.
+    if noticed_at <= started_at.replace(microsecond=started_at.microsecond // 1000 * 1000):
         return Judgement(None, "stale: noticed before this daemon started")
     if deadline is not None and deadline <= now:
         return Judgement(None, "stale: deadline past")
