@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ckptd.cluster import SAVE_TAIL_SECONDS
 from ckptd.locals3 import LocalS3
 from tests.daemon import wait_until
@@ -107,32 +109,40 @@ def test_kill9_at_random_instants_never_commits_a_checkpoint_missing_a_shard(
             assert victims_seen == {"node 0", "node 1", "both"}
 
 
+@pytest.mark.parametrize("announcer", ["down", "up"])
 def test_a_resave_under_the_same_name_never_mixes_two_saves(
-    tmp_path: Path, local_s3: LocalS3, s3_dest: str, s3_client: Any, s3_prefix: str
+    announcer: str, tmp_path: Path, local_s3: LocalS3, s3_dest: str, s3_client: Any, s3_prefix: str
 ) -> None:
-    """Save A is announced and node 0 ships its part while node 1's daemon is down; node 0
-    stops. A minute later the trainer saves the same name again (B, same sizes, new bytes): node 1's
-    shards first, with node 1's daemon up and A's announcement still in the store, then
-    node 0's shards and ``.metadata``, and node 0 comes back. What is committed is B on
-    both nodes; A's part (its objects still in the store) must not be merged with B's."""
+    """Save A is announced and node 0 ships its part while node 1's daemon is down. Then
+    the trainer saves the same name again (B, same sizes, new bytes): node 1's shards
+    first, with node 1's daemon started while A's announcement may still be in the store,
+    then node 0's shards and ``.metadata``. What is committed is B on both nodes; A's part
+    (its objects still in the store) is never merged with B's.
+
+    ``down``: node 0's daemon is stopped from A's part until B is whole, so A's
+    announcement stays; B comes a minute after A. ``up``: node 0's daemon runs throughout
+    and sees its files change at once (B seconds after A)."""
     store = Store(s3_client, s3_prefix)
     size = 256 * 1024
     name = "step-10"
     with Cluster(tmp_path / "c", 2, s3_dest, local_s3.endpoint_url) as cluster:
         write_save(cluster, name, random.Random(1), size)
-        # Save A was made a minute before save B: what ties a follower's files to a save is
-        # time (``ckptd.cluster.files_fit_save``: a follower's files newer than the
-        # announcing node's newest by more than SAVE_TAIL_SECONDS belong to a later save).
-        a_time = time.time() - 2 * SAVE_TAIL_SECONDS
-        for node in cluster.members:
-            for path in node.checkpoint(name).iterdir():
-                os.utime(path, (a_time, a_time))
+        if announcer == "down":
+            # What ties a follower's files to a save is time (``files_fit_save``): files
+            # newer than the announcing node's newest by more than SAVE_TAIL_SECONDS belong
+            # to a later save. Within that tail, with the announcing node down, node 1 cannot
+            # tell B's shards from A's (see README, Many nodes: a re-save); A is dated back.
+            a_time = time.time() - 2 * SAVE_TAIL_SECONDS
+            for node in cluster.members:
+                for path in node.checkpoint(name).iterdir():
+                    os.utime(path, (a_time, a_time))
         cluster.start(0)
         wait_until(lambda: store.part(name, 0), 60, "node 0's part of save A", details=cluster.logs)
         announced = store.announcement(name)
         assert announced is not None
         save_a = announced["save"]
-        cluster.stop(0)
+        if announcer == "down":
+            cluster.stop(0)
         assert store.manifest(name) is None
 
         # Save B: same writer, same sizes (a size check cannot tell them apart), new bytes.
@@ -141,9 +151,9 @@ def test_a_resave_under_the_same_name_never_mixes_two_saves(
                 path.unlink()
         sizes_b = random.Random(1)
         write_node_shards(cluster[1], name, sizes_b, size)
-        cluster.start(1)  # sees A's announcement and B's quiet shards
+        cluster.start(1)
         # An observation window, not a synchronisation: many poll intervals in which node 1
-        # could take A's stale announcement for its shards' and commit a mix.
+        # could take A's announcement for its shards' and commit a mix.
         deadline = time.monotonic() + 2.5
         while time.monotonic() < deadline:
             assert store.manifest(name) is None, "committed save A's part with save B's"
@@ -151,7 +161,8 @@ def test_a_resave_under_the_same_name_never_mixes_two_saves(
         write_node_shards(cluster[0], name, sizes_b, size)
         write_metadata(cluster[0], name)
         b = snapshot(cluster.local_files(name), tmp_path / "save-b")
-        cluster.start(0)
+        if announcer == "down":
+            cluster.start(0)
         wait_until(lambda: store.manifest(name), 60, "the commit of save B", details=cluster.logs)
         manifest = check_committed(store, name, b, nodes=2)
         assert manifest.get("save") != save_a
