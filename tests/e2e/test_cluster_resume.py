@@ -112,7 +112,7 @@ def test_a_two_node_run_preempted_then_killed_resumes_bit_identical(
             check_committed(store, emergency, cluster.local_files(emergency), nodes=2)
             # Node 0 never polled the IMDS: it heard of the notice through the store.
             notice = cluster[0].run_dir / ".ckptd" / "preemption.json"
-            assert notice.is_file(), "node 0's daemon did not act on node 1's notice"
+            wait_until(notice.is_file, 10, "node 0's daemon following node 1's notice")
             cluster.kill9()
             cluster.wipe()
         imds.clear_spot()
