@@ -263,3 +263,9 @@ def test_a_second_record_holder_follows_the_lower_rank() -> None:
     # ...but a higher rank's announcement does not lead this node.
     _, role, _ = _judge(1, SHARDS, ann("feed0002", rank=3), complete=True, layout="hf")
     assert role is not None and role.announcement is not None and role.save == save_id(SHARDS)
+
+
+def test_a_node_never_follows_its_own_earlier_save() -> None:
+    own_old = ann("feed0001", rank=1, record_ns=905 * 10**9)
+    verdict, role, state = _judge(1, SHARDS, own_old, complete=False)
+    assert not verdict.complete and role is None and "step-10" in state.awaiting

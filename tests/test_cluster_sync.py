@@ -8,23 +8,28 @@ with a deadline, so "node 1's daemon is stopped" is simply a node not driven."""
 from __future__ import annotations
 
 import asyncio
-import json
+import io
 import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from ckptd import cluster
+from ckptd import checksum, cluster
 from ckptd.config import load_settings
+from ckptd.manifest import build_manifest
 from ckptd.metrics import Metrics
-from ckptd.repository import Repository, announce_key, part_key
+from ckptd.repository import Repository, announce_key, object_key, part_key
 from ckptd.restore import RestoreError, restore
 from ckptd.retention import apply_retention
+from ckptd.statusview import render_status
 from ckptd.storage import open_storage
 from ckptd.storage.base import NotFoundError, Storage
+from ckptd.sync.commit import commit
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from tests.writers import local_files, write_bytes
@@ -198,11 +203,6 @@ def assert_committed_whole(repo: Repository, name: str, expected: dict[str, byte
     assert manifest is not None, f"{name} not committed"
     assert manifest.nodes == 2 and manifest.save
     assert sorted(f.path for f in manifest.files) == sorted(expected)
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ckptd import checksum
-    from ckptd.repository import object_key
-
     with ThreadPoolExecutor(2) as pool:
         for f in manifest.files:
             key = object_key(RUN, name, f.path)
@@ -346,6 +346,22 @@ async def test_a_resave_under_the_same_name_never_mixes_parts(
     assert manifest is not None and manifest.save != first.save
 
 
+async def test_a_node_restarted_during_a_resave_withdraws_its_old_announcement(
+    pair: tuple[Node, Node, Repository],
+) -> None:
+    n0, n1, repo = pair
+    dcp_save(n0, n1, size=40 * KiB)
+    age(n0.root, 60)
+    await n0.start()
+    await drive([n0], lambda: bool(n0.status()["waiting"]))
+    await n0.stop()
+    for r in (0, 1):  # the re-save begins while node 0's daemon is down
+        write_bytes(n0.watch / "step-10" / f"__{r}_0.distcp", 50 * KiB + r)
+    await n0.start()
+    await drive([n0], lambda: repo.read_announcement(RUN, "step-10") is None)
+    assert repo.part_ranks(RUN, "step-10") == []
+
+
 async def test_a_conflicting_file_is_never_committed_and_is_counted(
     pair: tuple[Node, Node, Repository],
 ) -> None:
@@ -448,11 +464,6 @@ async def test_a_waiting_checkpoint_below_a_newer_commit_is_given_up_after_the_g
 
 
 def test_status_view_shows_waiting_checkpoints() -> None:
-    import io
-
-    from rich.console import Console
-
-    from ckptd.statusview import render_status
 
     doc = {
         "runs": {
@@ -482,8 +493,6 @@ def test_announcement_and_parts_are_never_taken_for_checkpoints_or_files(
     storage = open_storage(f"file://{tmp_path / 'store'}")
     repo = Repository(storage)
     body = b"x"
-    from ckptd import checksum
-
     for key in (announce_key(RUN, "step-1"), part_key(RUN, "step-1", 0), f"{RUN}/NOTICE"):
         storage.put_bytes(key, body, crc32c=checksum.crc32c(body))
     assert repo.list_committed(RUN) == []
@@ -491,20 +500,26 @@ def test_announcement_and_parts_are_never_taken_for_checkpoints_or_files(
     assert repo.read_parts(RUN, "step-1") == {}
     with pytest.raises(NotFoundError):
         repo.resolve(RUN, None)
-    assert (
-        json.loads(
-            cluster.Announcement(
-                run_id=RUN,
-                checkpoint="s",
-                save="0",
-                node_rank=0,
-                layout="dcp",
-                step=1,
-                announced_at="2026-12-03T12:00:00Z",
-            ).to_bytes()
-        )["format"]
-        == "ckptd.announce/1"
+    assert repo.list_names(RUN) == ["step-1"]  # a name, but never a committed checkpoint
+    # With a committed manifest beside them, the checkpoint's files are the manifest's only.
+    data = write_bytes(tmp_path / "w" / "a.bin", 10)
+    storage.put_bytes(object_key(RUN, "step-1", "a.bin"), data, crc32c=checksum.crc32c(data))
+    manifest = build_manifest(
+        run_id=RUN,
+        checkpoint="step-1",
+        step=1,
+        layout="dcp",
+        host="h",
+        created_at=0.0,
+        committed_at=0.0,
+        files=[("a.bin", 10, checksum.to_hex(checksum.crc32c(data)))],
+        environment={},
+        nodes=2,
+        save="00000001",
     )
+    commit(repo, manifest)
+    restored = restore(storage, RUN, None, tmp_path / "r", progress=False)
+    assert sorted(local_files(restored.path)) == ["a.bin"]
 
 
 async def test_a_followers_share_of_an_emergency_save_holds_the_flush_until_announced(

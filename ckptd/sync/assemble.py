@@ -95,6 +95,8 @@ def judge_role(
         )
         state.awaiting.pop(name, None)
         return verdict, ClusterShip(committer, own, announcement)
+    if known is not None and known.node_rank == committer.rank:
+        known = None  # this node's own earlier save (it re-saves): never followed
     if known is None or not files_fit_save(listing.newest_mtime_ns, known, SAVE_TAIL_SECONDS):
         state.awaiting.setdefault(name, now)
         why = (

@@ -242,22 +242,30 @@ class SyncPipeline:
     async def _withdraw_if_resaved(self, state: RunState, listing: CheckpointListing) -> None:
         """Many nodes: this node announced a save whose files have since changed (a
         re-save under the same name): withdraw it (``assemble.withdraw``)."""
-        entry = state.waiting.get(listing.name)
         committer = self.committer
-        if committer is None or entry is None or not entry.announced:
+        if committer is None:
             return
-        if save_id((f.path, f.size, f.mtime_ns) for f in listing.files) == entry.save:
-            return
-        state.waiting.pop(listing.name, None)
         run, name = state.run_id, listing.name
+        entry = state.waiting.get(name)
+        known = state.announcements.get(name)  # after a restart: found by poll_cluster
+        if entry is not None and entry.announced:
+            save = entry.save
+        elif known is not None and known.node_rank == committer.rank:
+            save = known.save
+        else:
+            return
+        if save_id((f.path, f.size, f.mtime_ns) for f in listing.files) == save:
+            return
+        state.waiting.pop(name, None)
+        state.announcements.pop(name, None)
         try:
-            await asyncio.to_thread(withdraw, self.repo, run, name, committer.rank, entry.save)
+            await asyncio.to_thread(withdraw, self.repo, run, name, committer.rank, save)
         except StorageError as exc:
             self.log.warning(
                 "announcement_withdraw_failed", run=run, checkpoint=name, error=str(exc)
             )
             return
-        self.log.info("announcement_withdrawn", run=run, checkpoint=name, save=entry.save)
+        self.log.info("announcement_withdrawn", run=run, checkpoint=name, save=save)
         self.update_gauges()
 
     async def evaluate(self, run_id: str, name: str) -> Completion | None:
