@@ -6,9 +6,10 @@ rank's ``__R_0.distcp`` on its own node, then the coordinator's ``.metadata.tmp`
 ``.metadata`` on node 0), with random bytes, so many saves fit in a short test. The victim
 of each kill is node 0 (it holds the commit record and announces), node 1, or both.
 
-The campaign is seeded; the seed is printed. More instants::
+The campaign is seeded; the seed is printed. More instants (the variables are not named
+``CKPTD_*``: the daemons would take them for config keys)::
 
-    CKPTD_KILL_INSTANTS=60 CKPTD_KILL_SEED=7 .venv/bin/pytest -q -s tests/e2e/test_cluster_kill.py
+    CLUSTER_KILL_INSTANTS=60 CLUSTER_KILL_SEED=7 .venv/bin/pytest -q -s tests/e2e/test_cluster_kill.py
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from tests.daemon import wait_until
 from tests.e2e.cluster import Cluster, Node, Store, check_committed, snapshot
 from tests.writers import write_bytes
 
-INSTANTS = int(os.environ.get("CKPTD_KILL_INSTANTS", "12"))
-SEED = int(os.environ.get("CKPTD_KILL_SEED", str(random.SystemRandom().randrange(10**6))))
+INSTANTS = int(os.environ.get("CLUSTER_KILL_INSTANTS", "12"))
+SEED = int(os.environ.get("CLUSTER_KILL_SEED", str(random.SystemRandom().randrange(10**6))))
 RANKS_PER_NODE = 2
 #: Uploads slowed so a kill lands mid-upload (node-wide cap, each daemon its own).
 THROTTLE = {"max_upload_mib_per_s": 4, "part_size_mib": 5}
@@ -57,7 +58,7 @@ def write_save(cluster: Cluster, name: str, rng: random.Random, size: int) -> No
 def test_kill9_at_random_instants_never_commits_a_checkpoint_missing_a_shard(
     tmp_path: Path, local_s3: LocalS3, s3_dest: str, s3_client: Any, s3_prefix: str
 ) -> None:
-    print(f"kill -9 campaign: seed {SEED}, {INSTANTS} instants (CKPTD_KILL_SEED to replay)")
+    print(f"kill -9 campaign: seed {SEED}, {INSTANTS} instants (CLUSTER_KILL_SEED to replay)")
     rng = random.Random(SEED)
     store = Store(s3_client, s3_prefix)
     size = 3 << 19  # 1.5 MiB a shard: about 0.75 s of upload per node at the cap
