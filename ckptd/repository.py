@@ -9,6 +9,8 @@
     <run>/<checkpoint>/ckptd.announce.json      many nodes: a save is complete on the
                                                 node holding the commit record
     <run>/<checkpoint>/ckptd.part-<rank>.json   many nodes: one node's verified files
+    <run>/NOTICE                                a preemption notice seen by any node
+                                                (many nodes only; overwritten by the next)
 
 Only a manifest makes a checkpoint: announcements, parts and ``<run>/NOTICE`` are never
 taken for a checkpoint (a name is one only with a manifest) nor for one of its files

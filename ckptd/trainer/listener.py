@@ -11,6 +11,7 @@ daemon's dependencies.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -247,6 +248,7 @@ class PreemptionListener:
         if self._http_thread is not None and self._http_thread is not threading.current_thread():
             self._http_thread.join(timeout=self._http_timeout + 1.0)
         self._http_thread = None
+        atexit.unregister(self._ignore_at_exit)
         if self._handler_installed and self._signum is not None:
             self._handler_installed = False
             # Only undo our own installation: if someone replaced our handler since, putting
@@ -277,6 +279,18 @@ class PreemptionListener:
         self._previous_handler = signal.getsignal(signum)
         signal.signal(signum, self._on_signal)
         self._handler_installed = True
+        atexit.register(self._ignore_at_exit)
+
+    def _ignore_at_exit(self) -> None:
+        # Python's finalisation puts a handled signal back to its default action, and
+        # SIGUSR1's kills: a late notice (with many nodes, the other daemons signal one
+        # store poll after the first) would turn a clean exit after the save into death by
+        # signal. From the last atexit call on, the signal is ignored (it stays so).
+        signum = self._signum
+        if signum is None or not self._handler_installed:
+            return
+        if signal.getsignal(signum) == self._on_signal:
+            signal.signal(signum, signal.SIG_IGN)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Runs in the main thread between bytecodes, possibly inside any other code: set a
