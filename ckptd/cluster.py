@@ -47,11 +47,16 @@ announced and its own files are quiet and closed, by framework (read in their so
   With ``save_on_each_node`` every node's local main writes ``trainer_state.json``; the
   lowest rank's announcement wins (``announcer_may_overwrite``).
 
-What ties a follower's files to the announced save is time: no framework above writes a
-rank's files after the commit record by more than a short tail (HF's RNG state,
-DeepSpeed's barrier-less ``latest``), so files newer than the announcing node's newest
-file by more than ``SAVE_TAIL_SECONDS`` belong to a later save, and wait for its
-announcement (``files_fit_save``). Two nodes' clocks must agree within that tail.
+What ties a follower's files to the announced save is time. Where the record follows a
+gather or a barrier of every rank (DCP, Megatron), no rank's file is newer than the
+announcing node's newest file but for the nodes' clock difference (``CLOCK_SKEW_SECONDS``);
+elsewhere a short tail of writes may follow the record (HF's RNG state, DeepSpeed's
+barrier-less ``latest``: ``SAVE_TAIL_SECONDS``). Files newer than that belong to a later
+save and wait for its announcement (``files_fit_save``, ``save_tail_seconds``). So a
+re-save under the same name while the announcing node's daemon is down (it would
+withdraw the old announcement at once) is told apart from the old save when it comes
+more than the tail later: 2 s for DCP and Megatron (a restart and the steps up to the
+same name take longer), 30 s for the others. Nodes' clocks must agree within the tail.
 """
 
 from __future__ import annotations
@@ -74,6 +79,10 @@ PART_PREFIX = "ckptd.part-"
 PART_SUFFIX = ".json"
 #: Files this much newer than the announcing node's newest file belong to a later save.
 SAVE_TAIL_SECONDS = 30.0
+#: The same where the record follows every rank's files: the nodes' clock difference.
+CLOCK_SKEW_SECONDS = 2.0
+#: Layouts whose commit record is written only after every rank's files (module doc).
+RECORD_AFTER_EVERY_RANK: frozenset[str] = frozenset({"dcp", "megatron"})
 #: An uncommitted checkpoint older than the newest committed step is given up (its
 #: announcement and parts swept) once its announcement is this old.
 ABANDON_GRACE_SECONDS = 3600.0
@@ -275,6 +284,12 @@ def announcer_may_overwrite(existing: Announcement | None, rank: int, save: str)
     if existing.save == save:
         return False  # already announced
     return existing.node_rank >= rank
+
+
+def save_tail_seconds(layout: str) -> float:
+    """How much newer than the announcing node's newest file a follower's files may be and
+    still belong to the announced save (module doc)."""
+    return CLOCK_SKEW_SECONDS if layout in RECORD_AFTER_EVERY_RANK else SAVE_TAIL_SECONDS
 
 
 def files_fit_save(newest_mtime_ns: int, announcement: Announcement, tail_seconds: float) -> bool:

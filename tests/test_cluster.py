@@ -21,6 +21,7 @@ from ckptd.cluster import (
     parse_part,
     rank_of_part,
     save_id,
+    save_tail_seconds,
     superseded,
 )
 from ckptd.config import WatchConfig
@@ -143,6 +144,20 @@ def test_files_newer_than_the_save_belong_to_a_later_one() -> None:
     assert files_fit_save(129 * 10**9, a, 30)  # a short tail after the record
     assert not files_fit_save(131 * 10**9, a, 30)
     assert files_fit_save(10**15, ann(record_ns=0), 30)  # no record time: no opinion
+
+
+@pytest.mark.parametrize(
+    ("layout", "tail"), [("dcp", 2.0), ("megatron", 2.0), ("hf", 30.0), ("deepspeed", 30.0)]
+)
+def test_the_tail_is_the_clock_skew_where_the_record_follows_every_rank(
+    layout: str, tail: float
+) -> None:
+    # DCP's .metadata and Megatron's tracker come after a gather/barrier of every rank, so
+    # a follower's shard seconds newer than the record is a re-save's, never this save's.
+    assert save_tail_seconds(layout) == tail
+    a = ann(record_ns=100 * 10**9)
+    assert files_fit_save(int((100 + tail - 0.1) * 1e9), a, save_tail_seconds(layout))
+    assert not files_fit_save(int((100 + tail + 0.1) * 1e9), a, save_tail_seconds(layout))
 
 
 def test_superseded_needs_a_newer_commit_and_the_grace() -> None:

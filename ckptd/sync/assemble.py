@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ckptd.cluster import (
-    SAVE_TAIL_SECONDS,
     Announcement,
     Conflict,
     Merged,
@@ -38,6 +37,7 @@ from ckptd.cluster import (
     is_announcer,
     merge_parts,
     save_id,
+    save_tail_seconds,
 )
 from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
 from ckptd.manifest import Manifest, build_manifest, utc_timestamp
@@ -97,7 +97,9 @@ def judge_role(
         return verdict, ClusterShip(committer, own, announcement)
     if known is not None and known.node_rank == committer.rank:
         known = None  # this node's own earlier save (it re-saves): never followed
-    if known is None or not files_fit_save(listing.newest_mtime_ns, known, SAVE_TAIL_SECONDS):
+    if known is None or not files_fit_save(
+        listing.newest_mtime_ns, known, save_tail_seconds(known.layout)
+    ):
         state.awaiting.setdefault(name, now)
         why = (
             "waiting for the node with the commit record to announce it"

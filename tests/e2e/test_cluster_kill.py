@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.cluster import SAVE_TAIL_SECONDS
+from ckptd.cluster import CLOCK_SKEW_SECONDS, SAVE_TAIL_SECONDS, save_tail_seconds
 from ckptd.locals3 import LocalS3
 from tests.daemon import wait_until
 from tests.e2e.cluster import Cluster, Node, Store, check_committed, snapshot
@@ -121,7 +121,7 @@ def test_a_resave_under_the_same_name_never_mixes_two_saves(
     (its objects still in the store) is never merged with B's.
 
     ``down``: node 0's daemon is stopped from A's part until B is whole, so A's
-    announcement stays; B comes a minute after A. ``up``: node 0's daemon runs throughout
+    announcement stays; B comes 10 s after A. ``up``: node 0's daemon runs throughout
     and sees its files change at once (B seconds after A)."""
     store = Store(s3_client, s3_prefix)
     size = 256 * 1024
@@ -129,11 +129,13 @@ def test_a_resave_under_the_same_name_never_mixes_two_saves(
     with Cluster(tmp_path / "c", 2, s3_dest, local_s3.endpoint_url) as cluster:
         write_save(cluster, name, random.Random(1), size)
         if announcer == "down":
-            # What ties a follower's files to a save is time (``files_fit_save``): files
-            # newer than the announcing node's newest by more than SAVE_TAIL_SECONDS belong
-            # to a later save. Within that tail, with the announcing node down, node 1 cannot
-            # tell B's shards from A's (see README, Many nodes: a re-save); A is dated back.
-            a_time = time.time() - 2 * SAVE_TAIL_SECONDS
+            # What ties a follower's files to a save is time (``files_fit_save``): for DCP,
+            # whose .metadata follows every rank's files, shards newer than the announcing
+            # node's newest by more than the clock skew belong to a later save. B comes
+            # 10 s after A here (a restart alone takes longer), a third of the 30 s tail
+            # of layouts whose record may come before other ranks' last writes.
+            a_time = time.time() - 5 * CLOCK_SKEW_SECONDS
+            assert save_tail_seconds("dcp") == CLOCK_SKEW_SECONDS < 10 < SAVE_TAIL_SECONDS
             for node in cluster.members:
                 for path in node.checkpoint(name).iterdir():
                     os.utime(path, (a_time, a_time))
