@@ -58,6 +58,26 @@ def process_tree(root: int, *, proc: Path = _PROC) -> list[int]:
     return [p for p in found if p == root or (proc / str(p)).exists()]
 
 
+def catches_signal(pid: int, signum: int, *, proc: Path = _PROC) -> bool:
+    """Whether ``pid`` has a handler installed for ``signum`` (``SigCgt`` in
+    /proc/PID/status, a hex mask with bit ``signum - 1``); False when it is gone."""
+    try:
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def signal_targets(root: int, signum: int, match: str = "", *, proc: Path = _PROC) -> list[int]:
+    """Whom a notice signals in ``root``'s tree (``TrainerSupervisor.trainer_pids``)."""
+    tree = process_tree(root, proc=proc)
+    if match:
+        return [p for p in tree if match in _cmdline(p, proc)]
+    return [p for p in tree if catches_signal(p, signum, proc=proc)] or [root]
+
+
 def _cmdline(pid: int, proc: Path = _PROC) -> str:
     try:
         raw = (proc / str(pid) / "cmdline").read_bytes()
@@ -85,6 +105,7 @@ class TrainerSupervisor:
         metrics: Metrics,
         resume_point: ResumeLookup,
         match: str = "",
+        save_signal: int = signal.SIGUSR1,
         on_exit: Callable[[], Awaitable[None]] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -95,6 +116,7 @@ class TrainerSupervisor:
         self.metrics = metrics
         self.resume_point = resume_point
         self.match = match
+        self.save_signal = save_signal  # trainer.signal: what asks the trainer to save
         self.on_exit = on_exit  # after each exit: let the daemon look for what it left
         self.clock = clock
         self.log = get_logger(run=run_id)
@@ -119,15 +141,17 @@ class TrainerSupervisor:
 
     def trainer_pids(self) -> list[int]:
         """Whom a notice signals: the trainer and its descendants (all ranks under a
-        launcher), narrowed to command lines containing ``trainer.match`` when set (so a
-        launcher that would die of the signal, such as torchrun, is left out)."""
+        launcher), narrowed to command lines containing ``trainer.match`` when set.
+
+        Without ``match``, only the processes that catch ``signal`` (a handler is
+        installed: the ranks' listeners) are signalled, so a launcher that would die of
+        it, such as torchrun (it handles SIGTERM, SIGINT, SIGHUP, SIGQUIT, not SIGUSR1), is
+        left out; when none catches it yet (a trainer still starting), the trainer itself
+        is signalled, as ``ckptd run`` would."""
         pid = self.pid
         if pid is None:
             return []
-        tree = process_tree(pid)
-        if self.match:
-            tree = [p for p in tree if self.match in _cmdline(p)]
-        return tree
+        return signal_targets(pid, self.save_signal, self.match)
 
     def status(self) -> dict[str, Any]:
         """The ``trainer`` object of ``/v1/status``."""

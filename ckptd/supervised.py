@@ -81,6 +81,7 @@ class SupervisedService(Service):
             metrics=self.metrics,
             resume_point=lambda: self.newest_complete(self.run_id),
             match=settings.trainer.match,
+            save_signal=settings.trainer.signal_number,
             # Ship what it left at once: file events can be missed (a watch set up late).
             on_exit=lambda: self.pipeline.rescan(self.run_id),
             clock=clock,

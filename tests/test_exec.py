@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.errors import EXIT_FLUSH_FAILED, EXIT_GAVE_UP
 from ckptd.locals3 import LocalS3
-from ckptd.supervise import process_tree
+from ckptd.supervise import catches_signal, process_tree, signal_targets
 from tests.daemon import run_cli, wait_until
 from tests.e2e.exec_harness import ExecNode, crash_repeatedly
 from tests.e2e.harness import (
@@ -331,4 +331,45 @@ def test_process_tree_holds_the_trainer_and_its_descendants() -> None:
     finally:
         for pid in reversed(process_tree(proc.pid)):
             os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_notice_signals_the_ranks_that_catch_it_and_spares_the_launcher(
+    tmp_path: Path,
+) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tests.trainers.launcher_like", str(tmp_path)],
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        for i in (0, 1):
+            wait_until((tmp_path / f"rank{i}.ready").exists, 20, f"rank {i} ready")
+        ranks = process_tree(launcher.pid)[1:]
+        assert len(ranks) == 2
+        # torchrun's shape: SIGTERM handled, SIGUSR1 not (it would die of it).
+        assert catches_signal(launcher.pid, signal.SIGTERM)
+        assert not catches_signal(launcher.pid, signal.SIGUSR1)
+        targets = signal_targets(launcher.pid, signal.SIGUSR1)
+        assert sorted(targets) == sorted(ranks)
+        # With trainer.match, the command line decides instead.
+        (matched,) = signal_targets(launcher.pid, signal.SIGUSR1, match="--rank 0")
+        assert matched in ranks
+        for pid in targets:
+            os.kill(pid, signal.SIGUSR1)
+        # The ranks saw it and ended; the launcher lived to collect them and exit 0.
+        assert launcher.wait(timeout=20) == 0
+        assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "SIGUSR1"
+    finally:
+        if launcher.poll() is None:
+            for pid in reversed(process_tree(launcher.pid)):
+                os.kill(pid, signal.SIGKILL)
+            launcher.wait()
+
+
+def test_a_trainer_that_catches_nothing_yet_is_signalled_itself() -> None:
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert signal_targets(proc.pid, signal.SIGUSR1) == [proc.pid]
+    finally:
+        proc.kill()
         proc.wait()
