@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.logs",
             "ckptd.metrics",
             "ckptd.writeback",
+            "ckptd.yielding",
         ),
     ),
     ("storage", ("ckptd.storage",)),
