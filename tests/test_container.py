@@ -73,7 +73,7 @@ def _dependency_wheels() -> Path:
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> str:
+def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The ckptd image, from deploy/Dockerfile on the debootstrap base, as README says:
     wheels built on the host into dist/, then the build."""
     base = podman.ensure_base_image()
@@ -89,7 +89,9 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> str:
         capture_output=True,
         timeout=300,
     )
-    return podman.build_image(DOCKERFILE, context, IMAGE, {"BASE_IMAGE": base})
+    yield podman.build_image(DOCKERFILE, context, IMAGE, {"BASE_IMAGE": base})
+    # Each build leaves the previous image's layers untagged; the base stays cached.
+    podman.podman("image", "prune", "-f", check=False)
 
 
 def _service(name: str) -> dict[str, Any]:
