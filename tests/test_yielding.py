@@ -9,8 +9,10 @@ the assertion can fail.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -185,3 +187,50 @@ def test_file_destination_leaves_neither_source_nor_copy_in_the_page_cache(
     assert len(copies) == len(files), copies
     assert _resident(files) < 0.05
     assert _resident(copies) < 0.05
+
+
+_EXEC_TRAINER = """
+import json, os, pathlib, time
+import psutil
+ckpt = pathlib.Path(os.environ["CKPTD_WATCH_DIR"]) / "step-1"
+ckpt.mkdir(parents=True, exist_ok=True)
+(ckpt / "weights").write_bytes(os.urandom(1 << 20))
+(ckpt / "COMPLETE").write_text("")
+daemon = psutil.Process(os.getppid())
+
+def workers():
+    # Python 3.11 names no OS threads: the daemon's threads other than its main one.
+    out = []
+    for t in daemon.threads():
+        if t.id != daemon.pid:
+            p = psutil.Process(t.id)
+            out.append([p.nice(), *map(int, p.ionice())])
+    return out
+
+deadline = time.monotonic() + 60
+while not any(w[0] == 10 for w in workers()) and time.monotonic() < deadline:
+    time.sleep(0.1)
+me = psutil.Process()
+json.dump({"trainer": [me.nice(), *map(int, me.ionice())], "workers": workers(),
+           "daemon_main": daemon.nice()}, open("prio.json", "w"))
+"""
+
+
+def test_ckptd_exec_lowers_its_workers_but_not_the_trainer_it_starts(tmp_path: Path) -> None:
+    from tests.test_exec import _quick_node
+
+    node = _quick_node(tmp_path, [sys.executable, "-c", _EXEC_TRAINER], 0)
+    node.config.write_text(
+        node.config.read_text().replace("settle_seconds", 'layout = "marker"\nsettle_seconds')
+    )
+    mine = psutil.Process()
+    try:
+        assert node.start().wait_exit(90) == 0, node.log_tail()
+    finally:
+        node.close()
+    prio = json.loads((node.dir / "prio.json").read_text())
+    own_class = int(mine.ionice()[0])
+    assert prio["trainer"][:2] == [mine.nice(), own_class], prio
+    assert prio["daemon_main"] == mine.nice(), prio  # the trainer's parent keeps it too
+    # The transfer pool's threads lowered themselves as they started.
+    assert [10, int(psutil.IOPRIO_CLASS_BE), 7] in prio["workers"], prio
