@@ -21,7 +21,8 @@ mean step time while it ran over the mean of the alone window just before it (me
 what the trainer loses in throughput), with the median beside it; hit rate is the mean
 fraction of each batch's pages found cached.
 
-Tools: ``ckptd`` (``run --once`` to S3; it lowers its own priority and drops what it
+Tools: ``none`` (the control: ``sleep 20`` while nothing ships, so its "inflation" is
+the machine's own noise), ``ckptd`` (``run --once`` to S3; it lowers its own priority and drops what it
 read from the page cache), ``aws`` (``aws s3 cp --recursive``), ``rclone`` (``rclone
 copy``), and for a ``file://`` destination on the same disk ``ckptd-file`` and
 ``rsync`` (``rsync -a`` + ``sync -f``). A tool that is not installed is reported as
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -71,7 +73,7 @@ from common import (
 from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
 
 TRAINER = BENCH_DIR / "_interference_trainer.py"
-TOOLS = ("ckptd", "aws", "rclone", "ckptd-file", "rsync")
+TOOLS = ("none", "ckptd", "aws", "rclone", "ckptd-file", "rsync")
 SERVER_CPU, TRAINER_CPU = 0, 1
 
 
@@ -186,6 +188,7 @@ class Run:
     hit_during: float
     steps_during: int
     error: str | None = None
+    tool_cpu_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -207,13 +210,15 @@ class Bench:
     ckptd_src: Path
     bins: dict[str, str]
     env: dict[str, str]
+    ckptd_toml: str = ""  # extra TOML for ckptd (--ckptd-toml), e.g. a [resources] table
+    none_s: float = 20.0  # how long the "none" control window lasts
 
     def command(self, tool: str, unique: str) -> list[str]:
         url = self.server.endpoint_url
         if tool in ("ckptd", "ckptd-file"):
             dest = f"s3://{BUCKET}/{unique}" if tool == "ckptd" else f"file://{self.work / unique}"
             config = self.work / "ckptd.toml"
-            config.write_text('[preemption]\nprovider = "none"\n')
+            config.write_text(f'[preemption]\nprovider = "none"\n{self.ckptd_toml}')
             return [
                 *ckptd_command(self.ckptd_src),
                 "run",
@@ -241,6 +246,9 @@ class Bench:
                 "--endpoint-url",
                 url,
             ]
+        if tool == "none":
+            # The control: nothing ships; what "inflation" it shows is the machine's noise.
+            return ["sleep", str(self.none_s)]
         if tool == "rclone":
             return [self.bins["rclone"], "copy", str(self.ckpt), f"sw:{BUCKET}/{unique}"]
         if tool == "rsync":
@@ -258,6 +266,8 @@ class Bench:
         return dict(self.env)
 
     def cleanup(self, tool: str, unique: str) -> None:
+        if tool == "none":
+            return
         if tool in ("ckptd-file", "rsync"):
             shutil.rmtree(self.work / unique, ignore_errors=True)
         else:
@@ -282,6 +292,7 @@ def run_tool(bench: Bench, tool: str, rnd: int, steps_path: Path, alone_s: float
     alone_start = time.time()
     time.sleep(alone_s)
     alone_end = time.time()
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.time()
     done = subprocess.run(
         confined(bench.command(tool, unique), bench.cgroup, TRAINER_CPU),
@@ -292,6 +303,11 @@ def run_tool(bench: Bench, tool: str, rnd: int, steps_path: Path, alone_s: float
         check=False,
     )
     ended = time.time()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # Only the tool was reaped meanwhile (the trainer runs on): this is the tool's CPU.
+    tool_cpu = (children.ru_utime - children_before.ru_utime) + (
+        children.ru_stime - children_before.ru_stime
+    )
     time.sleep(0.5)  # the step in flight at the end is recorded
     steps = read_steps(steps_path)
     alone, during = window(steps, alone_start, alone_end), window(steps, started, ended)
@@ -312,6 +328,7 @@ def run_tool(bench: Bench, tool: str, rnd: int, steps_path: Path, alone_s: float
         hit_during=statistics.mean(s["hit"] for s in during),
         steps_during=len(during),
         error=error,
+        tool_cpu_s=tool_cpu,
     )
     bench.cleanup(tool, unique)
     return run
@@ -351,17 +368,17 @@ def write_dataset(path: Path, size: int) -> None:
 def report(runs: list[Run], header: str) -> str:
     lines = [header, ""]
     lines.append(
-        "| tool | wall s | step alone ms | step while shipping ms | inflation (mean) | "
-        "inflation (median) | page-cache hit alone | hit while shipping |"
+        "| tool | wall s | tool CPU s | step alone ms | step while shipping ms | "
+        "inflation (mean) | inflation (median) | page-cache hit alone | hit while shipping |"
     )
-    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     by_tool: dict[str, list[Run]] = {}
     for r in runs:
         by_tool.setdefault(r.tool, []).append(r)
     for tool, rs in by_tool.items():
         ok = [r for r in rs if r.error is None]
         if not ok:
-            lines.append(f"| {tool} | failed: {rs[0].error} | | | | | | |")
+            lines.append(f"| {tool} | failed: {rs[0].error} | | | | | | | |")
             continue
 
         def med(values: list[float]) -> float:
@@ -369,6 +386,7 @@ def report(runs: list[Run], header: str) -> str:
 
         lines.append(
             f"| {tool} | {fmt(med([r.wall_s for r in ok]), '.1f')} "
+            f"| {fmt(med([r.tool_cpu_s for r in ok]), '.1f')} "
             f"| {fmt(med([r.alone_mean_s for r in ok]) * 1000, '.1f')} "
             f"| {fmt(med([r.during_mean_s for r in ok]) * 1000, '.1f')} "
             f"| {med([r.inflation for r in ok]):+.1%} "
@@ -388,6 +406,9 @@ def main() -> int:
     parser.add_argument("--alone-s", type=float, default=10.0)
     parser.add_argument("--work-ms", type=float, default=40.0)
     parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument(
+        "--ckptd-toml", default="", help='extra ckptd config, e.g. "[resources]\\nnice = 19"'
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--keep", action="store_true")
@@ -424,7 +445,17 @@ def main() -> int:
                 check=True,
                 capture_output=True,
             )
-            bench = Bench(work, server, watch, ckpt, cgroup, ckptd_src, bins, env)
+            bench = Bench(
+                work,
+                server,
+                watch,
+                ckpt,
+                cgroup,
+                ckptd_src,
+                bins,
+                env,
+                args.ckptd_toml.replace("\\n", "\n"),
+            )
             memory = (
                 f"memory cgroup v{cgroup.version} limit {(dataset_bytes + args.slack_mib * MIB) / GIB:.2f} GiB"
                 if cgroup
@@ -446,7 +477,7 @@ def main() -> int:
                         run = run_tool(bench, tool, rnd, steps_path, args.alone_s)
                         runs.append(run)
                         print(
-                            f"  {tool} round {rnd}: {run.wall_s:.1f}s, inflation "
+                            f"  {tool} round {rnd}: {run.wall_s:.1f}s ({run.tool_cpu_s:.1f} CPU-s), inflation "
                             f"{run.inflation:+.1%} (median {run.median_inflation:+.1%}), hit "
                             f"{run.hit_alone:.1%} -> {run.hit_during:.1%}"
                             + (f" ERROR {run.error}" if run.error else ""),
