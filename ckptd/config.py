@@ -474,7 +474,7 @@ class ResourcesConfig(_Section):
     """How the daemon yields to the trainer it shares the node with."""
 
     # Niceness the daemon moves down to (never up); 0 leaves it as started.
-    nice: int = Field(default=10, ge=0, le=19)
+    nice: int = Field(default=19, ge=0, le=19)
     # I/O scheduling class: best-effort at io_priority, idle (only when the disk is
     # otherwise unused: may starve under a busy data loader), or none (leave as is).
     io_class: Literal["best-effort", "idle", "none"] = "best-effort"

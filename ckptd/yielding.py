@@ -45,7 +45,7 @@ _UNSET_LEVEL = 4
 class Priority:
     """What ``[resources]`` asks for; ``io_class = "none"`` leaves I/O priority alone."""
 
-    nice: int = 10
+    nice: int = 19
     io_class: str = "best-effort"
     io_level: int = 7
 

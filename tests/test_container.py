@@ -233,14 +233,14 @@ def test_compose_scenario_ships_drills_and_flushes_on_stop(
     wait_until(healthy, 120, "the sidecar's /healthz")
     # The image's own HEALTHCHECK command, run by the engine inside the container.
     assert podman.podman("healthcheck", "run", names["ckptd"], check=False).returncode == 0
-    # The sidecar yields ([resources] defaults: nice 10, best-effort I/O level 7); the
+    # The sidecar yields ([resources] defaults: nice 19, best-effort I/O level 7); the
     # trainer beside it keeps its own priority.
     pids = {
         name: json.loads(podman.podman("inspect", names[name]).stdout)[0]["State"]["Pid"]
         for name in ("ckptd", "trainer")
     }
     sidecar_threads = psutil.Process(pids["ckptd"]).threads()
-    assert {psutil.Process(t.id).nice() for t in sidecar_threads} == {10}
+    assert {psutil.Process(t.id).nice() for t in sidecar_threads} == {19}
     assert {tuple(psutil.Process(t.id).ionice()) for t in sidecar_threads} == {
         (psutil.IOPRIO_CLASS_BE, 7)
     }

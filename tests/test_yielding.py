@@ -78,7 +78,7 @@ def _thread_priorities(pid: int) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({}, (10, psutil.IOPRIO_CLASS_BE, 7)),
+        ({}, (19, psutil.IOPRIO_CLASS_BE, 7)),
         (
             {"CKPTD_RESOURCES__NICE": "0", "CKPTD_RESOURCES__IO_CLASS": "none"},
             None,  # as started: the test's own priority
@@ -208,7 +208,7 @@ def workers():
     return out
 
 deadline = time.monotonic() + 60
-while not any(w[0] == 10 for w in workers()) and time.monotonic() < deadline:
+while not any(w[0] == 19 for w in workers()) and time.monotonic() < deadline:
     time.sleep(0.1)
 me = psutil.Process()
 json.dump({"trainer": [me.nice(), *map(int, me.ionice())], "workers": workers(),
@@ -233,4 +233,4 @@ def test_ckptd_exec_lowers_its_workers_but_not_the_trainer_it_starts(tmp_path: P
     assert prio["trainer"][:2] == [mine.nice(), own_class], prio
     assert prio["daemon_main"] == mine.nice(), prio  # the trainer's parent keeps it too
     # The transfer pool's threads lowered themselves as they started.
-    assert [10, int(psutil.IOPRIO_CLASS_BE), 7] in prio["workers"], prio
+    assert [19, int(psutil.IOPRIO_CLASS_BE), 7] in prio["workers"], prio
