@@ -312,6 +312,17 @@ class Service:
             await asyncio.sleep(self.settings.preemption.poll_interval_seconds)
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
+        response = await self._respond(notice, source)
+        if notice.source == "sigterm":
+            self.sigterm.set()  # the main loop flushes, then stops
+        if source is self.cluster_source and notice.kind == "drill" and response is not None:
+            task = asyncio.create_task(self._end_followed_drill(response))
+            self._followed_drills.add(task)
+            task.add_done_callback(self._followed_drills.discard)
+
+    async def _respond(self, notice: Notice, source: NoticeSource) -> Response | None:
+        """Hand ``notice`` to the responder, by the many-node rules: another node's notice
+        is skipped while this node already responds, and never published again."""
         followed = source is self.cluster_source
         current = self.responder.current
         if followed and current is not None:
@@ -324,15 +335,9 @@ class Service:
                 source=notice.source,
                 responding_to=current.notice.source,
             )
-            return
+            return None
         # A notice followed from another node is never published again (no echo).
-        response = await self.responder.handle(notice, source, publish=not followed)
-        if notice.source == "sigterm":
-            self.sigterm.set()  # the main loop flushes, then stops
-        if followed and notice.kind == "drill" and response is not None:
-            task = asyncio.create_task(self._end_followed_drill(response))
-            self._followed_drills.add(task)
-            task.add_done_callback(self._followed_drills.discard)
+        return await self.responder.handle(notice, source, publish=not followed)
 
     async def _end_followed_drill(self, response: Response) -> None:
         """Another node's drill: as ``ckptd drill`` does on its own node, leave emergency

@@ -205,7 +205,8 @@ class SupervisedService(Service):
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
         # Held first: a trainer that exits on the signal must not be started again.
         self.supervisor.hold()
-        await self.responder.handle(notice, source)
+        # The many-node rules (no echo of another node's notice) hold here too.
+        await self._respond(notice, source)
         self.noticed.set()
 
     async def _flush_on_notice(self, trainer: asyncio.Task[int]) -> int:
