@@ -8,20 +8,23 @@ and a good one beside them. Also: every error class under ``ckptd/`` derives fro
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import inspect
 import json
 import pkgutil
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import ckptd
 import ckptd.errors
-from ckptd import checksum
-from ckptd.cli import DaemonUnreachableError, UsageError, main
+from ckptd import __version__, checksum
+from ckptd.cli import DaemonUnreachableError, UsageError, build_parser, main
 from ckptd.config import ConfigError
 from ckptd.errors import CkptdError
 from ckptd.manifest import MANIFEST_NAME, ManifestError, build_manifest
@@ -215,3 +218,29 @@ def test_the_errors_module_imports_nothing_so_every_module_may_import_it() -> No
         for alias in node.names
     }
     assert imported <= {"__future__", "typing"}
+
+
+def _options(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.Action]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{path} {name}")
+        elif action.option_strings:
+            yield path, action
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    missing = [
+        f"{path} {'/'.join(action.option_strings)}"
+        for path, action in _options(build_parser(), "ckptd")
+        if not action.help
+    ]
+    assert missing == []
+
+
+def test_short_version_flag_prints_the_version() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptd", "-V"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"ckptd {__version__}"
