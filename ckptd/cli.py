@@ -21,6 +21,7 @@ from typing import Any
 
 from ckptd import __version__, logs
 from ckptd.config import (
+    DEFAULT_CONFIG_PATH,
     ConfigError,
     Settings,
     load_settings,
@@ -510,8 +511,16 @@ def _url_host(host: str) -> str:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.config is None and not DEFAULT_CONFIG_PATH.exists():
+        sys.stderr.write(
+            f"ckptd: note: no config file ({DEFAULT_CONFIG_PATH} does not exist, no --config): "
+            "defaults and CKPTD_* variables only\n"
+        )
     settings = _settings(args)
     sys.stdout.write(render_effective_config(settings))
+    # Valid is what `ckptd run` accepts: the same settings must not pass here and fail there.
+    require_destination(settings)
+    require_watch(settings)
     return EXIT_OK
 
 

@@ -244,3 +244,23 @@ def test_short_version_flag_prints_the_version() -> None:
     )
     assert done.returncode == 0
     assert done.stdout.strip() == f"ckptd {__version__}"
+
+
+def test_config_check_fails_where_run_would(tmp_path: Path) -> None:
+    """`config check` passes exactly what `ckptd run` accepts."""
+    env = {"CKPTD_METRICS__LISTEN": "127.0.0.1:0"}
+    no_dest = tmp_path / "no-dest.toml"
+    no_dest.write_text(f'[[watch]]\ndir = "{tmp_path / "run"}"\n')
+    no_watch = tmp_path / "no-watch.toml"
+    no_watch.write_text(f'[destination]\nurl = "file://{tmp_path / "store"}"\n')
+    whole = tmp_path / "whole.toml"
+    whole.write_text(no_dest.read_text() + no_watch.read_text())
+    for config, key in ((no_dest, "destination.url"), (no_watch, "watch")):
+        for command in (["config", "check"], ["run", "--once"]):
+            done = run_cli(*command, "--config", str(config), env=env)
+            assert done.returncode == 2, (command, done.stderr)
+            assert f"invalid config: {key}" in done.stderr, (command, done.stderr)
+            assert "Traceback" not in done.stderr
+    ok = run_cli("config", "check", "--config", str(whole), env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "[destination]" in ok.stdout and "note: no config file" not in ok.stderr
