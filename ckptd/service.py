@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.clock import SYSTEM_CLOCK, Clock
-from ckptd.config import Settings
+from ckptd.config import ConfigError, Settings
 from ckptd.health import DestinationHealth
 from ckptd.logs import get_logger
 from ckptd.manifest import ManifestError
@@ -188,7 +188,15 @@ class Service:
                 drill=self.responder.drill,
                 token=self.settings.http.token.get_secret_value(),
             )
-            port = await self.http.start(self.settings.metrics.host, self.settings.metrics.port)
+            try:
+                port = await self.http.start(self.settings.metrics.host, self.settings.metrics.port)
+            except OSError as exc:
+                raise ConfigError(
+                    "metrics.listen",
+                    f"cannot listen on {self.settings.metrics.listen} "
+                    f"({exc.strerror or exc}); another ckptd or program may hold it: choose a "
+                    "free port (metrics.listen, CKPTD_METRICS__LISTEN; port 0 = any)",
+                ) from None
             self.http_port = port
             self.log.info("http_listening", host=self.settings.metrics.host, port=port)
 

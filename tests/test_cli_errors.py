@@ -14,6 +14,7 @@ import importlib
 import inspect
 import json
 import pkgutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -264,3 +265,32 @@ def test_config_check_fails_where_run_would(tmp_path: Path) -> None:
     ok = run_cli("config", "check", "--config", str(whole), env=env)
     assert ok.returncode == 0, ok.stderr
     assert "[destination]" in ok.stdout and "note: no config file" not in ok.stderr
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = run_cli(
+            *("run", "--watch", str(tmp_path / "run"), "--dest", f"file://{tmp_path / 's'}"),
+            *("--state-dir", str(tmp_path / "state")),
+            env={"CKPTD_METRICS__LISTEN": f"127.0.0.1:{port}"},
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if not x.startswith("{")]
+    assert "metrics.listen" in line and "in use" in line and "Traceback" not in done.stderr
+
+
+def test_a_state_dir_that_cannot_be_made_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_bytes(b"")  # root may write anywhere, but not under a file
+    done = run_cli(
+        *("run", "--once", "--watch", str(tmp_path / "run"), "--dest", f"file://{tmp_path / 's'}"),
+        *("--state-dir", str(tmp_path / "a-file" / "state")),
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if not x.startswith("{")]
+    assert "state.dir" in line and str(tmp_path / "a-file") in line
+    assert "Traceback" not in done.stderr

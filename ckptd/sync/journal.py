@@ -13,12 +13,14 @@ created just before a crash (and not yet recorded) is still found and aborted.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.config import ConfigError
 from ckptd.storage.base import PartInfo
 
 _SCHEMA = """
@@ -86,12 +88,22 @@ class Journal:
     """Thread-safe access to the journal database."""
 
     def __init__(self, state_dir: Path) -> None:
-        state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / "journal.sqlite3"
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            # An operator's mistake (a root-owned dir, a read-only mount), not a crash.
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(
+                "state.dir",
+                f"cannot open the journal in {state_dir} ({reason}); make that directory "
+                f"writable by this user (uid {os.getuid()}) or choose another with "
+                "state.dir / --state-dir",
+            ) from None
         self._lock = threading.Lock()
 
     def close(self) -> None:
