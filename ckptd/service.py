@@ -203,6 +203,12 @@ class Service:
     async def run_once(self) -> int:
         """Ship what is complete now, then return 0, or 1 if any checkpoint failed."""
         pipeline = self.pipeline
+        # A store that refuses this node (no credentials, access denied, no such bucket)
+        # ends --once at once with its one line, whether or not there is work: waiting
+        # out the backoff would only hide it.
+        failure = self.destination.failure
+        if failure is not None and failure.destination_unusable:
+            raise failure
         for run_id in pipeline.runs:
             await pipeline.rescan(run_id)
         ok = await pipeline.drain_once()
@@ -214,6 +220,8 @@ class Service:
         while (not pipeline.idle() or pipeline.cluster_busy()) and (
             self.clock.monotonic() < waited_until
         ):
+            if pipeline.unusable is not None:
+                raise pipeline.unusable
             await asyncio.sleep(0.1)
             await self._cluster_round()
             ok = await pipeline.drain_once() and ok

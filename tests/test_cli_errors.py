@@ -13,10 +13,12 @@ import ast
 import importlib
 import inspect
 import json
+import os
 import pkgutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from ckptd import __version__, checksum
 from ckptd.cli import DaemonUnreachableError, UsageError, build_parser, main
 from ckptd.config import ConfigError
 from ckptd.errors import CkptdError
+from ckptd.locals3 import LocalS3
 from ckptd.manifest import MANIFEST_NAME, ManifestError, build_manifest
 from ckptd.restore import RestoreError
 from ckptd.storage.base import StorageError
@@ -293,4 +296,69 @@ def test_a_state_dir_that_cannot_be_made_is_one_line_naming_the_key(tmp_path: Pa
     assert done.returncode == 2, done.stderr
     (line,) = [x for x in done.stderr.splitlines() if not x.startswith("{")]
     assert "state.dir" in line and str(tmp_path / "a-file") in line
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("case", "env", "bucket", "words"),
+    [
+        (
+            "wrong key",
+            {"AWS_ACCESS_KEY_ID": "nope", "AWS_SECRET_ACCESS_KEY": "nope"},
+            "ckpt",
+            "denied",
+        ),
+        ("no bucket", {}, "no-such-bucket", "does not exist"),
+        (
+            "no credentials",
+            {
+                "AWS_ACCESS_KEY_ID": None,
+                "AWS_SECRET_ACCESS_KEY": None,
+                "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                "AWS_CONFIG_FILE": "/nonexistent",
+                "AWS_EC2_METADATA_DISABLED": "true",
+            },
+            "ckpt",
+            "AWS_ACCESS_KEY_ID",  # says where credentials come from
+        ),
+    ],
+)
+@pytest.mark.parametrize("work", [True, False], ids=["a checkpoint to ship", "nothing to ship"])
+def test_once_ends_within_seconds_on_a_store_that_refuses_this_node(
+    tmp_path: Path,
+    local_s3: LocalS3,
+    case: str,
+    env: dict[str, str | None],
+    bucket: str,
+    words: str,
+    work: bool,
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    if work:
+        (run / "checkpoint-5").mkdir()
+        (run / "checkpoint-5" / "model.bin").write_bytes(b"weights")
+    environ = {**os.environ, **local_s3.env()}
+    for key, value in env.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "ckptd", "run", "--once", "--layout", "quiescent"),
+            *("--watch", str(run), "--dest", f"s3://{bucket}/x"),
+            *("--endpoint-url", local_s3.endpoint_url, "--state-dir", str(tmp_path / "state")),
+        ],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 1, (case, done.stderr[-2000:])
+    assert took < 20, f"{case}: --once took {took:.1f} s on a permanent error"
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckptd: ") and words in last, last
     assert "Traceback" not in done.stderr

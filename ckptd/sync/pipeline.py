@@ -125,6 +125,9 @@ class SyncPipeline:
         self.emergency_deadline: datetime | None = None
         self.on_emergency_complete: Callable[[str, str], None] = lambda run, name: None
         self.on_commit: CommitHook | None = None
+        # The last failure by which the store refused this node itself (credentials,
+        # access, bucket): `ckptd run --once` ends on it. Cleared by a commit.
+        self.unusable: StorageError | None = None
         cluster = settings.cluster
         self.committer: Committer | None = (
             Committer(cluster.nodes, cluster.rank, self.shipper.host, describe())
@@ -507,6 +510,7 @@ class SyncPipeline:
     ) -> None:
         manifest = result.manifest
         assert manifest is not None  # an Outcome.COMMITTED always carries it
+        self.unusable = None
         self._mark_committed(state, manifest, log, already=result.already_committed)
         if self.on_commit is not None:
             await self.on_commit(
@@ -732,6 +736,7 @@ class SyncPipeline:
             self.metrics.storage_errors.labels(operation="checkpoint", code=code).inc()
             if exc.destination_unusable:  # decided by the backend that saw it
                 self.metrics.destination_up.set(0)
+                self.unusable = exc
         log.error(
             "checkpoint_failed",
             error=str(exc),
