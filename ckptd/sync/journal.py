@@ -9,6 +9,10 @@ per small file, measured at 11% of the daemon's samples on 4 MiB DCP shards.)
 
 An intended multipart upload is journalled *before* it is created, so an upload
 created just before a crash (and not yet recorded) is still found and aborted.
+
+An object also records the identity its file had when it was read (size, mtime, ctime,
+inode; ``ObjectRecord.identity``): a file shipped before its checkpoint was complete
+(``ckptd.sync.early``) counts as shipped only while it still has that identity.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ CREATE TABLE IF NOT EXISTS objects (
     path TEXT NOT NULL,
     size INTEGER NOT NULL,
     mtime_ns INTEGER NOT NULL,
-    crc32c INTEGER NOT NULL
+    crc32c INTEGER NOT NULL,
+    ctime_ns INTEGER NOT NULL DEFAULT 0,  -- 0: not recorded (a journal of an older ckptd)
+    inode INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS committed (
     run TEXT NOT NULL,
@@ -80,6 +86,13 @@ class ObjectRecord:
     size: int
     mtime_ns: int
     crc32c: int
+    ctime_ns: int = 0  # 0: not recorded
+    inode: int = 0
+
+    @property
+    def identity(self) -> tuple[int, int, int, int]:
+        """What the file was when read: (size, mtime_ns, ctime_ns, inode)."""
+        return (self.size, self.mtime_ns, self.ctime_ns, self.inode)
 
 
 class Journal:
@@ -92,6 +105,12 @@ class Journal:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {str(r[1]) for r in self._db.execute("PRAGMA table_info(objects)")}
+        for column in ("ctime_ns", "inode"):  # a journal written before they existed
+            if column not in columns:
+                self._db.execute(
+                    f"ALTER TABLE objects ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"
+                )
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -163,16 +182,40 @@ class Journal:
 
     def record_object(self, run: str, checkpoint: str, rec: ObjectRecord) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (rec.key, run, checkpoint, rec.path, rec.size, rec.mtime_ns, rec.crc32c),
+            "INSERT OR REPLACE INTO objects "
+            "(key, run, checkpoint, path, size, mtime_ns, crc32c, ctime_ns, inode) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                rec.key,
+                run,
+                checkpoint,
+                rec.path,
+                rec.size,
+                rec.mtime_ns,
+                rec.crc32c,
+                rec.ctime_ns,
+                rec.inode,
+            ),
         )
 
     def objects_for(self, run: str, checkpoint: str) -> dict[str, ObjectRecord]:
         rows = self._exec(
-            "SELECT key, path, size, mtime_ns, crc32c FROM objects WHERE run = ? AND checkpoint = ?",
+            "SELECT key, path, size, mtime_ns, crc32c, ctime_ns, inode FROM objects "
+            "WHERE run = ? AND checkpoint = ?",
             (run, checkpoint),
         )
         return {str(r[1]): ObjectRecord(*r) for r in rows}  # type: ignore[arg-type]
+
+    def forget_object(self, key: str) -> None:
+        """Drop one finished object (deleted from the store, or to be sent again)."""
+        self._exec("DELETE FROM objects WHERE key = ?", (key,))
+
+    def uncommitted(self) -> set[tuple[str, str]]:
+        """``(run, checkpoint)`` of every checkpoint with an object or upload in flight."""
+        rows = self._exec(
+            "SELECT run, checkpoint FROM objects UNION SELECT run, checkpoint FROM uploads"
+        )
+        return {(str(r[0]), str(r[1])) for r in rows}
 
     def forget_checkpoint(self, run: str, checkpoint: str) -> None:
         """Drop the in-flight records of a checkpoint (abandoned)."""
