@@ -134,6 +134,31 @@ def test_large_files_go_before_the_commit_record_and_commit_byte_identical(
     assert _no_uploads(s3_client, s3_prefix)
 
 
+def test_a_closed_file_goes_while_the_next_one_is_still_being_written(
+    tmp_path: Path, local_s3: LocalS3, s3_client: Any, s3_prefix: str, s3_dest: str
+) -> None:
+    root = tmp_path / "run"
+    ckpt = root / "checkpoint-8"
+    with _daemon(tmp_path, local_s3, s3_dest, root) as daemon:
+        write_bytes(ckpt / "model.safetensors", 4 * MiB)
+        # The optimizer is written on and on (a file event every 50 ms): the model,
+        # closed, must still go early rather than wait for the burst of events to end.
+        deadline = time.monotonic() + 15
+        with open(ckpt / "optimizer.pt", "wb") as fh:
+            while not daemon.events_named("early_upload_started", path="model.safetensors"):
+                assert time.monotonic() < deadline, "the model did not go during the save"
+                fh.write(os.urandom(64 * 1024))
+                fh.flush()
+                time.sleep(0.05)
+        (ckpt / "trainer_state.json").write_text('{"global_step": 8}')
+        wait_until(
+            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-8"),
+            60,
+            "commit",
+        )
+    _assert_committed_identical(s3_client, s3_prefix, "run", ckpt)
+
+
 def test_file_replaced_after_its_early_upload_is_sent_again(
     tmp_path: Path, local_s3: LocalS3, s3_client: Any, s3_prefix: str, s3_dest: str
 ) -> None:

@@ -77,6 +77,9 @@ from ckptd.sync.transfer import TransferContext, Transfers
 
 # Coalesces the burst of events one save produces into one look at the checkpoint.
 EVENT_DEBOUNCE_SECONDS = 0.2
+# ...but a burst that goes on (a save writing GiBs) is looked at at least this often, or
+# the files it closed meanwhile would wait for its end to go early.
+EVENT_MAX_DELAY_SECONDS = 1.0
 
 CommitHook = Callable[[str, str, int, bool], Awaitable[None]]
 
@@ -125,6 +128,8 @@ class SyncPipeline:
         }
         self._wake = asyncio.Event()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        # When the pending look at a checkpoint was first asked for (loop time).
+        self._first_hint: dict[tuple[str, str], float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._evaluating = 0
         # Emergency mode (a preemption notice): checkpoints completed after the notice go
@@ -191,9 +196,21 @@ class SyncPipeline:
         if old is not None:
             old.cancel()
         if name in state.committed:
+            self._first_hint.pop(key, None)
             return
         loop = asyncio.get_running_loop()
-        self._timers[key] = loop.call_later(delay, lambda: self._spawn(self.evaluate(run_id, name)))
+        now = loop.time()
+        if old is None:
+            self._first_hint[key] = now
+        else:  # a burst: no later than EVENT_MAX_DELAY_SECONDS after its first hint
+            first = self._first_hint.setdefault(key, now)
+            delay = min(delay, max(0.0, first + EVENT_MAX_DELAY_SECONDS - now))
+
+        def fire() -> None:
+            self._first_hint.pop(key, None)
+            self._spawn(self.evaluate(run_id, name))
+
+        self._timers[key] = loop.call_later(delay, fire)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -588,7 +605,11 @@ class SyncPipeline:
         if result.commit is None:
             return  # committed before this attempt: nothing was shipped now
         if self.emergency_since is None:  # never spend a preemption's seconds on deletes
-            protected = set(self.queue.names(state.run_id)) | set(state.waiting)
+            protected = (
+                set(self.queue.names(state.run_id))
+                | set(state.waiting)
+                | {n for r, n in self.early.ships if r == state.run_id}
+            )
             removed = await after_commit(
                 self.repo,
                 self.settings.retention,
