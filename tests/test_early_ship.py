@@ -17,9 +17,15 @@ from typing import Any
 
 import pytest
 
+from ckptd.checksum import crc32c
 from ckptd.layouts.base import CheckpointListing, FileEntry
 from ckptd.locals3 import LocalS3
+from ckptd.logs import get_logger
+from ckptd.repository import Repository, object_key
+from ckptd.storage.fs import FileStorage
+from ckptd.sync import cleanup
 from ckptd.sync.early import ready_files
+from ckptd.sync.journal import Journal
 from tests.daemon import Daemon, committed_manifest, wait_until
 from tests.test_sync_e2e import _assert_committed_identical, _keys
 from tests.writers import write_bytes
@@ -67,6 +73,28 @@ def test_nothing_goes_where_proc_cannot_tell_or_from_a_file_checkpoint() -> None
     assert ready_files(unknown, {}, set(), 100 * NS) == ([], None)
     single = CheckpointListing("epoch=1.ckpt", False, (FileEntry("epoch=1.ckpt", 10, NS),))
     assert ready_files(single, {}, set(), 100 * NS) == ([], None)
+
+
+def test_an_object_that_landed_before_its_journal_row_is_discarded_with_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A crash between an object's PUT and its journal row: the checkpoint was marked
+    touched first, so the start-up sweep finds it, and deletes its whole prefix."""
+    store = FileStorage(tmp_path / "store")
+    repo = Repository(store)
+    journal = Journal(tmp_path / "state")
+    journal.touch("run", "checkpoint-3")
+    for name, data in (("checkpoint-3", b"x" * 100), ("checkpoint-4", b"y" * 100)):
+        key = object_key("run", name, "model.safetensors")
+        store.put_bytes(key, data, crc32c=crc32c(data))
+    (tmp_path / "run" / "checkpoint-4").mkdir(parents=True)  # still there locally: kept
+    dirs = {"run": tmp_path / "run"}
+    cleanup.discard_vanished(
+        repo, journal, dirs, lambda run, name: False, get_logger(), whole_prefix=True
+    )
+    assert repo.list_objects("run", "checkpoint-3") == []
+    assert len(repo.list_objects("run", "checkpoint-4")) == 1
+    assert journal.uncommitted() == set()
 
 
 # -- end to end -------------------------------------------------------------------------
@@ -246,8 +274,8 @@ def _save(ckpt: Path, rng: random.Random, step: int, rewrite: bool) -> None:
 def test_kill_9_at_random_instants_never_commits_a_mixed_checkpoint(
     tmp_path: Path, local_s3: LocalS3, s3_client: Any, s3_prefix: str, s3_dest: str
 ) -> None:
-    seed = int(os.environ.get("CKPTD_TEST_SEED", time.time_ns() % 100000))
-    print(f"seed {seed} (CKPTD_TEST_SEED={seed} reproduces)")
+    seed = int(os.environ.get("EARLY_KILL_SEED", time.time_ns() % 100000))
+    print(f"seed {seed} (EARLY_KILL_SEED={seed} reproduces)")
     rng = random.Random(seed)
     root = tmp_path / "run"
     root.mkdir()
@@ -262,11 +290,15 @@ def test_kill_9_at_random_instants_never_commits_a_mixed_checkpoint(
             time.sleep(rng.uniform(0.0, 2.5))  # mid-save, or mid-ship after it
             daemon.kill9()
             writer.join()
+            where = f"seed {seed}, checkpoint-{i} (rewrite={rewrite}, delete={delete})"
+            if committed_manifest(s3_client, s3_prefix, "run", ckpt.name) is not None:
+                # Committed before the kill: it must be whole, and stays whatever happens.
+                _assert_committed_identical(s3_client, s3_prefix, "run", ckpt)
+                delete = False
             if delete:
-                shutil.rmtree(ckpt)  # deleted while no daemon ran
+                shutil.rmtree(ckpt)  # deleted before completion, while no daemon ran
             daemon = _daemon(tmp_path, local_s3, s3_dest, root, name=f"d{i}", **settings)
             daemon.start()
-            where = f"seed {seed}, checkpoint-{i} (rewrite={rewrite}, delete={delete})"
             if delete:
                 wait_until(
                     lambda i=i: (

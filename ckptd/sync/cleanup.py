@@ -61,16 +61,29 @@ def recover(repo: Repository, journal: Journal, dirs: Mapping[str, Path], log: A
             log.warning("orphan_abort_failed", key=rec.key, error=str(exc))
 
 
-def discard(repo: Repository, journal: Journal, run: str, name: str, log: Any) -> None:
+def discard(
+    repo: Repository,
+    journal: Journal,
+    run: str,
+    name: str,
+    log: Any,
+    *,
+    whole_prefix: bool = False,
+) -> None:
     """Abort ``run/name``'s uploads and delete what it sent, unless it is committed;
-    then forget it in the journal. Blocking; a storage failure is logged."""
+    then forget it in the journal. ``whole_prefix`` (one node: the prefix is this
+    daemon's alone) deletes every object listed under the checkpoint's prefix, so an
+    object that reached the store just before a crash, unjournalled, goes too. Blocking;
+    a storage failure is logged."""
     try:
         for rec in journal.all_uploads():
             if rec.run == run and rec.checkpoint == name:
                 _abort(repo, rec)
         if not repo.has_manifest(run, name):
-            sent = journal.objects_for(run, name)
-            repo.delete([r.key for r in sent.values()])
+            keys = {r.key for r in journal.objects_for(run, name).values()}
+            if whole_prefix:
+                keys.update(o.key for o in repo.list_objects(run, name))
+            repo.delete(sorted(keys))
         journal.forget_checkpoint(run, name)
     except StorageError as exc:
         log.warning("abandon_cleanup_failed", error=str(exc))
@@ -82,6 +95,8 @@ def discard_vanished(
     dirs: Mapping[str, Path],
     keep: Callable[[str, str], bool],
     log: Any,
+    *,
+    whole_prefix: bool = False,
 ) -> None:
     """``discard`` every uncommitted checkpoint in the journal whose local checkpoint is
     gone, unless ``keep(run, name)`` (many nodes: its part is written). Blocking."""
@@ -96,4 +111,4 @@ def discard_vanished(
             log.warning("vanished_check_failed", run=run, checkpoint=name, error=str(exc))
             continue
         log.info("vanished_checkpoint_discarded", run=run, checkpoint=name)
-        discard(repo, journal, run, name, log)
+        discard(repo, journal, run, name, log, whole_prefix=whole_prefix)

@@ -10,7 +10,9 @@ per small file, measured at 11% of the daemon's samples on 4 MiB DCP shards.)
 An intended multipart upload is journalled *before* it is created, so an upload
 created just before a crash (and not yet recorded) is still found and aborted.
 
-An object also records the identity its file had when it was read (size, mtime, ctime,
+A checkpoint is marked ``touched`` before its first object is sent, so one whose object
+reached the store just before a crash (before its row was written) is still known to
+hold something there. An object also records the identity its file had when it was read (size, mtime, ctime,
 inode; ``ObjectRecord.identity``): a file shipped before its checkpoint was complete
 (``ckptd.sync.early``) counts as shipped only while it still has that identity.
 """
@@ -56,6 +58,11 @@ CREATE TABLE IF NOT EXISTS objects (
     crc32c INTEGER NOT NULL,
     ctime_ns INTEGER NOT NULL DEFAULT 0,  -- 0: not recorded (a journal of an older ckptd)
     inode INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS touched (  -- may hold objects in the store, not yet committed
+    run TEXT NOT NULL,
+    checkpoint TEXT NOT NULL,
+    PRIMARY KEY (run, checkpoint)
 );
 CREATE TABLE IF NOT EXISTS committed (
     run TEXT NOT NULL,
@@ -112,6 +119,7 @@ class Journal:
                     f"ALTER TABLE objects ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"
                 )
         self._lock = threading.Lock()
+        self._touched: set[tuple[str, str]] = set()  # rows known written, to skip a write
 
     def close(self) -> None:
         with self._lock:
@@ -206,6 +214,13 @@ class Journal:
         )
         return {str(r[1]): ObjectRecord(*r) for r in rows}  # type: ignore[arg-type]
 
+    def touch(self, run: str, checkpoint: str) -> None:
+        """Mark ``run/checkpoint`` as maybe holding objects in the store (module doc)."""
+        if (run, checkpoint) in self._touched:
+            return
+        self._exec("INSERT OR IGNORE INTO touched VALUES (?, ?)", (run, checkpoint))
+        self._touched.add((run, checkpoint))
+
     def forget_object(self, key: str) -> None:
         """Drop one finished object (deleted from the store, or to be sent again)."""
         self._exec("DELETE FROM objects WHERE key = ?", (key,))
@@ -213,7 +228,8 @@ class Journal:
     def uncommitted(self) -> set[tuple[str, str]]:
         """``(run, checkpoint)`` of every checkpoint with an object or upload in flight."""
         rows = self._exec(
-            "SELECT run, checkpoint FROM objects UNION SELECT run, checkpoint FROM uploads"
+            "SELECT run, checkpoint FROM objects UNION SELECT run, checkpoint FROM uploads "
+            "UNION SELECT run, checkpoint FROM touched"
         )
         return {(str(r[0]), str(r[1])) for r in rows}
 
@@ -231,10 +247,11 @@ class Journal:
             "(SELECT upload_id FROM uploads WHERE run = ? AND checkpoint = ?)",
             (run, checkpoint),
         )
-        for table in ("uploads", "objects"):
+        for table in ("uploads", "objects", "touched"):
             self._db.execute(
                 f"DELETE FROM {table} WHERE run = ? AND checkpoint = ?", (run, checkpoint)
             )
+        self._touched.discard((run, checkpoint))
 
     # -- commits --------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ One deleted before completion has what was sent early removed (``cleanup.discard
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import datetime
 from pathlib import Path
@@ -167,7 +168,15 @@ class SyncPipeline:
         dirs = {run: state.dir for run, state in self.runs.items()}
         await asyncio.to_thread(cleanup.recover, self.repo, self.journal, dirs, self.log)
         await asyncio.to_thread(
-            cleanup.discard_vanished, self.repo, self.journal, dirs, self._part_written, self.log
+            functools.partial(
+                cleanup.discard_vanished,
+                self.repo,
+                self.journal,
+                dirs,
+                self._part_written,
+                self.log,
+                whole_prefix=self.committer is None,
+            )
         )
         for state in self.runs.values():
             state.committed.update(name for name, _ in self.journal.committed(state.run_id))
@@ -426,7 +435,13 @@ class SyncPipeline:
         if await asyncio.to_thread(self._part_written, run, name):
             return
         self.log.info("checkpoint_discarded_before_complete", run=run, checkpoint=name)
-        await asyncio.to_thread(cleanup.discard, self.repo, self.journal, run, name, self.log)
+        await asyncio.to_thread(self._discard, run, name)
+
+    def _discard(self, run: str, name: str) -> None:
+        """``cleanup.discard``; with one node the checkpoint's whole prefix is ours."""
+        cleanup.discard(
+            self.repo, self.journal, run, name, self.log, whole_prefix=self.committer is None
+        )
 
     # -- emergency mode ------------------------------------------------------------------
 
@@ -813,7 +828,7 @@ class SyncPipeline:
         self.queue.remove(run, name)
         self.metrics.abandoned.labels(run=run).inc()
         log.warning("checkpoint_abandoned", reason=reason)
-        await asyncio.to_thread(cleanup.discard, self.repo, self.journal, run, name, log)
+        await asyncio.to_thread(self._discard, run, name)
         self.update_gauges()
         self.hint(run, name, delay=max(1.0, state.rules.settle_seconds))
 

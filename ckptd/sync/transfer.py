@@ -163,6 +163,7 @@ class Transfers:
 
         def work() -> FileResult:
             ctx.check()
+            self.journal.touch(ctx.run, ctx.checkpoint)
             copied = copier.copy(src_key, dst_key)  # verified by the backend
             if copied.size != entry.size:
                 raise StorageError(
@@ -206,6 +207,7 @@ class Transfers:
         if len(data) != entry.size:
             raise CheckpointChangedError(f"{entry.path} changed size while read")
         crc = checksum.crc32c(data)
+        self.journal.touch(ctx.run, ctx.checkpoint)
         stored = self.storage.put_bytes(key, data, crc32c=crc)
         self.on_bytes(ctx.run, len(data))
         self._verify(key, entry.size, [], crc, reported=stored)
@@ -357,6 +359,7 @@ class Transfers:
                 self.part_size,
             )
         )
+        self.journal.touch(ctx.run, ctx.checkpoint)
         upload_id = uploads.create_upload(key)
         self.journal.record_upload_id(key, upload_id)
         return upload_id, {}
