@@ -875,7 +875,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = header(machine, versions, args, bench)
             table_tools = [t for t in ALL_TOOLS if t in tools]
             for shape, _, _ in shapes:
-                lines += render_shape(shape, rows_for(shape, results, table_tools))
+                if table_tools:
+                    lines += render_shape(shape, rows_for(shape, results, table_tools))
             if saving:
                 lines += render_saving([s for s, _, _ in shapes], saving, args.save_mib_per_s)
             if args.profile is not None and "ckptd" in tools:
