@@ -223,6 +223,8 @@ class WatchConfig(_Section):
     marker: str = "COMPLETE"
     # Periodic full rescan: file events get lost (NFS, overflowing inotify queues).
     rescan_seconds: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    # Send each closed, quiet file before the checkpoint is complete (ckptd.sync.early).
+    ship_early: bool = True
 
     @field_validator("dir")
     @classmethod
