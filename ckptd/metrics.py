@@ -125,6 +125,13 @@ class Metrics:
             ["run"],
             registry=r,
         )
+        self.unshippable = Counter(
+            "ckptd_unshippable_entries",
+            "Entries of a checkpoint that cannot be shipped (dangling symlink, link to a "
+            "directory, special file); such a checkpoint is never committed.",
+            ["run"],
+            registry=r,
+        )
         self.cluster_conflicts = Counter(
             "ckptd_cluster_conflicts",
             "Many nodes: checkpoints never committed because two nodes' parts differ on a file.",

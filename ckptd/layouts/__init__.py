@@ -121,6 +121,17 @@ def evaluate(
     layout: str, listing: CheckpointListing, now_ns: int, settings: RuleSettings
 ) -> Completion:
     """Judge one checkpoint under ``layout`` ("auto" or a concrete name) at time ``now_ns``."""
+    if listing.unshippable:
+        # A restore would lack what the trainer wrote there: refuse, loudly, rather than
+        # commit a checkpoint that silently misses a file.
+        first = listing.unshippable[0]
+        return Completion(
+            complete=False,
+            layout=layout,
+            reason=f"{len(listing.unshippable)} entr{'y' if len(listing.unshippable) == 1 else 'ies'}"
+            f" cannot be shipped (a dangling symlink, a link to a directory or a special "
+            f"file), e.g. {first}: replace it with the file, or remove it",
+        )
     rule = pick_rule(layout, listing, settings)
     if layout == "auto" and rule.name == "quiescent" and not _looks_like_a_checkpoint(listing):
         # An output dir also holds things that are no checkpoint: HF's final

@@ -357,6 +357,16 @@ class SyncPipeline:
             state, name, listing.newest_mtime_ns / 1e9
         ):
             return None
+        if listing.unshippable and state.reported_unshippable.get(name) != listing.unshippable:
+            state.reported_unshippable[name] = listing.unshippable
+            self.metrics.unshippable.labels(run=run_id).inc(len(listing.unshippable))
+            self.log.error(
+                "checkpoint_has_unshippable_entries",
+                run=run_id,
+                checkpoint=name,
+                entries=list(listing.unshippable[:10]),
+                count=len(listing.unshippable),
+            )
         verdict, role = self._judge(state, listing)
         await self._withdraw_if_resaved(state, listing)
         if not verdict.complete:
