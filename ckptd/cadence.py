@@ -34,6 +34,7 @@ new run starts at the prior and its own history takes over as it grows.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -73,7 +74,7 @@ def daly_interval(save_seconds: float, mtbf_seconds: float) -> float:
     x = min(1.0, c / (2.0 * m))
     # sqrt(2CM)(1 + sqrt(x)/3 + x/9) - C, written in x = C/2M with C clamped at 2M:
     # 2M (sqrt(x) + x/3 + x^1.5/9 - x).
-    return 2.0 * m * (math.sqrt(x) - 2.0 * x / 3.0 + x**1.5 / 9.0)
+    return 2.0 * m * (math.sqrt(x) - 2.0 * x / 3.0 + x * math.sqrt(x) / 9.0)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def advised_interval(
     save_seconds: float,
     mtbf_seconds: float,
     upload_seconds: float = 0.0,
-    bounds: Bounds = Bounds(),  # noqa: B008 - frozen, never mutated
+    bounds: Bounds = Bounds(),
 ) -> float:
     """The interval to advise: Daly's, no shorter than the upload (module doc) nor
     ``bounds.min_interval``, no longer than ``bounds.max_interval``."""
@@ -237,10 +238,14 @@ def parse_history(body: bytes, run_id: str) -> History:
         if at is None or kind not in INTERRUPTION_KINDS:
             continue
         interruptions.append(
-            Interruption(at, str(kind), str(raw.get("source", ""))[:64], str(raw.get("node", ""))[:128])
+            Interruption(
+                at, str(kind), str(raw.get("source", ""))[:64], str(raw.get("node", ""))[:128]
+            )
         )
     observed = _number(doc.get("observed_seconds")) or 0.0
-    return History(run_id, observed, tuple(saves[-MAX_SAVES:]), tuple(interruptions[-MAX_INTERRUPTIONS:]))
+    return History(
+        run_id, observed, tuple(saves[-MAX_SAVES:]), tuple(interruptions[-MAX_INTERRUPTIONS:])
+    )
 
 
 def merge_history(
@@ -326,7 +331,7 @@ def current_interval(saves: Sequence[SaveRecord], save_seconds: float) -> float 
     """The work time between the run's recent routine saves (median gap between them,
     less the save), or None with fewer than two."""
     times = sorted(s.at for s in saves if not s.emergency)[-(RECENT_SAVES + 1) :]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > a]
+    gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
     if not gaps:
         return None
     return max(0.0, statistics.median(gaps) - save_seconds)

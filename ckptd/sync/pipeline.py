@@ -74,6 +74,9 @@ from ckptd.sync.transfer import TransferContext, Transfers
 EVENT_DEBOUNCE_SECONDS = 0.2
 
 CommitHook = Callable[[str, str, int, bool], Awaitable[None]]
+# (run, checkpoint, complete at (wall clock), first file -> last file written (s),
+# complete -> committed (s), emergency): what a committed checkpoint cost.
+CostHook = Callable[[str, str, float, float, float, bool], None]
 
 
 class SyncPipeline:
@@ -125,6 +128,7 @@ class SyncPipeline:
         self.emergency_deadline: datetime | None = None
         self.on_emergency_complete: Callable[[str, str], None] = lambda run, name: None
         self.on_commit: CommitHook | None = None
+        self.on_cost: CostHook | None = None
         cluster = settings.cluster
         self.committer: Committer | None = (
             Committer(cluster.nodes, cluster.rank, self.shipper.host, describe())
@@ -480,6 +484,10 @@ class SyncPipeline:
             cluster=role,
         )
         state.current_files, state.current_ctx = fingerprint(listing.files), ctx
+        # The save as the files tell it: first file written -> last (a trainer that
+        # reports its own save time is believed first, ``ckptd.advice``).
+        mtimes = [f.mtime_ns for f in listing.files]
+        write_span = (max(mtimes) - min(mtimes)) / 1e9 if mtimes else 0.0
         try:
             result = await self.shipper.ship(request)
         finally:
@@ -487,6 +495,9 @@ class SyncPipeline:
         log = self.log.bind(run=run, checkpoint=name)
         if result.outcome is Outcome.COMMITTED:
             await self._committed(state, pending, result, log)
+            if self.on_cost is not None and result.commit is not None:
+                upload = max(0.0, self.clock.time() - pending.completed_at)
+                self.on_cost(run, name, pending.completed_at, write_span, upload, pending.emergency)
             return True
         if result.outcome is Outcome.PAUSED:
             log.warning("checkpoint_paused")
