@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ckptd.cadence import (  # noqa: E402 - the path above first
+from ckptd.cadence import (
     CadencePolicy,
     History,
     Interruption,
@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         for kind, make in (("poisson", poisson_trace), ("bursty", bursty_trace)):
             for hours in (1, 4, 24, 168):
                 rng = random.Random(f"{kind}-{hours}-{seed}")
-                traces.append(Trace(f"{kind} 1/{hours}h #{seed}", hours, make(hours * HOUR, horizon, rng)))
+                traces.append(
+                    Trace(f"{kind} 1/{hours}h #{seed}", hours, make(hours * HOUR, horizon, rng))
+                )
     rows = []
     worst_fixed_everywhere = {m: 0.0 for m in FIXED_MINUTES}
     ok = True
