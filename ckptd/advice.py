@@ -62,6 +62,7 @@ def policy_of(settings: Settings) -> CadencePolicy:
         mtbf_override=c.mtbf_hours * 3600.0 if c.mtbf_hours > 0 else None,
         prior_mtbf=c.prior_mtbf_hours * 3600.0,
         bounds=Bounds(c.min_interval_seconds, c.max_interval_seconds),
+        merge_seconds=c.merge_seconds,
     )
 
 

@@ -281,6 +281,7 @@ class CadencePolicy:
     mtbf_override: float | None = None  # seconds; None = learn
     prior_mtbf: float = DEFAULT_PRIOR_MTBF_SECONDS
     bounds: Bounds = field(default_factory=Bounds)
+    merge_seconds: float = MERGE_SECONDS
 
 
 @dataclass(frozen=True)
@@ -340,7 +341,7 @@ def current_interval(saves: Sequence[SaveRecord], save_seconds: float) -> float 
 def advise(history: History, policy: CadencePolicy) -> Advice:
     """The advised cadence for a run with ``history``."""
     save, upload, save_basis, used = recent_costs(history.saves)
-    count = count_interruptions(i.at for i in history.interruptions)
+    count = count_interruptions((i.at for i in history.interruptions), policy.merge_seconds)
     if policy.mtbf_override is not None:
         mtbf, mtbf_basis = policy.mtbf_override, "config"
     else:

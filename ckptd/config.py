@@ -341,6 +341,9 @@ class CadenceConfig(_Section):
     mtbf_hours: float = Field(default=0.0, ge=0, le=24 * 365, allow_inf_nan=False)
     # Until a run has history, the MTBF assumed (weighted as half an interruption).
     prior_mtbf_hours: float = Field(default=24.0, gt=0, le=24 * 365, allow_inf_nan=False)
+    # Interruption records this close together are one interruption (a notice, the
+    # restart it causes, the restore on the next node, every node's own notice).
+    merge_seconds: float = Field(default=600.0, ge=0, allow_inf_nan=False)
     min_interval_seconds: float = Field(default=60.0, ge=0, allow_inf_nan=False)
     max_interval_seconds: float = Field(default=6 * 3600.0, gt=0, allow_inf_nan=False)
 

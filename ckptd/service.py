@@ -398,7 +398,10 @@ class Service:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             self.sd.tick(summarize(self.status()))  # status() refreshes the gauges too
-            await self.advisor.flush()  # observed time; the store every FLUSH_SECONDS
+            try:
+                await self.advisor.flush()  # observed time; the store every FLUSH_SECONDS
+            except Exception as exc:  # noqa: BLE001 - advice is never worth the ticker
+                self.log.error("cadence_flush_failed", error=repr(exc))
             now = self.clock.monotonic()
             if now - last_stats >= JOURNAL_STATS_SECONDS:
                 last_stats = now

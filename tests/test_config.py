@@ -203,6 +203,7 @@ BAD_VALUES = [
     ("[cluster]\nnodes = 2", "cluster.node_rank"),
     ("[cluster]\npoll_interval_seconds = 0", "cluster.poll_interval_seconds"),
     ("[cadence]\nmtbf_hours = -1", "cadence.mtbf_hours"),
+    ("[cadence]\nmerge_seconds = -1", "cadence.merge_seconds"),
     ("[cadence]\nprior_mtbf_hours = 0", "cadence.prior_mtbf_hours"),
     ("[cadence]\nmin_interval_seconds = -5", "cadence.min_interval_seconds"),
     (
