@@ -4,6 +4,7 @@ history in a real S3 (SeaweedFS) and inherited by a second daemon."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from datetime import UTC, datetime, timedelta
@@ -76,7 +77,7 @@ def _followed(saves: list[dict[str, Any]], lo: float, hi: float) -> list[dict[st
     """The advised saves whose interval lay in [lo, hi], each checked against the gap
     since the previous save ended: never sooner than the interval, at most SLACK later."""
     checked = []
-    for prev, save in zip(saves, saves[1:], strict=False):
+    for prev, save in itertools.pairwise(saves):
         if not save["advised"] or save["interval"] is None:
             continue
         gap = save["began"] - prev["ended"]

@@ -113,7 +113,9 @@ class AdvisedCadence:
         self.refresh_seconds = refresh_seconds
         self._clock = clock
         self._interval: float | None = None
-        self._file_mtime: int | None = None
+        # The advice file as last read: (inode, mtime, size); the daemon replaces it by a
+        # rename, so a new advice is a new inode even within one timestamp tick.
+        self._file_mtime: tuple[int, int, int] | None = None
         self._next_read = 0.0
         self._since = clock()
         self._started: float | None = None
@@ -150,7 +152,8 @@ class AdvisedCadence:
             return
         path = self._watch_dir / ADVICE_RELPATH
         try:
-            mtime = path.stat().st_mtime_ns
+            st = path.stat()
+            mtime = (st.st_ino, st.st_mtime_ns, st.st_size)
             if mtime == self._file_mtime:
                 return
             value = parse_advice(path.read_bytes(), self.run)
