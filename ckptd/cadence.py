@@ -35,6 +35,7 @@ new run starts at the prior and its own history takes over as it grows.
 from __future__ import annotations
 
 import itertools
+import itertools
 import json
 import math
 import statistics
@@ -53,6 +54,8 @@ RECENT_SAVES = 8
 # The history keeps this many of each record (oldest dropped first).
 MAX_SAVES = 256
 MAX_INTERRUPTIONS = 1024
+# Rounds of the fixed point in ``learn_cadence`` (it settles in two or three).
+FIXED_POINT_ROUNDS = 8
 HISTORY_MAX_BYTES = 1024 * 1024
 INTERRUPTION_KINDS = ("notice", "restart", "restore")
 
@@ -134,16 +137,62 @@ def advised_interval(
 # -- learning M ---------------------------------------------------------------------------
 
 
-def count_interruptions(times: Iterable[float], merge_seconds: float = MERGE_SECONDS) -> int:
-    """Distinct interruptions among records at ``times``: one within ``merge_seconds`` of
-    the last counted one is that same interruption."""
-    count = 0
-    last: float | None = None
+def distinct_interruptions(
+    times: Iterable[float], merge_seconds: float = MERGE_SECONDS
+) -> list[float]:
+    """The times of the distinct interruptions among records at ``times``: one within
+    ``merge_seconds`` of the last counted one is that same interruption."""
+    counted: list[float] = []
     for at in sorted(times):
-        if last is None or at - last > merge_seconds:
-            count += 1
-            last = at
-    return count
+        if not counted or at - counted[-1] > merge_seconds:
+            counted.append(at)
+    return counted
+
+
+def count_interruptions(times: Iterable[float], merge_seconds: float = MERGE_SECONDS) -> int:
+    """How many distinct interruptions (``distinct_interruptions``)."""
+    return len(distinct_interruptions(times, merge_seconds))
+
+
+def costly_interruptions(distinct: Sequence[float], interval: float) -> int:
+    """The interruptions that a save interval of ``interval`` could have lost work to
+    (the first, and each that came more than ``interval`` after the one before).
+
+    One that comes sooner after the previous one (the next blow of a burst: a zone out of
+    capacity takes the replacement node too) loses the work since the restart whatever
+    the interval, as no save could have happened yet: it says nothing about how often to
+    save. Young's derivation charges half an interval per interruption, which holds for
+    the others."""
+    if not distinct:
+        return 0
+    return 1 + sum(1 for a, b in itertools.pairwise(distinct) if b - a > interval)
+
+
+def learn_cadence(
+    distinct: Sequence[float],
+    observed_seconds: float,
+    save_seconds: float,
+    upload_seconds: float,
+    policy: CadencePolicy,
+) -> tuple[float, float, int]:
+    """``(interval, mtbf, interruptions counted)`` from a run's distinct interruptions:
+    the MTBF that matters for the interval is that of the costly ones
+    (``costly_interruptions``), which depends on the interval; a few rounds of the fixed
+    point settle it (the interval only grows from round to round, and is bounded)."""
+    if policy.mtbf_override is not None:
+        mtbf = policy.mtbf_override
+        return advised_interval(save_seconds, mtbf, upload_seconds, policy.bounds), mtbf, 0
+    count = len(distinct)
+    mtbf = estimate_mtbf(observed_seconds, count, policy.prior_mtbf, policy.prior_weight)
+    interval = advised_interval(save_seconds, mtbf, upload_seconds, policy.bounds)
+    for _ in range(FIXED_POINT_ROUNDS):
+        costly = costly_interruptions(distinct, interval)
+        if costly == count:
+            break
+        count = costly
+        mtbf = estimate_mtbf(observed_seconds, count, policy.prior_mtbf, policy.prior_weight)
+        interval = advised_interval(save_seconds, mtbf, upload_seconds, policy.bounds)
+    return interval, mtbf, count
 
 
 def estimate_mtbf(
@@ -282,6 +331,7 @@ class CadencePolicy:
     prior_mtbf: float = DEFAULT_PRIOR_MTBF_SECONDS
     bounds: Bounds = field(default_factory=Bounds)
     merge_seconds: float = MERGE_SECONDS
+    prior_weight: float = PRIOR_WEIGHT
 
 
 @dataclass(frozen=True)
@@ -293,6 +343,7 @@ class Advice:
     mtbf_seconds: float
     basis: dict[str, str]
     interruptions: int
+    costly_interruptions: int
     observed_seconds: float
     saves_measured: int
     advised: CadenceCost
@@ -306,6 +357,7 @@ class Advice:
             "mtbf_seconds": round(self.mtbf_seconds, 3),
             "basis": self.basis,
             "interruptions": self.interruptions,
+            "costly_interruptions": self.costly_interruptions,
             "observed_seconds": round(self.observed_seconds, 3),
             "saves_measured": self.saves_measured,
             "expected_cost": {
@@ -341,13 +393,13 @@ def current_interval(saves: Sequence[SaveRecord], save_seconds: float) -> float 
 def advise(history: History, policy: CadencePolicy) -> Advice:
     """The advised cadence for a run with ``history``."""
     save, upload, save_basis, used = recent_costs(history.saves)
-    count = count_interruptions((i.at for i in history.interruptions), policy.merge_seconds)
+    distinct = distinct_interruptions((i.at for i in history.interruptions), policy.merge_seconds)
+    interval, mtbf, costly = learn_cadence(distinct, history.observed_seconds, save, upload, policy)
     if policy.mtbf_override is not None:
-        mtbf, mtbf_basis = policy.mtbf_override, "config"
+        mtbf_basis = "config"
     else:
-        mtbf = estimate_mtbf(history.observed_seconds, count, policy.prior_mtbf)
-        mtbf_basis = "measured" if count else "prior"
-    interval = advised_interval(save, mtbf, upload, policy.bounds)
+        mtbf_basis = "measured" if distinct else "prior"
+    count = len(distinct)
     now_interval = current_interval(history.saves, save)
     return Advice(
         run_id=history.run_id,
@@ -357,6 +409,7 @@ def advise(history: History, policy: CadencePolicy) -> Advice:
         mtbf_seconds=mtbf,
         basis={"save": save_basis, "mtbf": mtbf_basis},
         interruptions=count,
+        costly_interruptions=costly,
         observed_seconds=history.observed_seconds,
         saves_measured=used,
         advised=expected_cost(interval, save, mtbf, upload),
@@ -377,7 +430,10 @@ __all__ = [
     "SaveRecord",
     "advise",
     "advised_interval",
+    "costly_interruptions",
     "count_interruptions",
+    "distinct_interruptions",
+    "learn_cadence",
     "current_interval",
     "daly_interval",
     "estimate_mtbf",
