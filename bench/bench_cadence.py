@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ckptd.cadence import (  # noqa: E402 - the path above first
+from ckptd.cadence import (
     DEFAULT_PRIOR_MTBF_SECONDS,
     MERGE_SECONDS,
     PRIOR_WEIGHT,
@@ -85,12 +85,6 @@ def bursty_times(mtbf: float, horizon: float, rng: random.Random) -> list[float]
                 break
             s += rng.expovariate(1.0 / spacing)
     return sorted(times)
-
-
-def segments(run: Run) -> tuple[np.ndarray, bool]:
-    """Uptime segments of a run (start -> interruption, last -> end)."""
-    edges = np.array([0.0, *run.times, run.horizon])
-    return np.diff(edges), True
 
 
 def fixed_waste(run: Run, t: float, c: float, u: float) -> float:

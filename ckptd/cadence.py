@@ -35,7 +35,6 @@ new run starts at the prior and its own history takes over as it grows.
 from __future__ import annotations
 
 import itertools
-import itertools
 import json
 import math
 import statistics
@@ -432,12 +431,12 @@ __all__ = [
     "advised_interval",
     "costly_interruptions",
     "count_interruptions",
-    "distinct_interruptions",
-    "learn_cadence",
     "current_interval",
     "daly_interval",
+    "distinct_interruptions",
     "estimate_mtbf",
     "expected_cost",
+    "learn_cadence",
     "merge_history",
     "parse_history",
     "recent_costs",

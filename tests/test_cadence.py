@@ -20,11 +20,13 @@ from ckptd.cadence import (
     SaveRecord,
     advise,
     advised_interval,
+    costly_interruptions,
     count_interruptions,
     current_interval,
     daly_interval,
     estimate_mtbf,
     expected_cost,
+    learn_cadence,
     merge_history,
     parse_history,
     young_interval,
@@ -124,6 +126,20 @@ def test_mtbf_starts_at_the_prior_and_falls_with_each_interruption(
     assert estimate_mtbf(0.0, 0, prior) == pytest.approx(prior)
     assert estimate_mtbf(observed, n + 1, prior) < estimate_mtbf(observed, n, prior)
     assert estimate_mtbf(observed + 3600, n, prior) > estimate_mtbf(observed, n, prior)
+
+
+def test_a_bursts_later_blows_do_not_shorten_the_interval() -> None:
+    # Four bursts of three interruptions ten minutes apart, over four weeks.
+    bursts = [week * 7 * 86400.0 + k * 600.0 for week in range(4) for k in range(3)]
+    assert costly_interruptions(bursts, interval=1800.0) == 4
+    assert costly_interruptions(bursts, interval=300.0) == 12
+    assert costly_interruptions([], 300.0) == 0
+    policy = CadencePolicy(merge_seconds=60.0)
+    interval, mtbf, counted = learn_cadence(bursts, 28 * 86400.0, 30.0, 0.0, policy)
+    assert counted == 4
+    assert mtbf == pytest.approx(estimate_mtbf(28 * 86400.0, 4))
+    spread = [k * 7 * 86400.0 / 3 for k in range(12)]  # as many, evenly spread
+    assert interval > learn_cadence(spread, 28 * 86400.0, 30.0, 0.0, policy)[0]
 
 
 def test_with_much_history_the_mtbf_is_the_observed_rate() -> None:
