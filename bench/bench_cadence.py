@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
     print(
-        f"# {args.runs} runs x {args.days:g} days per trace, save {c:g} s, upload {u:g} s; "
+        f"# runs of {args.days:g} days, at least {args.runs} and {args.min_interruptions} "
+        f"interruptions per trace; save {c:g} s, upload {u:g} s; "
         f"seed {args.seed}; {platform.machine()}, Python {platform.python_version()}, "
         f"{datetime.now(UTC):%Y-%m-%d}"
     )
