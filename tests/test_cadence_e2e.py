@@ -7,12 +7,14 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ckptd.cadence import Bounds, advised_interval
 from ckptd.locals3 import LocalS3
 from tests.daemon import Daemon, wait_until
 from tests.fakes.aws_imds import FakeAwsImds
@@ -25,7 +27,9 @@ CADENCE = (
     "[cadence]\nprior_mtbf_hours = 0.1\nmin_interval_seconds = 0.5\n"
     "max_interval_seconds = 60\nmerge_seconds = 0.3\n"
 )
-NOTICES = 6
+# Notices, each more than the advised interval after the one before (a notice sooner
+# than that is the next blow of a burst, which ckptd.cadence does not count as costly).
+NOTICES = 3
 # A decision is taken at a step end: up to a step (and a busy 2-core machine) late.
 SLACK_SECONDS = 0.75
 
@@ -152,19 +156,35 @@ def test_trainer_saves_on_the_advised_interval_and_notices_shorten_it(
                     f"notice {k + 1} recorded",
                 )
                 fake.clear_spot()
-                threading.Event().wait(0.35)  # spacing past merge_seconds, not a sync
+                noticed = time.monotonic()
+                wait_until(
+                    lambda noticed=noticed: (
+                        time.monotonic() - noticed
+                        > 1.2 * daemon.get_json("/v1/advice")["runs"]["run"]["interval_seconds"]
+                    ),
+                    30,
+                    "an interval since the notice",
+                    0.1,
+                )
             after = daemon.get_json("/v1/advice")["runs"]["run"]
             assert after["basis"]["mtbf"] == "measured"
-            assert after["interruptions"] == NOTICES
+            assert after["interruptions"] == after["costly_interruptions"] == NOTICES
             busy = after["interval_seconds"]
-            assert busy < 0.6 * quiet, (quiet, busy)
+            # The save time is measured afresh all along and wanders on a busy machine;
+            # what the notices change is the MTBF, and the interval with it: shorter than
+            # the quiet MTBF would give at today's save time.
+            assert after["mtbf_seconds"] < 0.25 * measured["mtbf_seconds"], (measured, after)
+            at_quiet_rate = advised_interval(
+                after["save_seconds"], measured["mtbf_seconds"], 0.0, Bounds(0.5, 60.0)
+            )
+            assert busy < 0.6 * at_quiet_rate, (at_quiet_rate, after)
             assert daemon.metric(
                 "ckptd_advised_checkpoint_interval_seconds", run="run"
             ) == pytest.approx(busy, rel=0.25)
             # The trainer follows the shorter interval (it re-reads the advice file).
             n_before = len(_saves(saves_log))
             wait_until(
-                lambda: len(_followed(_saves(saves_log)[n_before - 1 :], 0, 0.6 * quiet)) >= 2,
+                lambda: len(_followed(_saves(saves_log)[n_before - 1 :], 0, 1.5 * busy)) >= 2,
                 60,
                 "two saves on the shorter interval",
                 0.1,
@@ -196,7 +216,7 @@ def test_trainer_saves_on_the_advised_interval_and_notices_shorten_it(
             inherited = other.get_json("/v1/advice")["runs"]["run"]
             assert inherited["interruptions"] == NOTICES + 1
             assert inherited["basis"] == {"save": "trainer", "mtbf": "measured"}
-            assert inherited["interval_seconds"] < 0.6 * quiet
+            assert inherited["mtbf_seconds"] < 0.25 * measured["mtbf_seconds"]
     finally:
         if script is not None:
             script.kill()
