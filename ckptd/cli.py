@@ -402,6 +402,14 @@ def cmd_restore(args: argparse.Namespace) -> int:
         progress=False if args.no_progress else None,
         part=args.part,
     )
+    if not result.skipped:
+        import time
+
+        from ckptd.advice import record_restore
+        from ckptd.repository import Repository
+
+        # A restore is how a fresh node resumes a run: one of its interruptions.
+        record_restore(Repository(storage), result.run_id, time.time(), result.checkpoint)
     if args.json:
         _print_json(
             {

@@ -80,6 +80,13 @@ class Metrics:
             ["run"],
             registry=r,
         )
+        self.advised_interval = Gauge(
+            "ckptd_advised_checkpoint_interval_seconds",
+            "Advised training time between checkpoints (Young/Daly, from measured save "
+            "cost and interruption rate; GET /v1/advice).",
+            ["run"],
+            registry=r,
+        )
         self.sync_lag = Gauge(
             "ckptd_sync_lag_seconds",
             "Age of the oldest complete checkpoint not yet committed (0 when none).",

@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ckptd.advice import CadenceAdvisor
 from ckptd.clock import SYSTEM_CLOCK, Clock
 from ckptd.config import ConfigError, Settings
 from ckptd.health import DestinationHealth
@@ -95,6 +96,14 @@ class Service:
         self.responder = Responder(settings, self.metrics, self.pipeline, clock=clock)
         self.pipeline.on_commit = self.responder.on_commit
         self.pipeline.on_emergency_complete = self.responder.on_complete
+        self.advisor = CadenceAdvisor(
+            settings,
+            Repository(self.storage),
+            self.metrics,
+            {r: s.dir for r, s in self.pipeline.runs.items()},
+            clock=clock,
+        )
+        self.pipeline.on_cost = self.advisor.record_save
         self.watcher = Watcher(
             {r: s.dir for r, s in self.pipeline.runs.items()}, self.pipeline.hint
         )
@@ -178,6 +187,7 @@ class Service:
         await self.destination.check()
         await self.pipeline.recover()
         if not self.once:
+            await self.advisor.load()
             from ckptd.http import HttpServer  # aiohttp costs ~0.3 s of start-up; --once needs none
 
             self.http = HttpServer(
@@ -185,6 +195,7 @@ class Service:
                 status=self.status,
                 ready=self.ready,
                 preemption=self.responder.preemption_json,
+                advice=self.advisor.advice_json,
                 drill=self.responder.drill,
                 token=self.settings.http.token.get_secret_value(),
             )
@@ -267,6 +278,8 @@ class Service:
             await self.http.stop()
         if self.publisher is not None:
             await self.publisher.drain(PUBLISH_DRAIN_SECONDS)
+        if not self.once:
+            await self.advisor.flush(force=True)
         await self.pipeline.close()
         self.journal.close()
         self.sigterm_source.close()
@@ -353,7 +366,14 @@ class Service:
             )
             return None
         # A notice followed from another node is never published again (no echo).
-        return await self.responder.handle(notice, source, publish=not followed)
+        response = await self.responder.handle(notice, source, publish=not followed)
+        self.record_notice(notice, response is not None)
+        return response
+
+    def record_notice(self, notice: Notice, new: bool) -> None:
+        """A new notice is an interruption of every run here; a drill is none."""
+        if new and notice.kind != "drill":
+            self.advisor.record_interruption("notice", notice.source)
 
     async def _end_followed_drill(self, response: Response) -> None:
         """Another node's drill: as ``ckptd drill`` does on its own node, leave emergency
@@ -400,6 +420,10 @@ class Service:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             self.sd.tick(summarize(self.status()))  # status() refreshes the gauges too
+            try:
+                await self.advisor.flush()  # observed time; the store every FLUSH_SECONDS
+            except Exception as exc:  # noqa: BLE001 - advice is never worth the ticker
+                self.log.error("cadence_flush_failed", error=repr(exc))
             now = self.clock.monotonic()
             if now - last_stats >= JOURNAL_STATS_SECONDS:
                 last_stats = now
@@ -447,4 +471,5 @@ class Service:
         body = self.pipeline.status()
         body["destination"] = self.destination.to_json()
         body["preemption"] = self.responder.preemption_json()
+        body["advice"] = self.advisor.advice_json()["runs"]
         return body

@@ -203,6 +203,15 @@ BAD_VALUES = [
     ("[cluster]\nnode_rank = -1", "cluster.node_rank"),
     ("[cluster]\nnodes = 2", "cluster.node_rank"),
     ("[cluster]\npoll_interval_seconds = 0", "cluster.poll_interval_seconds"),
+    ("[cadence]\nmtbf_hours = -1", "cadence.mtbf_hours"),
+    ("[cadence]\nmerge_seconds = -1", "cadence.merge_seconds"),
+    ("[cadence]\nprior_mtbf_hours = 0", "cadence.prior_mtbf_hours"),
+    ("[cadence]\nmin_interval_seconds = -5", "cadence.min_interval_seconds"),
+    (
+        "[cadence]\nmin_interval_seconds = 900\nmax_interval_seconds = 600",
+        "cadence.min_interval_seconds",
+    ),
+    ("[cadence]\nmax_interval_seconds = 0", "cadence.max_interval_seconds"),
     ('destination = "s3://bucket"', "destination"),
     ('[[watch]]\ndir = "/d/r"\n[[watch]]\ndir = "/e/r"', "watch[1].run_id"),
 ]

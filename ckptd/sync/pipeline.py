@@ -83,6 +83,9 @@ EVENT_DEBOUNCE_SECONDS = 0.2
 EVENT_MAX_DELAY_SECONDS = 1.0
 
 CommitHook = Callable[[str, str, int, bool], Awaitable[None]]
+# (run, checkpoint, complete at (wall clock), first file -> last file written (s),
+# complete -> committed (s), emergency): what a committed checkpoint cost.
+CostHook = Callable[[str, str, float, float, float, bool], None]
 
 
 class SyncPipeline:
@@ -142,6 +145,7 @@ class SyncPipeline:
         # The last failure by which the store refused this node itself (credentials,
         # access, bucket): `ckptd run --once` ends on it. Cleared by a commit.
         self.unusable: StorageError | None = None
+        self.on_cost: CostHook | None = None
         cluster = settings.cluster
         self.committer: Committer | None = (
             Committer(cluster.nodes, cluster.rank, self.shipper.host, describe())
@@ -595,6 +599,10 @@ class SyncPipeline:
             early=self.early.take(run, name),
         )
         state.current_files, state.current_ctx = fingerprint(listing.files), ctx
+        # The save as the files tell it: first file written -> last (a trainer that
+        # reports its own save time is believed first, ``ckptd.advice``).
+        mtimes = [f.mtime_ns for f in listing.files]
+        write_span = (max(mtimes) - min(mtimes)) / 1e9 if mtimes else 0.0
         try:
             result = await self.shipper.ship(request)
         finally:
@@ -605,6 +613,9 @@ class SyncPipeline:
         log = self.log.bind(run=run, checkpoint=name)
         if result.outcome is Outcome.COMMITTED:
             await self._committed(state, pending, result, log)
+            if self.on_cost is not None and result.commit is not None:
+                upload = max(0.0, self.clock.time() - pending.completed_at)
+                self.on_cost(run, name, pending.completed_at, write_span, upload, pending.emergency)
             return True
         if result.outcome is Outcome.PAUSED:
             log.warning("checkpoint_paused")
