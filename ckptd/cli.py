@@ -32,6 +32,7 @@ from ckptd.config import (
 from ckptd.errors import EXIT_FAILED, EXIT_FLUSH_FAILED, EXIT_GAVE_UP, EXIT_USAGE, CkptdError
 from ckptd.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
 from ckptd.storage import open_destination
+from ckptd.storage.base import StorageError
 from ckptd.storage.retrying import RetryingStorage
 
 EXIT_OK = 0
@@ -265,7 +266,22 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _storage(settings: Settings, *, concurrency: int | None = None) -> RetryingStorage:
     require_destination(settings)
-    return open_destination(settings.destination, concurrency=concurrency)
+    attempts = settings.destination.max_attempts
+    log = logs.get_logger()
+
+    def retrying(operation: str, error: StorageError, attempt: int, delay: float) -> None:
+        # A dead endpoint is otherwise a silent wait: say what is retried, and for how long
+        # at most (destination.max_attempts bounds it).
+        log.warning(
+            "store_retry",
+            operation=operation,
+            error=str(error),
+            code=error.code,
+            attempt=f"{attempt}/{attempts}",
+            retry_in=round(delay, 2),
+        )
+
+    return open_destination(settings.destination, concurrency=concurrency, on_retry=retrying)
 
 
 def _print_json(doc: Any) -> None:

@@ -362,3 +362,25 @@ def test_once_ends_within_seconds_on_a_store_that_refuses_this_node(
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ckptd: ") and words in last, last
     assert "Traceback" not in done.stderr
+
+
+def test_a_dead_endpoint_is_retried_aloud_and_bounded_by_max_attempts() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    done = run_cli(
+        *("list", "--dest", "s3://ckpt/x", "--endpoint-url", f"http://127.0.0.1:{port}"),
+        env={
+            "CKPTD_DESTINATION__MAX_ATTEMPTS": "3",
+            "AWS_ACCESS_KEY_ID": "a",
+            "AWS_SECRET_ACCESS_KEY": "b",
+        },
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    retries = [json.loads(x) for x in done.stderr.splitlines() if '"store_retry"' in x]
+    assert [r["attempt"] for r in retries] == ["1/3", "2/3"]
+    assert done.stderr.strip().splitlines()[-1].startswith("ckptd: ")
+    assert took < 30
