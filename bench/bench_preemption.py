@@ -4,6 +4,7 @@
         [--emergency-mib 1024] [--poll-interval S] [--settle-seconds S]
         [--providers aws,gcp,azure,gcp-maintenance] [--phases latency,commit]
         [--quick] [--json FILE] [--seed N] [--workdir DIR] [--keep] [--trace-stalls]
+        [--ship-early on,off]
 
 Two measurements, each driving ``python -m ckptd run`` as a real process against the
 loopback fakes of the metadata services (``tests/fakes``, served from a thread of this
@@ -42,7 +43,10 @@ process):
    ``head_object`` every 20 ms). A fresh daemon, trainer, fake and prefix per trial.
 
 The daemon runs with its defaults (``poll_interval_seconds``, ``settle_seconds``) unless
-overridden, and the tables say which values were used.
+overridden, and the tables say which values were used. ``--ship-early on,off`` (the
+default) runs the commit trials once with ``[[watch]] ship_early`` on and once off,
+interleaved trial by trial, and gives one table each plus the daemon's whole-process CPU
+per GiB (``/proc/<pid>/stat`` at the end of the trial).
 """
 
 from __future__ import annotations
@@ -334,9 +338,12 @@ def write_daemon_config(
     port: int,
     poll_interval: float | None,
     settle_seconds: float | None,
+    ship_early: bool | None = None,
 ) -> None:
     """A ckptd config that leaves every tuning knob at its default unless overridden."""
     lines = ["[[watch]]", f"dir = {json.dumps(str(watch_dir))}", 'run_id = "run"']
+    if ship_early is not None:
+        lines.append(f"ship_early = {'true' if ship_early else 'false'}")
     if settle_seconds is not None:
         lines.append(f"settle_seconds = {settle_seconds!r}")
     lines += ["[destination]", f"url = {json.dumps(dest)}"]
@@ -366,6 +373,7 @@ def make_daemon(
     metadata_url: str,
     pidfile: Path,
     options: Options,
+    ship_early: bool | None = None,
 ) -> Daemon:
     port = free_port()
     config = workdir / f"{name}.toml"
@@ -381,6 +389,7 @@ def make_daemon(
         port=port,
         poll_interval=options.poll_interval,
         settle_seconds=options.settle_seconds,
+        ship_early=ship_early,
     )
     return Daemon(config, workdir / f"{name}.log", port)
 
@@ -414,6 +423,7 @@ class Options:
     seed: int
     quick: bool
     trace_stalls: bool = False
+    ship_early: tuple[bool, ...] = (True, False)
 
     @property
     def effective_poll(self) -> float:
@@ -809,6 +819,8 @@ def log_excerpt(
 @dataclass
 class CommitTrial:
     trial: int
+    ship_early: bool = True
+    daemon_cpu_s: float | None = None  # the daemon process's user+system CPU, start to commit
     checkpoint: str | None = None
     bytes: int = 0
     noticed_s: float | None = None  # trigger -> daemon's notice_received
@@ -845,16 +857,31 @@ def object_exists(s3: Any, key: str) -> bool:
     return True
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far, from ``/proc/<pid>/stat``."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_commit_trial(
-    i: int, options: Options, workdir: Path, local_s3: LocalS3, s3: Any, rng: random.Random
+    i: int,
+    options: Options,
+    workdir: Path,
+    local_s3: LocalS3,
+    s3: Any,
+    rng: random.Random,
+    ship_early: bool = True,
 ) -> CommitTrial:
-    work = workdir / f"commit-{i}"
+    work = workdir / f"commit-{i}-{'early' if ship_early else 'late'}"
     watch = work / "run"
     watch.mkdir(parents=True)
     pidfile = work / "trainer.pid"
     result_path = work / "trainer.json"
     prefix = f"bench-preemption-{uuid.uuid4().hex[:8]}-{i}"
-    out = CommitTrial(i)
+    out = CommitTrial(i, ship_early=ship_early)
     poll = options.effective_poll
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, watch, True)  # the data; the logs stay with --keep
@@ -895,6 +922,7 @@ def run_commit_trial(
             metadata_url=harness.url,
             pidfile=pidfile,
             options=options,
+            ship_early=ship_early,
         )
         stack.callback(kill_daemon, daemon)
         start_and_wait_ready(daemon, harness)
@@ -923,6 +951,8 @@ def run_commit_trial(
                     raise AssertionError(f"daemon exited:\n{daemon.log_text()[-3000:]}")
                 time.sleep(0.02)
             out.manifest_visible_s = (now_ns() - t0) / 1e9
+            if daemon.proc is not None:
+                out.daemon_cpu_s = process_cpu_s(daemon.proc.pid)
             done = wait_until(
                 lambda: daemon.events_named("emergency_checkpoint_committed"),
                 30,
@@ -1078,16 +1108,19 @@ COMMIT_ROWS: tuple[tuple[str, str, Callable[[float | None], str]], ...] = (
     ("daemon_committed_s", "**trigger → committed** (daemon log)", sec),
     ("manifest_visible_s", "**trigger → manifest readable** (boto3 here)", sec),
     ("seconds_left_at_commit", "seconds left of the 2-min notice at commit", lambda v: sec(v, 1)),
+    ("daemon_cpu_s", "daemon CPU, start → commit (user + system)", sec),
 )
 
 
 def commit_table(trials: list[CommitTrial], options: Options) -> list[str]:
     ok = [t for t in trials if t.error is None]
     size = options.emergency_mib
+    modes = {t.ship_early for t in trials}
+    mode = "" if len(modes) != 1 else f", ship_early = {str(modes.pop()).lower()}"
     lines = [
         "",
         f"## Notice → committed: {size:g} MiB HF-shaped emergency checkpoint, AWS fake, "
-        "loopback SeaweedFS",
+        f"loopback SeaweedFS{mode}",
         "",
         "| step | " + " | ".join(f"trial {t.trial + 1}" for t in trials) + " | median |",
         "| --- | " + " | ".join("---" for _ in trials) + " | --- |",
@@ -1104,6 +1137,14 @@ def commit_table(trials: list[CommitTrial], options: Options) -> list[str]:
         seconds = getattr(t, attr)
         return t.bytes / MIB / seconds if seconds else None
 
+    def cpu_per_gib(t: CommitTrial) -> float | None:
+        return t.daemon_cpu_s / (t.bytes / MIB / 1024) if t.daemon_cpu_s and t.bytes else None
+
+    lines.append(
+        "| daemon CPU-s per GiB | "
+        + " | ".join("-" if (v := cpu_per_gib(t)) is None else f"{v:.2f}" for t in trials)
+        + f" | {sec(median([cpu_per_gib(t) for t in ok]))} |"
+    )
     for attr, label in (
         ("save_s", "trainer save MiB/s"),
         ("complete_to_committed_s", "upload MiB/s (complete → committed)"),
@@ -1203,6 +1244,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, Path | None, Path |
     p.add_argument("--quick", action="store_true", help="5 trials, 1 commit trial of 128 MiB")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--ship-early",
+        default="on,off",
+        help="commit trials with [[watch]] ship_early on and/or off (on,off)",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="default: a fresh temp dir")
     p.add_argument("--keep", action="store_true", help="keep the work dir (daemon logs)")
     p.add_argument(
@@ -1218,7 +1264,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, Path | None, Path |
     phases = tuple(x for x in a.phases.split(",") if x)
     if set(phases) - {"latency", "commit"}:
         p.error("--phases takes latency and/or commit")
+    modes = tuple(x for x in a.ship_early.split(",") if x)
+    if not modes or set(modes) - {"on", "off"}:
+        p.error("--ship-early takes on and/or off")
     options = Options(
+        ship_early=tuple(m == "on" for m in modes),
         trials=a.trials if a.trials is not None else (5 if a.quick else 30),
         commit_trials=a.commit_trials if a.commit_trials is not None else (1 if a.quick else 3),
         emergency_mib=a.emergency_mib
@@ -1292,20 +1342,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             with LocalS3(workdir / "seaweedfs", buckets=(BUCKET,)) as local_s3:
                 s3 = s3_client(local_s3.endpoint_url)
                 for i in range(options.commit_trials):
-                    print(
-                        f"[commit] trial {i + 1}/{options.commit_trials}, "
-                        f"{options.emergency_mib:g} MiB",
-                        file=sys.stderr,
-                    )
-                    commit_trials.append(run_commit_trial(i, options, workdir, local_s3, s3, rng))
+                    for early in options.ship_early:
+                        print(
+                            f"[commit] trial {i + 1}/{options.commit_trials}, "
+                            f"{options.emergency_mib:g} MiB, ship_early={early}",
+                            file=sys.stderr,
+                        )
+                        commit_trials.append(
+                            run_commit_trial(i, options, workdir, local_s3, s3, rng, early)
+                        )
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     info["bench_wall_s"] = round(time.monotonic() - started, 1)
     lines = header(info, options)
     if summaries:
         lines += latency_table(summaries, options)
         lines += anomalies(per_provider, options)
-    if commit_trials:
-        lines += commit_table(commit_trials, options)
+    for early in options.ship_early:
+        mine = [t for t in commit_trials if t.ship_early == early]
+        if mine:
+            lines += commit_table(mine, options)
     lines += ["", f"Benchmark wall time: {info['bench_wall_s']:.0f} s."]
     print("\n".join(lines))
     if json_path is not None:

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_upload.py [--scale 1.0] [--runs 3] [--json FILE]
         [--tools ckptd,aws,rclone,s5cmd,boto3,socket] [--shapes hf,dcp] [--profile DIR]
+        [--saving on,off] [--save-mib-per-s 200]
 
 One loopback SeaweedFS (``ckptd.locals3``) is started for the whole run and stopped at
 the end. Each tool uploads each checkpoint shape ``--runs`` times; every run is a fresh
@@ -17,6 +18,14 @@ its ``checkpoint_complete`` to its ``checkpoint_committed`` log event: upload, t
 store's checksums checked, manifest written. Process wall includes interpreter and
 boto3 start-up, as does the AWS CLI's.
 
+While saving (``--saving on,off``, the default; ``--saving ''`` skips it): a
+``ckptd run`` daemon watches an empty dir while this process writes the shape into it as
+a trainer does (file by file in the shape's order, the commit record last, each fsynced;
+paced at ``--save-mib-per-s``, 200 by default, about what the emergency trainer of
+``bench_preemption.py`` writes), once with ``[[watch]] ship_early`` on and once off. It
+times the daemon's ``checkpoint_complete`` -> ``checkpoint_committed``, the last file
+written -> committed, and the daemon's CPU from ready to committed per GiB.
+
 Two references bound what is possible here: plain boto3 (``_boto3_upload.py``: s3transfer
 with ckptd's part size and concurrency) and a raw TCP copy over 127.0.0.1
 (``_socket_copy.py``).
@@ -29,11 +38,12 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +62,7 @@ from common import (
     dcp_shape,
     delete_prefix,
     dir_size,
+    event_time,
     find_peer_binaries,
     fmt,
     hf_shape,
@@ -61,6 +72,7 @@ from common import (
     machine_line,
     measure,
     median_of,
+    proc_cpu_seconds,
     ratio,
     rclone_env,
     seconds_between,
@@ -586,6 +598,146 @@ def _frame_name(frame: str) -> str:
     return f"{name} ({short})" if where else name
 
 
+@dataclass
+class SavingRun:
+    """One checkpoint written while a daemon watches (module doc)."""
+
+    shape: str
+    run: int
+    ship_early: bool
+    save_s: float = 0.0  # this process: first byte -> last file closed
+    complete_to_committed_s: float | None = None
+    saved_to_committed_s: float | None = None
+    early_files: int = 0
+    cpu_s: float | None = None  # the daemon, ckptd_ready -> committed
+    error: str | None = None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _write_like_a_trainer(src: Path, dst: Path, shape: Shape, mib_per_s: float) -> None:
+    """Copy ``shape``'s files from ``src`` to ``dst`` in order, each fsynced, paced."""
+    dst.mkdir(parents=True)
+    chunk, started, written = 8 * MIB, time.monotonic(), 0
+    for rel, _ in shape.files:
+        with (src / rel).open("rb") as fin, (dst / rel).open("wb") as fout:
+            while data := fin.read(chunk):
+                fout.write(data)
+                written += len(data)
+                if mib_per_s > 0:
+                    ahead = written / MIB / mib_per_s - (time.monotonic() - started)
+                    if ahead > 0:
+                        time.sleep(ahead)
+            fout.flush()
+            os.fsync(fout.fileno())
+
+
+def run_saving(
+    bench: Bench, client: Any, shape: Shape, src: Path, run: int, early: bool, mib_per_s: float
+) -> SavingRun:
+    out = SavingRun(shape.name, run, early)
+    unique = f"saving-{shape.name}-{run}-{'early' if early else 'late'}-{secrets.token_hex(3)}"
+    watch = bench.work / "saving" / unique / shape.name
+    watch.mkdir(parents=True)
+    config = bench.work / "saving" / unique / "ckptd.toml"
+    config.write_text(
+        "[[watch]]\n"
+        f"dir = {json.dumps(str(watch))}\n"
+        f"ship_early = {'true' if early else 'false'}\n"
+        "[destination]\n"
+        f'url = "s3://{BUCKET}/{unique}"\n'
+        f"endpoint_url = {json.dumps(bench.url)}\n"
+        f"part_size_mib = {bench.part_size_mib}\n"
+        f"concurrency = {bench.concurrency}\n"
+        '[preemption]\nprovider = "none"\n'
+        f'[metrics]\nlisten = "127.0.0.1:{_free_port()}"\n'
+        f"[state]\ndir = {json.dumps(str(watch.parent / 'state'))}\n"
+    )
+    log = watch.parent / "ckptd.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            [*ckptd_command(bench.ckptd_src), "run", "--config", str(config)],
+            env=bench.base_env,
+            stdout=sink,
+            stderr=sink,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "ckptd_ready" for e in log_events(log)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out.error = f"daemon not ready: {tail(log)}"
+                return out
+            time.sleep(0.05)
+        cpu0 = proc_cpu_seconds(proc.pid)
+        t0 = time.monotonic()
+        _write_like_a_trainer(src, watch / shape.checkpoint, shape, mib_per_s)
+        saved_wall = time.time()
+        out.save_s = time.monotonic() - t0
+        deadline = time.monotonic() + 900
+        while not (done := [e for e in log_events(log) if e["event"] == "checkpoint_committed"]):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out.error = f"not committed: {tail(log)}"
+                return out
+            time.sleep(0.02)
+        out.cpu_s = proc_cpu_seconds(proc.pid) - cpu0
+        events = log_events(log)
+        out.complete_to_committed_s = seconds_between(
+            events, "checkpoint_complete", "checkpoint_committed"
+        )
+        out.saved_to_committed_s = event_time(done[0]) - saved_wall
+        out.early_files = int(done[0].get("early", 0)) + int(done[0].get("skipped", 0))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        delete_prefix(client, unique + "/")
+        shutil.rmtree(watch, ignore_errors=True)
+    return out
+
+
+def render_saving(shapes: list[Shape], runs: list[SavingRun], mib_per_s: float) -> list[str]:
+    pace = f"{mib_per_s:g} MiB/s" if mib_per_s > 0 else "as fast as the disk"
+    lines = [
+        "",
+        f"### While the trainer saves (written at {pace}, fsynced, commit record last)",
+        "",
+        "| shape | ship_early | save | complete → committed | saved → committed "
+        "| files sent before complete | daemon CPU-s per GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for shape in shapes:
+        for early in (True, False):
+            mine = [r for r in runs if r.shape == shape.name and r.ship_early == early]
+            ok = [r for r in mine if r.error is None]
+            if not mine:
+                continue
+            gib = shape.total_bytes / GIB
+            cpu = median_of([r.cpu_s / gib if r.cpu_s is not None else None for r in ok])
+            lines.append(
+                f"| {shape.name} | {'on' if early else 'off'} "
+                f"| {fmt(median_of([r.save_s for r in ok]))} s "
+                f"| {fmt(median_of([r.complete_to_committed_s for r in ok]))} s "
+                f"| {fmt(median_of([r.saved_to_committed_s for r in ok]))} s "
+                f"| {median_of([float(r.early_files) for r in ok]) or 0:.0f}/{len(shape.files)} "
+                f"| {fmt(cpu)} |"
+            )
+    failed = [r for r in runs if r.error]
+    lines += [
+        f"\n{r.shape} run {r.run} ship_early={r.ship_early} failed: {r.error}" for r in failed
+    ]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply data sizes")
@@ -610,6 +762,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run ckptd from the working tree, not from a copy taken at start",
     )
+    parser.add_argument(
+        "--saving",
+        default="on,off",
+        help="ship_early modes of the while-saving runs (on,off); '' skips them",
+    )
+    parser.add_argument(
+        "--save-mib-per-s",
+        type=float,
+        default=200.0,
+        help="pace of the while-saving writes (0: as fast as the disk)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temp dir")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (data, logs)")
     parser.add_argument(
@@ -625,6 +788,10 @@ def main(argv: list[str] | None = None) -> int:
     shape_names = [s for s in args.shapes.split(",") if s]
     if set(shape_names) - set(makers):
         parser.error(f"shapes are {', '.join(makers)}")
+
+    saving_modes = [m for m in args.saving.split(",") if m]
+    if set(saving_modes) - {"on", "off"}:
+        parser.error("--saving takes on and/or off")
 
     bins = find_peer_binaries(tools)
     missing = [t for t in tools if t in PEERS and t not in bins]
@@ -646,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
         ckptd_src, ckptd_digest = None, ""
         if args.ckptd_src is not None:
             ckptd_src, ckptd_digest = args.ckptd_src.absolute(), source_digest(args.ckptd_src)
-        elif "ckptd" in tools and not args.ckptd_from_tree:
+        elif ("ckptd" in tools or saving_modes) and not args.ckptd_from_tree:
             ckptd_src, ckptd_digest = snapshot_ckptd(work / "ckptd-src")
         server = LocalS3(work / "seaweedfs").start()
         try:
@@ -687,12 +854,31 @@ def main(argv: list[str] | None = None) -> int:
                             file=sys.stderr,
                         )
                     settle_store(bench)
+            saving: list[SavingRun] = []
+            for run in range(1, args.runs + 1):
+                for shape, _, ckpt in shapes:
+                    for mode in saving_modes:
+                        r2 = run_saving(
+                            bench, client, shape, ckpt, run, mode == "on", args.save_mib_per_s
+                        )
+                        saving.append(r2)
+                        print(
+                            f"saving run {run} {shape.name:<4} ship_early={mode:<3} "
+                            f"save {r2.save_s:6.2f}s complete->committed "
+                            f"{fmt(r2.complete_to_committed_s)}s cpu {fmt(r2.cpu_s)}s "
+                            f"{'ok' if r2.error is None else 'FAILED: ' + r2.error}",
+                            file=sys.stderr,
+                        )
+                    settle_store(bench)
             store_left = dir_size(work / "seaweedfs")
 
             lines = header(machine, versions, args, bench)
             table_tools = [t for t in ALL_TOOLS if t in tools]
             for shape, _, _ in shapes:
-                lines += render_shape(shape, rows_for(shape, results, table_tools))
+                if table_tools:
+                    lines += render_shape(shape, rows_for(shape, results, table_tools))
+            if saving:
+                lines += render_saving([s for s, _, _ in shapes], saving, args.save_mib_per_s)
             if args.profile is not None and "ckptd" in tools:
                 lines += profile_ckptd(bench, shapes, args.profile)
         finally:
@@ -716,13 +902,15 @@ def main(argv: list[str] | None = None) -> int:
                             for s, _, _ in shapes
                         },
                         "results": [r.as_dict() for r in results],
+                        "saving": [asdict(r) for r in saving],
+                        "save_mib_per_s": args.save_mib_per_s,
                         "table": lines,
                     },
                     indent=2,
                 )
                 + "\n"
             )
-    failed = sum(1 for r in results if r.error is not None)
+    failed = sum(1 for r in [*results, *saving] if r.error is not None)
     return 1 if failed else 0
 
 

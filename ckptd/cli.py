@@ -21,6 +21,7 @@ from typing import Any
 
 from ckptd import __version__, logs
 from ckptd.config import (
+    DEFAULT_CONFIG_PATH,
     ConfigError,
     Settings,
     load_settings,
@@ -31,6 +32,7 @@ from ckptd.config import (
 from ckptd.errors import EXIT_FAILED, EXIT_FLUSH_FAILED, EXIT_GAVE_UP, EXIT_USAGE, CkptdError
 from ckptd.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
 from ckptd.storage import open_destination
+from ckptd.storage.base import StorageError
 from ckptd.storage.retrying import RetryingStorage
 from ckptd.yielding import lower_this_thread, priority_of
 
@@ -74,15 +76,21 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--endpoint-url", default=None, help="S3-compatible endpoint, e.g. http://127.0.0.1:8333"
     )
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log line written to stderr (default %(default)s)",
     )
+
+
+_JSON_HELP = "one JSON document on stdout (logs stay on stderr)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptd", description="Ship every complete checkpoint off the node, verified."
     )
-    parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"ckptd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the daemon in the foreground")
@@ -100,32 +108,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout",
         type=float,
         default=60.0,
-        help="seconds to finish the upload in flight on SIGTERM",
+        help="seconds to finish the upload in flight on SIGTERM (default %(default)g)",
     )
 
     _add_exec(sub)
 
     lst = sub.add_parser("list", help="committed checkpoints, newest last")
     _common(lst)
-    lst.add_argument("--run", dest="run_id", default=None)
-    lst.add_argument("--json", action="store_true")
+    lst.add_argument("--run", dest="run_id", default=None, help="only this run (default: all)")
+    lst.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     ver = sub.add_parser(
         "verify", help="re-read remote objects and check them against the manifest"
     )
     _common(ver)
-    ver.add_argument("--run", dest="run_id", required=True)
+    ver.add_argument("--run", dest="run_id", required=True, help="the run id")
     which = ver.add_mutually_exclusive_group(required=True)
-    which.add_argument("--checkpoint", default=None)
-    which.add_argument("--latest", action="store_true")
-    ver.add_argument("--json", action="store_true")
+    which.add_argument("--checkpoint", default=None, help="the checkpoint's name")
+    which.add_argument("--latest", action="store_true", help="the newest committed checkpoint")
+    ver.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     res = sub.add_parser("restore", help="download, verify, then appear atomically as DIR/NAME")
     _common(res)
-    res.add_argument("--run", dest="run_id", required=True)
+    res.add_argument("--run", dest="run_id", required=True, help="the run id")
     pick = res.add_mutually_exclusive_group(required=True)
-    pick.add_argument("--checkpoint", default=None)
-    pick.add_argument("--latest", action="store_true")
+    pick.add_argument("--checkpoint", default=None, help="the checkpoint's name")
+    pick.add_argument(
+        "--latest", action="store_true", help="the newest committed, verified checkpoint"
+    )
     res.add_argument(
         "--to", type=Path, required=True, help="directory to restore into (as DIR/NAME)"
     )
@@ -147,13 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NODE_RANK",
         help="many nodes: only that node's files (default: the whole checkpoint)",
     )
-    res.add_argument("--chunk-mib", type=_at_least(1), default=16)
+    res.add_argument(
+        "--chunk-mib",
+        type=_at_least(1),
+        default=16,
+        help="size of each ranged GET in MiB (default %(default)s)",
+    )
     res.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
-    res.add_argument("--json", action="store_true")
+    res.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     status = sub.add_parser("status", help="ask the running daemon")
     _common(status)
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help=_JSON_HELP)
     status.add_argument("--url", default=None, help="daemon base URL (default from metrics.listen)")
 
     drill = sub.add_parser(
@@ -164,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--deadline", type=float, default=120.0, help="seconds the simulated notice gives"
     )
     drill.add_argument("--url", default=None, help="daemon base URL (default from metrics.listen)")
-    drill.add_argument("--json", action="store_true")
+    drill.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     config = sub.add_parser("config", help="configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -252,7 +267,22 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _storage(settings: Settings, *, concurrency: int | None = None) -> RetryingStorage:
     require_destination(settings)
-    return open_destination(settings.destination, concurrency=concurrency)
+    attempts = settings.destination.max_attempts
+    log = logs.get_logger()
+
+    def retrying(operation: str, error: StorageError, attempt: int, delay: float) -> None:
+        # A dead endpoint is otherwise a silent wait: say what is retried, and for how long
+        # at most (destination.max_attempts bounds it).
+        log.warning(
+            "store_retry",
+            operation=operation,
+            error=str(error),
+            code=error.code,
+            attempt=f"{attempt}/{attempts}",
+            retry_in=round(delay, 2),
+        )
+
+    return open_destination(settings.destination, concurrency=concurrency, on_retry=retrying)
 
 
 def _print_json(doc: Any) -> None:
@@ -393,6 +423,14 @@ def cmd_restore(args: argparse.Namespace) -> int:
         progress=False if args.no_progress else None,
         part=args.part,
     )
+    if not result.skipped:
+        import time
+
+        from ckptd.advice import record_restore
+        from ckptd.repository import Repository
+
+        # A restore is how a fresh node resumes a run: one of its interruptions.
+        record_restore(Repository(storage), result.run_id, time.time(), result.checkpoint)
     if args.json:
         _print_json(
             {
@@ -502,8 +540,16 @@ def _url_host(host: str) -> str:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.config is None and not DEFAULT_CONFIG_PATH.exists():
+        sys.stderr.write(
+            f"ckptd: note: no config file ({DEFAULT_CONFIG_PATH} does not exist, no --config): "
+            "defaults and CKPTD_* variables only\n"
+        )
     settings = _settings(args)
     sys.stdout.write(render_effective_config(settings))
+    # Valid is what `ckptd run` accepts: the same settings must not pass here and fail there.
+    require_destination(settings)
+    require_watch(settings)
     return EXIT_OK
 
 

@@ -223,6 +223,8 @@ class WatchConfig(_Section):
     marker: str = "COMPLETE"
     # Periodic full rescan: file events get lost (NFS, overflowing inotify queues).
     rescan_seconds: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    # Send each closed, quiet file before the checkpoint is complete (ckptd.sync.early).
+    ship_early: bool = True
 
     @field_validator("dir")
     @classmethod
@@ -332,6 +334,30 @@ class RetentionConfig(_Section):
     keep_last: int = Field(default=5, ge=0)
     keep_every_steps: int = Field(default=0, ge=0)
     local_keep_last: int = Field(default=0, ge=0)
+
+
+class CadenceConfig(_Section):
+    """Checkpoint cadence advice (``ckptd.cadence``): what overrides the learned figures."""
+
+    # Mean time between interruptions; 0 = learn it from the run's recorded interruptions.
+    mtbf_hours: float = Field(default=0.0, ge=0, le=24 * 365, allow_inf_nan=False)
+    # Until a run has history, the MTBF assumed (weighted as half an interruption).
+    prior_mtbf_hours: float = Field(default=24.0, gt=0, le=24 * 365, allow_inf_nan=False)
+    # Interruption records this close together are one interruption (a notice, the
+    # restart it causes, the restore on the next node, every node's own notice).
+    merge_seconds: float = Field(default=600.0, ge=0, allow_inf_nan=False)
+    min_interval_seconds: float = Field(default=60.0, ge=0, allow_inf_nan=False)
+    max_interval_seconds: float = Field(default=6 * 3600.0, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> CadenceConfig:
+        if self.min_interval_seconds > self.max_interval_seconds:
+            raise _keyed_error(
+                ("min_interval_seconds",),
+                f"{self.min_interval_seconds:g} is above max_interval_seconds "
+                f"({self.max_interval_seconds:g}); lower it or raise the maximum",
+            )
+        return self
 
 
 class PreemptionConfig(_Section):
@@ -507,6 +533,7 @@ class Settings(BaseSettings):
     state: StateConfig = Field(default_factory=StateConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    cadence: CadenceConfig = Field(default_factory=CadenceConfig)
 
     @field_validator("watch")
     @classmethod

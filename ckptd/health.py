@@ -28,6 +28,7 @@ class DestinationHealth:
         self.log = log
         self.ok = False
         self.error = ""
+        self.failure: StorageError | None = None  # the last check's, while failing
 
     @property
     def recheck_seconds(self) -> float:
@@ -47,12 +48,14 @@ class DestinationHealth:
                 )
             self.ok = False
             self.error = str(exc)
+            self.failure = exc
             self.metrics.destination_up.set(0)
             return False
         if not self.ok:
             self.log.info("destination_ok", destination=self.storage.url)
         self.ok = True
         self.error = ""
+        self.failure = None
         self.metrics.destination_up.set(1)
         return True
 

@@ -1,5 +1,5 @@
 """The HTTP surface: ``/metrics``, ``/healthz``, ``/readyz``, ``/v1/status``,
-``/v1/preemption`` (DESIGN.md, "HTTP"). Loopback by default; an optional bearer token
+``/v1/preemption``, ``/v1/advice`` (DESIGN.md, "HTTP"; "Checkpoint cadence advice"). Loopback by default; an optional bearer token
 guards ``/v1/*``."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class HttpServer:
         status: Callable[[], dict[str, Any]],
         ready: Callable[[], tuple[bool, dict[str, Any]]],
         preemption: Callable[[], dict[str, Any]],
+        advice: Callable[[], dict[str, Any]] | None = None,
         drill: Callable[[float], Awaitable[dict[str, Any]]] | None = None,
         token: str = "",
     ) -> None:
@@ -33,6 +34,7 @@ class HttpServer:
         self._ready = ready
         self._preemption = preemption
         self._drill = drill
+        self._advice = advice
         self._token = token
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -44,6 +46,7 @@ class HttpServer:
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/v1/status", self._v1_status)
         app.router.add_get("/v1/preemption", self._v1_preemption)
+        app.router.add_get("/v1/advice", self._v1_advice)
         app.router.add_post("/v1/drill", self._v1_drill)
         return app
 
@@ -70,6 +73,11 @@ class HttpServer:
 
     async def _v1_preemption(self, request: web.Request) -> web.Response:
         return web.json_response(self._preemption())
+
+    async def _v1_advice(self, request: web.Request) -> web.Response:
+        if self._advice is None:
+            return web.json_response({"runs": {}})
+        return web.json_response(self._advice())
 
     async def _v1_drill(self, request: web.Request) -> web.Response:
         if self._drill is None:

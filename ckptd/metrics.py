@@ -80,6 +80,13 @@ class Metrics:
             ["run"],
             registry=r,
         )
+        self.advised_interval = Gauge(
+            "ckptd_advised_checkpoint_interval_seconds",
+            "Advised training time between checkpoints (Young/Daly, from measured save "
+            "cost and interruption rate; GET /v1/advice).",
+            ["run"],
+            registry=r,
+        )
         self.sync_lag = Gauge(
             "ckptd_sync_lag_seconds",
             "Age of the oldest complete checkpoint not yet committed (0 when none).",
@@ -122,6 +129,13 @@ class Metrics:
         self.waiting_for_nodes = Gauge(
             "ckptd_checkpoints_waiting_for_nodes",
             "Many nodes: checkpoints whose part this node wrote, waiting for other nodes' parts.",
+            ["run"],
+            registry=r,
+        )
+        self.unshippable = Counter(
+            "ckptd_unshippable_entries",
+            "Entries of a checkpoint that cannot be shipped (dangling symlink, link to a "
+            "directory, special file); such a checkpoint is never committed.",
             ["run"],
             registry=r,
         )

@@ -9,10 +9,11 @@
     <run>/<checkpoint>/ckptd.announce.json      many nodes: a save is complete on the
                                                 node holding the commit record
     <run>/<checkpoint>/ckptd.part-<rank>.json   many nodes: one node's verified files
-    <run>/NOTICE                                a preemption notice seen by any node
-                                                (many nodes only; overwritten by the next)
+    <run>/CADENCE                               the run's save costs and interruptions
+                                                (``ckptd.cadence``; read-modify-write)
 
-Only a manifest makes a checkpoint: announcements, parts and ``<run>/NOTICE`` are never
+Only a manifest makes a checkpoint: announcements, parts, ``<run>/NOTICE`` and
+``<run>/CADENCE`` (plain objects beside ``LATEST``, never a name listing returns) are never
 taken for a checkpoint (a name is one only with a manifest) nor for one of its files
 (only a manifest's entries are).
 
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd import checksum
+from ckptd.cadence import History, parse_history
 from ckptd.cluster import (
     ANNOUNCE_NAME,
     Announcement,
@@ -67,6 +69,7 @@ from ckptd.storage.base import (
 
 LEASE_DIR = ".ckptd-restoring"
 NOTICE_NAME = "NOTICE"
+CADENCE_NAME = "CADENCE"
 NOTICE_FORMAT = "ckptd.notice/1"
 # A NOTICE is a few hundred bytes; anything much larger is not one (never parse it).
 NOTICE_MAX_BYTES = 64 * 1024
@@ -111,6 +114,10 @@ def lease_prefix(run_id: str) -> str:
 
 def notice_key(run_id: str) -> str:
     return f"{run_id}/{NOTICE_NAME}"
+
+
+def cadence_key(run_id: str) -> str:
+    return f"{run_id}/{CADENCE_NAME}"
 
 
 # -- pure helpers ------------------------------------------------------------------------
@@ -366,6 +373,19 @@ class Repository:
         data = json.dumps({**document, "format": NOTICE_FORMAT}, sort_keys=True).encode()
         self.storage.put_bytes(notice_key(run_id), data, crc32c=checksum.crc32c(data))
 
+    # -- the run's cadence history ---------------------------------------------------------
+
+    def read_cadence(self, run_id: str) -> History:
+        """The run's cadence history; an empty one when there is none or it is garbage."""
+        try:
+            return parse_history(self.storage.get_bytes(cadence_key(run_id)), run_id)
+        except NotFoundError:
+            return History(run_id)
+
+    def write_cadence(self, history: History) -> None:
+        """Write (overwrite) the run's cadence history."""
+        self._put_json(cadence_key(history.run_id), history.to_bytes())
+
     # -- many nodes: announcements and parts ------------------------------------------------
 
     def _put_json(self, key: str, body: bytes) -> None:
@@ -457,6 +477,7 @@ class Repository:
 
 
 __all__ = [
+    "CADENCE_NAME",
     "LEASE_DIR",
     "LEASE_TTL_SECONDS",
     "NOTICE_FORMAT",
@@ -468,6 +489,7 @@ __all__ = [
     "RangeCrc",
     "Repository",
     "announce_key",
+    "cadence_key",
     "checkpoint_prefix",
     "chunk_ranges",
     "latest_key",

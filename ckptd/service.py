@@ -29,8 +29,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ckptd.advice import CadenceAdvisor
 from ckptd.clock import SYSTEM_CLOCK, Clock
-from ckptd.config import Settings
+from ckptd.config import ConfigError, Settings
 from ckptd.health import DestinationHealth
 from ckptd.logs import get_logger
 from ckptd.manifest import ManifestError
@@ -95,6 +96,14 @@ class Service:
         self.responder = Responder(settings, self.metrics, self.pipeline, clock=clock)
         self.pipeline.on_commit = self.responder.on_commit
         self.pipeline.on_emergency_complete = self.responder.on_complete
+        self.advisor = CadenceAdvisor(
+            settings,
+            Repository(self.storage),
+            self.metrics,
+            {r: s.dir for r, s in self.pipeline.runs.items()},
+            clock=clock,
+        )
+        self.pipeline.on_cost = self.advisor.record_save
         self.watcher = Watcher(
             {r: s.dir for r, s in self.pipeline.runs.items()}, self.pipeline.hint
         )
@@ -178,6 +187,7 @@ class Service:
         await self.destination.check()
         await self.pipeline.recover()
         if not self.once:
+            await self.advisor.load()
             from ckptd.http import HttpServer  # aiohttp costs ~0.3 s of start-up; --once needs none
 
             self.http = HttpServer(
@@ -185,16 +195,31 @@ class Service:
                 status=self.status,
                 ready=self.ready,
                 preemption=self.responder.preemption_json,
+                advice=self.advisor.advice_json,
                 drill=self.responder.drill,
                 token=self.settings.http.token.get_secret_value(),
             )
-            port = await self.http.start(self.settings.metrics.host, self.settings.metrics.port)
+            try:
+                port = await self.http.start(self.settings.metrics.host, self.settings.metrics.port)
+            except OSError as exc:
+                raise ConfigError(
+                    "metrics.listen",
+                    f"cannot listen on {self.settings.metrics.listen} "
+                    f"({exc.strerror or exc}); another ckptd or program may hold it: choose a "
+                    "free port (metrics.listen, CKPTD_METRICS__LISTEN; port 0 = any)",
+                ) from None
             self.http_port = port
             self.log.info("http_listening", host=self.settings.metrics.host, port=port)
 
     async def run_once(self) -> int:
         """Ship what is complete now, then return 0, or 1 if any checkpoint failed."""
         pipeline = self.pipeline
+        # A store that refuses this node (no credentials, access denied, no such bucket)
+        # ends --once at once with its one line, whether or not there is work: waiting
+        # out the backoff would only hide it.
+        failure = self.destination.failure
+        if failure is not None and failure.destination_unusable:
+            raise failure
         for run_id in pipeline.runs:
             await pipeline.rescan(run_id)
         ok = await pipeline.drain_once()
@@ -206,6 +231,8 @@ class Service:
         while (not pipeline.idle() or pipeline.cluster_busy()) and (
             self.clock.monotonic() < waited_until
         ):
+            if pipeline.unusable is not None:
+                raise pipeline.unusable
             await asyncio.sleep(0.1)
             await self._cluster_round()
             ok = await pipeline.drain_once() and ok
@@ -251,6 +278,8 @@ class Service:
             await self.http.stop()
         if self.publisher is not None:
             await self.publisher.drain(PUBLISH_DRAIN_SECONDS)
+        if not self.once:
+            await self.advisor.flush(force=True)
         await self.pipeline.close()
         self.journal.close()
         self.sigterm_source.close()
@@ -312,6 +341,17 @@ class Service:
             await asyncio.sleep(self.settings.preemption.poll_interval_seconds)
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
+        response = await self._respond(notice, source)
+        if notice.source == "sigterm":
+            self.sigterm.set()  # the main loop flushes, then stops
+        if source is self.cluster_source and notice.kind == "drill" and response is not None:
+            task = asyncio.create_task(self._end_followed_drill(response))
+            self._followed_drills.add(task)
+            task.add_done_callback(self._followed_drills.discard)
+
+    async def _respond(self, notice: Notice, source: NoticeSource) -> Response | None:
+        """Hand ``notice`` to the responder, by the many-node rules: another node's notice
+        is skipped while this node already responds, and never published again."""
         followed = source is self.cluster_source
         current = self.responder.current
         if followed and current is not None:
@@ -324,15 +364,16 @@ class Service:
                 source=notice.source,
                 responding_to=current.notice.source,
             )
-            return
+            return None
         # A notice followed from another node is never published again (no echo).
         response = await self.responder.handle(notice, source, publish=not followed)
-        if notice.source == "sigterm":
-            self.sigterm.set()  # the main loop flushes, then stops
-        if followed and notice.kind == "drill" and response is not None:
-            task = asyncio.create_task(self._end_followed_drill(response))
-            self._followed_drills.add(task)
-            task.add_done_callback(self._followed_drills.discard)
+        self.record_notice(notice, response is not None)
+        return response
+
+    def record_notice(self, notice: Notice, new: bool) -> None:
+        """A new notice is an interruption of every run here; a drill is none."""
+        if new and notice.kind != "drill":
+            self.advisor.record_interruption("notice", notice.source)
 
     async def _end_followed_drill(self, response: Response) -> None:
         """Another node's drill: as ``ckptd drill`` does on its own node, leave emergency
@@ -379,6 +420,10 @@ class Service:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             self.sd.tick(summarize(self.status()))  # status() refreshes the gauges too
+            try:
+                await self.advisor.flush()  # observed time; the store every FLUSH_SECONDS
+            except Exception as exc:  # noqa: BLE001 - advice is never worth the ticker
+                self.log.error("cadence_flush_failed", error=repr(exc))
             now = self.clock.monotonic()
             if now - last_stats >= JOURNAL_STATS_SECONDS:
                 last_stats = now
@@ -426,4 +471,5 @@ class Service:
         body = self.pipeline.status()
         body["destination"] = self.destination.to_json()
         body["preemption"] = self.responder.preemption_json()
+        body["advice"] = self.advisor.advice_json()["runs"]
         return body

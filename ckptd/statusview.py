@@ -2,7 +2,9 @@
 
 One row per run: pending checkpoints, the upload in flight with its progress, the last
 committed checkpoint, and the sync lag; a line above for the destination, one per
-checkpoint waiting for other nodes (many nodes) and one for the preemption notice below. Pure presentation: it takes the document, asks nothing.
+checkpoint waiting for other nodes (many nodes), one for the preemption notice below and
+one per run for the advised checkpoint cadence. Pure presentation: it takes the document,
+asks nothing.
 """
 
 from __future__ import annotations
@@ -153,6 +155,32 @@ def waiting_text(doc: Mapping[str, Any]) -> list[Text]:
     return lines
 
 
+def advice_text(doc: Mapping[str, Any]) -> list[Text]:
+    """One line per run: the advised interval, what it rests on, and what the current
+    cadence costs against it (expected share of time lost to saving plus lost work)."""
+    lines = []
+    advice: Mapping[str, Any] = doc.get("advice") or {}
+    for run_id, a in sorted(advice.items()):
+        text = Text.assemble(("cadence: ", "bold"), f"{run_id} ")
+        text.append(f"save every {human_seconds(float(a.get('interval_seconds', 0)))}", "cyan")
+        basis = a.get("basis") or {}
+        text.append(
+            f"  (save {float(a.get('save_seconds', 0)):.1f}s {basis.get('save', '?')}, "
+            f"MTBF {human_seconds(float(a.get('mtbf_seconds', 0)))} {basis.get('mtbf', '?')})"
+        )
+        cost = a.get("expected_cost") or {}
+        advised, current = cost.get("advised") or {}, cost.get("current")
+        text.append(f"  lost {100 * float(advised.get('total_fraction', 0)):.1f}%")
+        if current:
+            text.append(
+                f" vs {100 * float(current.get('total_fraction', 0)):.1f}% now "
+                f"(every {human_seconds(float(current.get('interval_seconds', 0)))})",
+                style="dim",
+            )
+        lines.append(text)
+    return lines
+
+
 def render_status(doc: Mapping[str, Any], console: Console) -> None:
     """Print a ``/v1/status`` document: destination, the per-run table, the notice."""
     console.print(destination_text(doc.get("destination")))
@@ -163,12 +191,15 @@ def render_status(doc: Mapping[str, Any], console: Console) -> None:
     for line in waiting_text(doc):
         console.print(line)
     console.print(notice_text(doc.get("preemption")))
+    for line in advice_text(doc):
+        console.print(line)
     trainer = trainer_text(doc.get("trainer"))
     if trainer is not None:
         console.print(trainer)
 
 
 __all__ = [
+    "advice_text",
     "human_bytes",
     "human_seconds",
     "progress_text",

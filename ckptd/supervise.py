@@ -107,6 +107,7 @@ class TrainerSupervisor:
         match: str = "",
         save_signal: int = signal.SIGUSR1,
         on_exit: Callable[[], Awaitable[None]] | None = None,
+        on_restart: Callable[[str], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.command = list(command)
@@ -118,6 +119,7 @@ class TrainerSupervisor:
         self.match = match
         self.save_signal = save_signal  # trainer.signal: what asks the trainer to save
         self.on_exit = on_exit  # after each exit: let the daemon look for what it left
+        self.on_restart = on_restart  # each restart, with its cause: an interruption record
         self.clock = clock
         self.log = get_logger(run=run_id)
         self.proc: asyncio.subprocess.Process | None = None
@@ -244,6 +246,8 @@ class TrainerSupervisor:
                 break
             self.restarts += 1
             self.metrics.trainer_restarts.labels(run=self.run_id, cause=attempt.cause).inc()
+            if self.on_restart is not None:
+                self.on_restart(attempt.cause)
             crashed_at = ended
             path, step = await self.resume_point() if decision.delay else (new_path, new_step)
         self.exit_code = shell_code(self.history[-1].returncode) if self.history else 0

@@ -84,6 +84,9 @@ class SupervisedService(Service):
             save_signal=settings.trainer.signal_number,
             # Ship what it left at once: file events can be missed (a watch set up late).
             on_exit=lambda: self.pipeline.rescan(self.run_id),
+            on_restart=lambda cause: self.advisor.record_interruption(
+                "restart", cause, self.run_id
+            ),
             clock=clock,
         )
         self.responder.trainer_pids = self.supervisor.trainer_pids
@@ -195,6 +198,8 @@ class SupervisedService(Service):
             "seconds": round(result.seconds, 3),
             "bytes": result.total_bytes,
         }
+        if not result.skipped:  # a fresh node: the run was interrupted somewhere
+            self.advisor.record_interruption("restore", manifest.checkpoint, self.run_id)
         self.log.info("exec_restored", **self.restored)
 
     # -- notices -------------------------------------------------------------------------
@@ -205,7 +210,8 @@ class SupervisedService(Service):
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
         # Held first: a trainer that exits on the signal must not be started again.
         self.supervisor.hold()
-        await self.responder.handle(notice, source)
+        # The many-node rules (no echo of another node's notice) hold here too.
+        await self._respond(notice, source)
         self.noticed.set()
 
     async def _flush_on_notice(self, trainer: asyncio.Task[int]) -> int:

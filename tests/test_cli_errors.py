@@ -8,22 +8,29 @@ and a good one beside them. Also: every error class under ``ckptd/`` derives fro
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import inspect
 import json
+import os
 import pkgutil
+import socket
 import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import ckptd
 import ckptd.errors
-from ckptd import checksum
-from ckptd.cli import DaemonUnreachableError, UsageError, main
+from ckptd import __version__, checksum
+from ckptd.cli import DaemonUnreachableError, UsageError, build_parser, main
 from ckptd.config import ConfigError
 from ckptd.errors import CkptdError
+from ckptd.locals3 import LocalS3
 from ckptd.manifest import MANIFEST_NAME, ManifestError, build_manifest
 from ckptd.restore import RestoreError
 from ckptd.storage.base import StorageError
@@ -215,3 +222,165 @@ def test_the_errors_module_imports_nothing_so_every_module_may_import_it() -> No
         for alias in node.names
     }
     assert imported <= {"__future__", "typing"}
+
+
+def _options(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.Action]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{path} {name}")
+        elif action.option_strings:
+            yield path, action
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    missing = [
+        f"{path} {'/'.join(action.option_strings)}"
+        for path, action in _options(build_parser(), "ckptd")
+        if not action.help
+    ]
+    assert missing == []
+
+
+def test_short_version_flag_prints_the_version() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptd", "-V"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"ckptd {__version__}"
+
+
+def test_config_check_fails_where_run_would(tmp_path: Path) -> None:
+    """`config check` passes exactly what `ckptd run` accepts."""
+    env = {"CKPTD_METRICS__LISTEN": "127.0.0.1:0"}
+    no_dest = tmp_path / "no-dest.toml"
+    no_dest.write_text(f'[[watch]]\ndir = "{tmp_path / "run"}"\n')
+    no_watch = tmp_path / "no-watch.toml"
+    no_watch.write_text(f'[destination]\nurl = "file://{tmp_path / "store"}"\n')
+    whole = tmp_path / "whole.toml"
+    whole.write_text(no_dest.read_text() + no_watch.read_text())
+    for config, key in ((no_dest, "destination.url"), (no_watch, "watch")):
+        for command in (["config", "check"], ["run", "--once"]):
+            done = run_cli(*command, "--config", str(config), env=env)
+            assert done.returncode == 2, (command, done.stderr)
+            assert f"invalid config: {key}" in done.stderr, (command, done.stderr)
+            assert "Traceback" not in done.stderr
+    ok = run_cli("config", "check", "--config", str(whole), env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "[destination]" in ok.stdout and "note: no config file" not in ok.stderr
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = run_cli(
+            *("run", "--watch", str(tmp_path / "run"), "--dest", f"file://{tmp_path / 's'}"),
+            *("--state-dir", str(tmp_path / "state")),
+            env={"CKPTD_METRICS__LISTEN": f"127.0.0.1:{port}"},
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if not x.startswith("{")]
+    assert "metrics.listen" in line and "in use" in line and "Traceback" not in done.stderr
+
+
+def test_a_state_dir_that_cannot_be_made_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_bytes(b"")  # root may write anywhere, but not under a file
+    done = run_cli(
+        *("run", "--once", "--watch", str(tmp_path / "run"), "--dest", f"file://{tmp_path / 's'}"),
+        *("--state-dir", str(tmp_path / "a-file" / "state")),
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if not x.startswith("{")]
+    assert "state.dir" in line and str(tmp_path / "a-file") in line
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("case", "env", "bucket", "words"),
+    [
+        (
+            "wrong key",
+            {"AWS_ACCESS_KEY_ID": "nope", "AWS_SECRET_ACCESS_KEY": "nope"},
+            "ckpt",
+            "denied",
+        ),
+        ("no bucket", {}, "no-such-bucket", "does not exist"),
+        (
+            "no credentials",
+            {
+                "AWS_ACCESS_KEY_ID": None,
+                "AWS_SECRET_ACCESS_KEY": None,
+                "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                "AWS_CONFIG_FILE": "/nonexistent",
+                "AWS_EC2_METADATA_DISABLED": "true",
+            },
+            "ckpt",
+            "AWS_ACCESS_KEY_ID",  # says where credentials come from
+        ),
+    ],
+)
+@pytest.mark.parametrize("work", [True, False], ids=["a checkpoint to ship", "nothing to ship"])
+def test_once_ends_within_seconds_on_a_store_that_refuses_this_node(
+    tmp_path: Path,
+    local_s3: LocalS3,
+    case: str,
+    env: dict[str, str | None],
+    bucket: str,
+    words: str,
+    work: bool,
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    if work:
+        (run / "checkpoint-5").mkdir()
+        (run / "checkpoint-5" / "model.bin").write_bytes(b"weights")
+    environ = {**os.environ, **local_s3.env()}
+    for key, value in env.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "ckptd", "run", "--once", "--layout", "quiescent"),
+            *("--watch", str(run), "--dest", f"s3://{bucket}/x"),
+            *("--endpoint-url", local_s3.endpoint_url, "--state-dir", str(tmp_path / "state")),
+        ],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 1, (case, done.stderr[-2000:])
+    assert took < 20, f"{case}: --once took {took:.1f} s on a permanent error"
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckptd: ") and words in last, last
+    assert "Traceback" not in done.stderr
+
+
+def test_a_dead_endpoint_is_retried_aloud_and_bounded_by_max_attempts() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    done = run_cli(
+        *("list", "--dest", "s3://ckpt/x", "--endpoint-url", f"http://127.0.0.1:{port}"),
+        env={
+            "CKPTD_DESTINATION__MAX_ATTEMPTS": "3",
+            "AWS_ACCESS_KEY_ID": "a",
+            "AWS_SECRET_ACCESS_KEY": "b",
+        },
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    retries = [json.loads(x) for x in done.stderr.splitlines() if '"store_retry"' in x]
+    assert [r["attempt"] for r in retries] == ["1/3", "2/3"]
+    assert done.stderr.strip().splitlines()[-1].startswith("ckptd: ")
+    assert took < 30

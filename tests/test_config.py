@@ -159,6 +159,7 @@ BAD_VALUES = [
     ('[[watch]]\ndir = "/d/r"\nmarker = "a/b"', "watch[0].marker"),
     ('[[watch]]\ndir = "/d/r"\nmarker = ""', "watch[0].marker"),
     ('[[watch]]\ndir = "/d/r"\nrescan_seconds = 0', "watch[0].rescan_seconds"),
+    ('[[watch]]\ndir = "/d/r"\nship_early = "maybe"', "watch[0].ship_early"),
     ('[destination]\nurl = "gs://bucket"', "destination.url"),
     ('[destination]\nurl = "s3://Upper_Case"', "destination.url"),
     ('[destination]\nurl = "s3://ab"', "destination.url"),
@@ -207,6 +208,15 @@ BAD_VALUES = [
     ("[cluster]\nnode_rank = -1", "cluster.node_rank"),
     ("[cluster]\nnodes = 2", "cluster.node_rank"),
     ("[cluster]\npoll_interval_seconds = 0", "cluster.poll_interval_seconds"),
+    ("[cadence]\nmtbf_hours = -1", "cadence.mtbf_hours"),
+    ("[cadence]\nmerge_seconds = -1", "cadence.merge_seconds"),
+    ("[cadence]\nprior_mtbf_hours = 0", "cadence.prior_mtbf_hours"),
+    ("[cadence]\nmin_interval_seconds = -5", "cadence.min_interval_seconds"),
+    (
+        "[cadence]\nmin_interval_seconds = 900\nmax_interval_seconds = 600",
+        "cadence.min_interval_seconds",
+    ),
+    ("[cadence]\nmax_interval_seconds = 0", "cadence.max_interval_seconds"),
     ('destination = "s3://bucket"', "destination"),
     ('[[watch]]\ndir = "/d/r"\n[[watch]]\ndir = "/e/r"', "watch[1].run_id"),
 ]

@@ -373,3 +373,63 @@ def test_a_trainer_that_catches_nothing_yet_is_signalled_itself() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_exec_on_two_nodes_a_sigterm_on_one_flushes_both(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    """``ckptd exec`` with ``[cluster]``: SIGTERM to node 0's exec is published as the
+    run's NOTICE; node 1's exec follows it, its trainer saves its share under the same
+    name, the two parts commit as one checkpoint, and both execs exit 0 (flushed)."""
+    nodes = []
+    for rank in (0, 1):
+        directory = tmp_path / f"node-{rank}"
+        command = [
+            *(sys.executable, "-m", "tests.trainers.toy_preemptible"),
+            *("--dir", str(directory / "run"), "--pidfile", str(directory / "trainer.pid")),
+            *("--mib", "1", "--name", "checkpoint-999"),
+            # Node 0 holds the HF commit record and the weights; node 1 one more shard.
+            *(("--shard", "rng_state_1.pth", "--no-commit-record") if rank else ()),
+        ]
+        nodes.append(
+            ExecNode(
+                directory,
+                SHORT,
+                Env(s3_dest, local_s3.endpoint_url),
+                command=command,
+                extra_config=f"[cluster]\nnodes = 2\nnode_rank = {rank}\n"
+                "poll_interval_seconds = 0.2\n",
+            )
+        )
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            wait_until((node.ckpt / ".progress").exists, 60, f"{node.dir.name} training")
+        nodes[0].signal(signal.SIGTERM)
+        codes = [node.wait_exit(90) for node in nodes]
+    finally:
+        for node in nodes:
+            node.close()
+    assert codes == [0, 0], [node.log_tail() for node in nodes]
+    (followed,) = nodes[1].events("notice_received")
+    assert followed["source"].startswith("node-0/")
+    for node in nodes:
+        (preempted,) = node.events("exec_preempted")
+        assert preempted["committed"] is True, node.log_tail()
+        assert preempted["emergency_checkpoint"] == "checkpoint-999"
+    # One notice in the store, node 0's: node 1 followed it and did not echo it back.
+    assert len(nodes[0].events("cluster_notice_published")) == 1
+    assert nodes[1].events("cluster_notice_published") == []
+    assert len(nodes[0].events("notice_received")) == 1
+    listed = run_cli("list", "--dest", s3_dest, "--endpoint-url", local_s3.endpoint_url, "--json")
+    assert listed.returncode == 0, listed.stderr
+    (checkpoint,) = json.loads(listed.stdout)["checkpoints"]
+    assert checkpoint["checkpoint"] == "checkpoint-999"
+    # The one checkpoint holds both nodes' shares, read back and checked.
+    verified = run_cli(
+        *("verify", "--dest", s3_dest, "--endpoint-url", local_s3.endpoint_url),
+        *("--run", "run", "--latest", "--json"),
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert checkpoint["files"] == 3, checkpoint  # weights + trainer_state, and node 1's shard

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.storage.url",
             "ckptd.sync.queue",
             "ckptd.restarts",
+            "ckptd.cadence",
         ),
     ),
     (
@@ -56,6 +57,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "ckptd.notices",
             "ckptd.respond",
+            "ckptd.advice",
             "ckptd.health",
             "ckptd.http",
             "ckptd.sdnotify",

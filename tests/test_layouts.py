@@ -206,6 +206,16 @@ def test_an_empty_directory_is_never_complete(layout: str) -> None:
         ("last.ckpt.part", False, False),
         ("model.pt.tmp", False, False),
         ("model.pt~", False, False),
+        ("tmp_save_500", True, False),
+        ("TMP-500", True, False),
+        ("temp.ckpt", False, False),
+        ("ckpt-500.tmp", True, False),
+        ("step_500_tmp", True, False),
+        ("checkpoint-500.partial", True, False),
+        ("checkpoint-500-inprogress", True, False),
+        ("temperature-500", True, True),  # a word that starts like one is no temp name
+        ("attempt-500", True, True),
+        ("tmpl-500", True, True),
         ("", False, False),
     ],
 )

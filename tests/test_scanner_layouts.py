@@ -387,7 +387,9 @@ def test_open_files_for_write_is_none_without_proc(
 # --- the walk itself --------------------------------------------------------------------
 
 
-def test_snapshot_lists_regular_files_by_relative_path_and_skips_symlinks(tmp_path: Path) -> None:
+def test_snapshot_lists_regular_files_by_relative_path_and_follows_file_links(
+    tmp_path: Path,
+) -> None:
     watch = tmp_path / "w"
     write(watch / "ck" / "a.bin", b"12345")
     write(watch / "ck" / "sub" / "deeper" / "b.bin", b"1")
@@ -396,7 +398,14 @@ def test_snapshot_lists_regular_files_by_relative_path_and_skips_symlinks(tmp_pa
     os.symlink(tmp_path / "outside", watch / "ck" / "linkdir")
     snap = scan(watch, "ck")
     assert snap.is_dir
-    assert [(f.path, f.size) for f in snap.files] == [("a.bin", 5), ("sub/deeper/b.bin", 1)]
+    # A link to a file is that file (as a copy takes it); a link to a directory is never
+    # followed, and reported instead of silently left out.
+    assert [(f.path, f.size) for f in snap.files] == [
+        ("a.bin", 5),
+        ("link.bin", 64),
+        ("sub/deeper/b.bin", 1),
+    ]
+    assert snap.unshippable == ("linkdir",)
     st = os.stat(watch / "ck" / "a.bin")
     assert snap.files[0].mtime_ns == st.st_mtime_ns
 
@@ -501,3 +510,38 @@ def test_list_candidates_is_sorted_and_skips_trackers_dot_entries_temps_and_link
 
 def test_list_candidates_of_a_missing_watch_dir_is_empty(tmp_path: Path) -> None:
     assert list_candidates(tmp_path / "not-yet") == []
+
+
+# --- symlinks inside a checkpoint -----------------------------------------------------------
+
+
+def test_a_link_to_a_regular_file_is_shipped_as_that_file(tmp_path: Path) -> None:
+    outside = tmp_path / "shared" / "tokenizer.json"
+    write(outside, b"x" * 1234)
+    ckpt = tmp_path / "run" / "checkpoint-5"
+    write_all(ckpt, "model.safetensors", "trainer_state.json")
+    (ckpt / "tokenizer.json").symlink_to(outside)
+    listing = snapshot(tmp_path / "run", "checkpoint-5")
+    assert listing is not None and listing.unshippable == ()
+    (linked,) = [f for f in listing.files if f.path == "tokenizer.json"]
+    assert linked.size == 1234  # the target's, as a copy would take it
+
+
+@pytest.mark.parametrize("kind", ["dangling", "directory"])
+def test_a_link_that_cannot_be_shipped_keeps_the_checkpoint_from_committing(
+    tmp_path: Path, kind: str
+) -> None:
+    ckpt = tmp_path / "run" / "checkpoint-5"
+    write_all(ckpt, "model.safetensors", "trainer_state.json")
+    target = tmp_path / ("gone" if kind == "dangling" else "dataset")
+    if kind == "directory":
+        write_all(target, "shard-0.bin")
+    (ckpt / "extra").symlink_to(target)
+    listing = snapshot(tmp_path / "run", "checkpoint-5")
+    assert listing is not None
+    assert listing.unshippable == ("extra",)
+    assert "extra" not in {f.path for f in listing.files}
+    # Well past any quiet window: still refused, with the entry named.
+    verdict = evaluate("auto", listing, listing.newest_mtime_ns + 10**12, RuleSettings())
+    assert not verdict.complete
+    assert "extra" in verdict.reason and "cannot be shipped" in verdict.reason

@@ -7,6 +7,8 @@ import ast
 import errno
 import os
 import re
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -77,12 +79,17 @@ def moto_endpoint() -> Iterator[str]:
 
 @dataclass(frozen=True)
 class Destination:
-    backend: str  # the fixture's param: "seaweedfs", "moto" or "file"
+    backend: str  # the fixture's param: "seaweedfs", "moto", "file" or "file-other-fs"
     url: str
     endpoint_url: str = ""
 
 
-@pytest.fixture(params=["seaweedfs", "moto", "file"])
+#: A tmpfs, another filesystem than the tests' files: what a shared NFS/Lustre/NVMe mount
+#: is to a node's local disk (copy_file_range refuses it with EXDEV).
+OTHER_FILESYSTEM = Path("/dev/shm")
+
+
+@pytest.fixture(params=["seaweedfs", "moto", "file", "file-other-fs"])
 def destination(request: pytest.FixtureRequest, tmp_path: Path) -> Destination:
     prefix = f"contract-{uuid.uuid4().hex[:8]}"
     if request.param == "seaweedfs":
@@ -91,6 +98,15 @@ def destination(request: pytest.FixtureRequest, tmp_path: Path) -> Destination:
     if request.param == "moto":
         endpoint: str = request.getfixturevalue("moto_endpoint")
         return Destination(request.param, f"s3://ckpt/{prefix}", endpoint)
+    if request.param == "file-other-fs":
+        if (
+            not OTHER_FILESYSTEM.is_dir()
+            or OTHER_FILESYSTEM.stat().st_dev == tmp_path.stat().st_dev
+        ):
+            pytest.skip(f"{OTHER_FILESYSTEM} is not another filesystem than {tmp_path} here")
+        root = Path(tempfile.mkdtemp(prefix="ckptd-contract-", dir=OTHER_FILESYSTEM))
+        request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+        return Destination(request.param, f"file://{root / 'dest'}")
     return Destination(request.param, f"file://{tmp_path / 'dest'}")
 
 
@@ -480,6 +496,7 @@ DECLARED = {
     "seaweedfs": set(CAPABILITIES),
     "moto": set(CAPABILITIES),
     "file": {ConditionalWrite, ServerSideCopy, MultipartUpload},
+    "file-other-fs": {ConditionalWrite, ServerSideCopy, MultipartUpload},
 }
 
 
@@ -669,7 +686,7 @@ async def test_an_interrupted_upload_resumes_with_only_the_parts_not_journalled(
 ) -> None:
     stack = open_storage(destination.url, endpoint_url=destination.endpoint_url)
     # A directory cannot list parts: there the journal alone says what is sent.
-    assert (capability(stack, PartListing) is None) == (destination.backend == "file")
+    assert (capability(stack, PartListing) is None) == destination.backend.startswith("file")
     local, data = _model_file(tmp_path)
     journal = Journal(tmp_path / "state")
     key = "run/ckpt/model.bin"

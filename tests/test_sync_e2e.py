@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -471,3 +472,42 @@ def test_file_destination_commits_with_fsynced_renames(tmp_path: Path) -> None:
     assert [(r["run"], r["checkpoint"], r["step"], r["latest"]) for r in rows] == [
         ("run", "checkpoint-4", 4, True)
     ]
+
+
+def test_a_linked_file_is_committed_with_its_bytes_and_a_dangling_link_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Symlinks inside a checkpoint: a link to a file ships that file's bytes (a restore
+    has them); a dangling one keeps the checkpoint from committing, logged by name."""
+    run, store = tmp_path / "run", tmp_path / "store"
+    shared = tmp_path / "shared.bin"
+    shared.write_bytes(os.urandom(300_000))
+    good = write_hf(run, 4, model_bytes=MiB)
+    (good / "shared.bin").symlink_to(shared)
+    bad = write_hf(run, 8, model_bytes=MiB)
+    (bad / "tokenizer.json").symlink_to(tmp_path / "deleted-before-the-save-ended")
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(
+        f'[[watch]]\ndir = "{run}"\nrun_id = "run"\nsettle_seconds = 0\n'
+        f'[destination]\nurl = "file://{store}"\n[state]\ndir = "{tmp_path / "state"}"\n'
+    )
+    done = run_cli("run", "--once", config=cfg, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "checkpoint_has_unshippable_entries" in done.stderr
+    assert "tokenizer.json" in done.stderr
+    listed = run_cli("list", "--json", config=cfg)
+    names = [c["checkpoint"] for c in json.loads(listed.stdout)["checkpoints"]]
+    assert names == ["checkpoint-4"]
+    restored = run_cli(
+        "restore",
+        "--run",
+        "run",
+        "--checkpoint",
+        "checkpoint-4",
+        "--to",
+        str(tmp_path / "r"),
+        config=cfg,
+    )
+    assert restored.returncode == 0, restored.stderr
+    copy = tmp_path / "r" / "checkpoint-4" / "shared.bin"
+    assert not copy.is_symlink() and copy.read_bytes() == shared.read_bytes()

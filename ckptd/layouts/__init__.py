@@ -6,6 +6,8 @@ scanner in ``ckptd.sync.scanner`` does the I/O. ``evaluate`` is the one entry po
 
 from __future__ import annotations
 
+import re
+
 from ckptd.layouts.base import (
     LAYOUT_NAMES,
     SCRATCH_FILES,
@@ -75,12 +77,18 @@ AUTO_ORDER: tuple[str, ...] = ("hf", "dcp", "deepspeed", "megatron", "orbax", "l
 # script next to the tags and keeps a second tracker for universal checkpoints; Megatron's
 # --log-progress appends to progress.txt in the save dir.
 _SIDECAR_FILES = frozenset({"zero_to_fp32.py", "latest_universal", "progress.txt"})
-# Names a child has while a framework is still writing it, to be renamed when done:
-# orbax's "<step>.orbax-checkpoint-tmp-<ts>", transformers' old "tmp-checkpoint-<N>"
-# (its tmp-dir + rename, since reverted), and the usual partial-file suffixes (the old
-# pytorch_lightning atomic_save wrote "<name>.part").
-_TEMP_PREFIXES = ("tmp-checkpoint-",)
-_TEMP_SUFFIXES = (".tmp", ".temp", ".part", ".partial", ".incomplete", "~")
+# Names a child has while a framework (or a user's save-then-rename) is still writing it:
+# orbax's "<step>.orbax-checkpoint-tmp-<ts>", transformers' old "tmp-checkpoint-<N>" (its
+# tmp-dir + rename, since reverted), "tmp_save_500/" or "ckpt-500.tmp/" of a hand-written
+# loop, and the usual partial-file suffixes (the old pytorch_lightning atomic_save wrote
+# "<name>.part"). Such a name is never a checkpoint, step number or not: under auto the
+# quiet fallback would otherwise commit the half that is there before the rename.
+_TEMP_NAME = re.compile(
+    r"(?:tmp|temp)(?:[-_.]|$).*"  # tmp_save_500, tmp-checkpoint-500, temp.ckpt
+    r"|.*[-_.](?:tmp|temp|part|partial|incomplete|inprogress|in_progress)"  # ckpt-500.tmp
+    r"|.*~",
+    re.IGNORECASE,
+)
 
 
 def is_checkpoint_candidate(name: str, is_dir: bool) -> bool:
@@ -89,9 +97,7 @@ def is_checkpoint_candidate(name: str, is_dir: bool) -> bool:
         return False  # .ckptd/ (our own) and hidden temp files
     if not is_dir and (name in TRACKER_FILES or name in _SIDECAR_FILES):
         return False
-    if TMP_MARKER in name or name.startswith(_TEMP_PREFIXES):
-        return False
-    return not name.endswith(_TEMP_SUFFIXES)
+    return TMP_MARKER not in name and not _TEMP_NAME.fullmatch(name)
 
 
 def pick_rule(layout: str, listing: CheckpointListing, settings: RuleSettings) -> CompletionRule:
@@ -115,6 +121,17 @@ def evaluate(
     layout: str, listing: CheckpointListing, now_ns: int, settings: RuleSettings
 ) -> Completion:
     """Judge one checkpoint under ``layout`` ("auto" or a concrete name) at time ``now_ns``."""
+    if listing.unshippable:
+        # A restore would lack what the trainer wrote there: refuse, loudly, rather than
+        # commit a checkpoint that silently misses a file.
+        first = listing.unshippable[0]
+        return Completion(
+            complete=False,
+            layout=layout,
+            reason=f"{len(listing.unshippable)} entr{'y' if len(listing.unshippable) == 1 else 'ies'}"
+            f" cannot be shipped (a dangling symlink, a link to a directory or a special "
+            f"file), e.g. {first}: replace it with the file, or remove it",
+        )
     rule = pick_rule(layout, listing, settings)
     if layout == "auto" and rule.name == "quiescent" and not _looks_like_a_checkpoint(listing):
         # An output dir also holds things that are no checkpoint: HF's final

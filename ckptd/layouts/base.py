@@ -52,6 +52,10 @@ class CheckpointListing:
     # Relative paths of files that some process holds open for writing (from /proc/*/fd);
     # None when that could not be determined.
     open_for_write: frozenset[str] | None = None
+    # Entries that cannot be shipped as the trainer meant them: a dangling symlink, a
+    # symlink to a directory (never followed: it may point at a whole dataset), a fifo.
+    # (A symlink to a regular file is followed, as a copy would, and is among ``files``.)
+    unshippable: tuple[str, ...] = ()
 
     def has(self, path: str) -> bool:
         return any(f.path == path for f in self.files)

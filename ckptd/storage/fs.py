@@ -48,7 +48,13 @@ _PERMANENT_ERRNOS = {
     errno.EROFS,
     errno.EDQUOT,
     errno.ENOTDIR,
+    # Never heals by retrying; copy_file_range's is handled by falling back to sendfile,
+    # so one reaching the caller is a real misconfiguration.
+    errno.EXDEV,
 }
+# copy_file_range refuses these pairs of files (another filesystem, since Linux 5.19 for
+# most; a filesystem without the call): the same bytes then go through sendfile.
+_NO_COPY_RANGE_ERRNOS = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
 # The filesystem refuses this node: the destination as configured can never work.
 _UNUSABLE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 
@@ -94,6 +100,8 @@ class FileStorage:
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
         self.url = f"file://{self.root}"
+        # Until copy_file_range is refused once (``_NO_COPY_RANGE_ERRNOS``).
+        self._copy_file_range_works = True
 
     def _path(self, key: str) -> Path:
         parts = key.split("/")
@@ -305,10 +313,21 @@ class FileStorage:
             raise NotFoundError(f"upload part {number} of {key}: upload {upload_id} gone") from None
         try:
             copied = 0
+            in_kernel = self._copy_file_range_works
             while copied < data.length:
-                n = os.copy_file_range(
-                    data.fd, fd, data.length - copied, data.offset + copied, offset + copied
-                )
+                left, src, dst = data.length - copied, data.offset + copied, offset + copied
+                if in_kernel:
+                    try:
+                        n = os.copy_file_range(data.fd, fd, left, src, dst)
+                    except OSError as exc:
+                        if exc.errno not in _NO_COPY_RANGE_ERRNOS:
+                            raise
+                        # A shared mount is another filesystem than the node's disk.
+                        in_kernel = self._copy_file_range_works = False
+                        continue
+                else:
+                    os.lseek(fd, dst, os.SEEK_SET)  # sendfile writes at the file position
+                    n = os.sendfile(fd, data.fd, src, left)
                 if n == 0:
                     raise StorageError(
                         f"upload part {number} of {key}: source shrank", transient=False

@@ -113,7 +113,9 @@ def classify(exc: Exception, what: str) -> StorageError:
         return StorageError(f"{what}: {exc}", transient=True, code=type(exc).__name__)
     if isinstance(exc, NoCredentialsError):
         return StorageError(
-            f"{what}: no S3 credentials found",
+            f"{what}: no S3 credentials found; boto3 looks in AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, then AWS_PROFILE / ~/.aws/credentials and ~/.aws/config, "
+            "then web identity and the instance or task role: set one of those",
             transient=False,
             code="NoCredentials",
             destination_unusable=True,

@@ -5,13 +5,16 @@ journal) and a checkpoint that changed under its upload (``discard``). Both abor
 multipart uploads the journal knows of (and, for one created but never recorded, every
 upload the store lists under its key). ``discard`` also deletes the objects already
 sent, unless the checkpoint is committed (a race with another node, or with ourselves
-before a crash): objects a manifest names are never deleted here.
+before a crash): objects a manifest names are never deleted here. ``discard_vanished``
+discards, at start-up, each uncommitted checkpoint the journal holds whose local files
+are gone (deleted while no daemon ran, files sent early included).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +61,54 @@ def recover(repo: Repository, journal: Journal, dirs: Mapping[str, Path], log: A
             log.warning("orphan_abort_failed", key=rec.key, error=str(exc))
 
 
-def discard(repo: Repository, journal: Journal, run: str, name: str, log: Any) -> None:
+def discard(
+    repo: Repository,
+    journal: Journal,
+    run: str,
+    name: str,
+    log: Any,
+    *,
+    whole_prefix: bool = False,
+) -> None:
     """Abort ``run/name``'s uploads and delete what it sent, unless it is committed;
-    then forget it in the journal. Blocking; a storage failure is logged."""
+    then forget it in the journal. ``whole_prefix`` (one node: the prefix is this
+    daemon's alone) deletes every object listed under the checkpoint's prefix, so an
+    object that reached the store just before a crash, unjournalled, goes too. Blocking;
+    a storage failure is logged."""
     try:
         for rec in journal.all_uploads():
             if rec.run == run and rec.checkpoint == name:
                 _abort(repo, rec)
         if not repo.has_manifest(run, name):
-            sent = journal.objects_for(run, name)
-            repo.delete([r.key for r in sent.values()])
+            keys = {r.key for r in journal.objects_for(run, name).values()}
+            if whole_prefix:
+                keys.update(o.key for o in repo.list_objects(run, name))
+            repo.delete(sorted(keys))
         journal.forget_checkpoint(run, name)
     except StorageError as exc:
         log.warning("abandon_cleanup_failed", error=str(exc))
+
+
+def discard_vanished(
+    repo: Repository,
+    journal: Journal,
+    dirs: Mapping[str, Path],
+    keep: Callable[[str, str], bool],
+    log: Any,
+    *,
+    whole_prefix: bool = False,
+) -> None:
+    """``discard`` every uncommitted checkpoint in the journal whose local checkpoint is
+    gone, unless ``keep(run, name)`` (many nodes: its part is written). Blocking."""
+    for run, name in sorted(journal.uncommitted()):
+        run_dir = dirs.get(run)
+        if run_dir is None or journal.is_committed(run, name):
+            continue
+        try:
+            if os.path.lexists(run_dir / name) or keep(run, name):
+                continue
+        except StorageError as exc:
+            log.warning("vanished_check_failed", run=run, checkpoint=name, error=str(exc))
+            continue
+        log.info("vanished_checkpoint_discarded", run=run, checkpoint=name)
+        discard(repo, journal, run, name, log, whole_prefix=whole_prefix)

@@ -9,16 +9,24 @@ per small file, measured at 11% of the daemon's samples on 4 MiB DCP shards.)
 
 An intended multipart upload is journalled *before* it is created, so an upload
 created just before a crash (and not yet recorded) is still found and aborted.
+
+A checkpoint is marked ``touched`` before its first object is sent, so one whose object
+reached the store just before a crash (before its row was written) is still known to
+hold something there. An object also records the identity its file had when it was read (size, mtime, ctime,
+inode; ``ObjectRecord.identity``): a file shipped before its checkpoint was complete
+(``ckptd.sync.early``) counts as shipped only while it still has that identity.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.config import ConfigError
 from ckptd.storage.base import PartInfo
 
 _SCHEMA = """
@@ -49,7 +57,14 @@ CREATE TABLE IF NOT EXISTS objects (
     path TEXT NOT NULL,
     size INTEGER NOT NULL,
     mtime_ns INTEGER NOT NULL,
-    crc32c INTEGER NOT NULL
+    crc32c INTEGER NOT NULL,
+    ctime_ns INTEGER NOT NULL DEFAULT 0,  -- 0: not recorded (a journal of an older ckptd)
+    inode INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS touched (  -- may hold objects in the store, not yet committed
+    run TEXT NOT NULL,
+    checkpoint TEXT NOT NULL,
+    PRIMARY KEY (run, checkpoint)
 );
 CREATE TABLE IF NOT EXISTS committed (
     run TEXT NOT NULL,
@@ -80,19 +95,43 @@ class ObjectRecord:
     size: int
     mtime_ns: int
     crc32c: int
+    ctime_ns: int = 0  # 0: not recorded
+    inode: int = 0
+
+    @property
+    def identity(self) -> tuple[int, int, int, int]:
+        """What the file was when read: (size, mtime_ns, ctime_ns, inode)."""
+        return (self.size, self.mtime_ns, self.ctime_ns, self.inode)
 
 
 class Journal:
     """Thread-safe access to the journal database."""
 
     def __init__(self, state_dir: Path) -> None:
-        state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / "journal.sqlite3"
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+            columns = {str(r[1]) for r in self._db.execute("PRAGMA table_info(objects)")}
+            for column in ("ctime_ns", "inode"):  # a journal written before they existed
+                if column not in columns:
+                    self._db.execute(
+                        f"ALTER TABLE objects ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"
+                    )
+        except (OSError, sqlite3.Error) as exc:
+            # An operator's mistake (a root-owned dir, a read-only mount), not a crash.
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(
+                "state.dir",
+                f"cannot open the journal in {state_dir} ({reason}); make that directory "
+                f"writable by this user (uid {os.getuid()}) or choose another with "
+                "state.dir / --state-dir",
+            ) from None
         self._lock = threading.Lock()
+        self._touched: set[tuple[str, str]] = set()  # rows known written, to skip a write
 
     def close(self) -> None:
         with self._lock:
@@ -163,16 +202,48 @@ class Journal:
 
     def record_object(self, run: str, checkpoint: str, rec: ObjectRecord) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (rec.key, run, checkpoint, rec.path, rec.size, rec.mtime_ns, rec.crc32c),
+            "INSERT OR REPLACE INTO objects "
+            "(key, run, checkpoint, path, size, mtime_ns, crc32c, ctime_ns, inode) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                rec.key,
+                run,
+                checkpoint,
+                rec.path,
+                rec.size,
+                rec.mtime_ns,
+                rec.crc32c,
+                rec.ctime_ns,
+                rec.inode,
+            ),
         )
 
     def objects_for(self, run: str, checkpoint: str) -> dict[str, ObjectRecord]:
         rows = self._exec(
-            "SELECT key, path, size, mtime_ns, crc32c FROM objects WHERE run = ? AND checkpoint = ?",
+            "SELECT key, path, size, mtime_ns, crc32c, ctime_ns, inode FROM objects "
+            "WHERE run = ? AND checkpoint = ?",
             (run, checkpoint),
         )
         return {str(r[1]): ObjectRecord(*r) for r in rows}  # type: ignore[arg-type]
+
+    def touch(self, run: str, checkpoint: str) -> None:
+        """Mark ``run/checkpoint`` as maybe holding objects in the store (module doc)."""
+        if (run, checkpoint) in self._touched:
+            return
+        self._exec("INSERT OR IGNORE INTO touched VALUES (?, ?)", (run, checkpoint))
+        self._touched.add((run, checkpoint))
+
+    def forget_object(self, key: str) -> None:
+        """Drop one finished object (deleted from the store, or to be sent again)."""
+        self._exec("DELETE FROM objects WHERE key = ?", (key,))
+
+    def uncommitted(self) -> set[tuple[str, str]]:
+        """``(run, checkpoint)`` of every checkpoint with an object or upload in flight."""
+        rows = self._exec(
+            "SELECT run, checkpoint FROM objects UNION SELECT run, checkpoint FROM uploads "
+            "UNION SELECT run, checkpoint FROM touched"
+        )
+        return {(str(r[0]), str(r[1])) for r in rows}
 
     def forget_checkpoint(self, run: str, checkpoint: str) -> None:
         """Drop the in-flight records of a checkpoint (abandoned)."""
@@ -188,10 +259,11 @@ class Journal:
             "(SELECT upload_id FROM uploads WHERE run = ? AND checkpoint = ?)",
             (run, checkpoint),
         )
-        for table in ("uploads", "objects"):
+        for table in ("uploads", "objects", "touched"):
             self._db.execute(
                 f"DELETE FROM {table} WHERE run = ? AND checkpoint = ?", (run, checkpoint)
             )
+        self._touched.discard((run, checkpoint))
 
     # -- commits --------------------------------------------------------------------
 

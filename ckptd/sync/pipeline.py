@@ -15,11 +15,16 @@ waits until ``poll_cluster`` finds the checkpoint announced, then ships once its
 files are quiet and closed (``ckptd.cluster`` says why that is enough, per framework).
 A part written but not yet joined by every node's is "waiting": ``poll_cluster`` tries
 the global commit again every ``cluster.poll_interval_seconds``.
+
+A checkpoint not complete yet has its closed, quiet files sent early (``[[watch]]
+ship_early``, ``ckptd.sync.early``); the ship that follows completion takes them over.
+One deleted before completion has what was sent early removed (``cleanup.discard``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import datetime
 from pathlib import Path
@@ -47,6 +52,7 @@ from ckptd.sync.assemble import (
     try_commit,
     withdraw,
 )
+from ckptd.sync.early import EarlyUploads
 from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
 from ckptd.sync.queue import (
@@ -73,8 +79,14 @@ from ckptd.yielding import lower_this_thread, priority_of
 
 # Coalesces the burst of events one save produces into one look at the checkpoint.
 EVENT_DEBOUNCE_SECONDS = 0.2
+# ...but a burst that goes on (a save writing GiBs) is looked at at least this often, or
+# the files it closed meanwhile would wait for its end to go early.
+EVENT_MAX_DELAY_SECONDS = 1.0
 
 CommitHook = Callable[[str, str, int, bool], Awaitable[None]]
+# (run, checkpoint, complete at (wall clock), first file -> last file written (s),
+# complete -> committed (s), emergency): what a committed checkpoint cost.
+CostHook = Callable[[str, str, float, float, float, bool], None]
 
 
 class SyncPipeline:
@@ -115,11 +127,16 @@ class SyncPipeline:
             log=self.log,
         )
         self.queue = ShipQueue()
+        self.early = EarlyUploads(
+            self.transfers, journal, slots=max(2, dest.concurrency), log=self.log
+        )
         self.runs: dict[str, RunState] = {
             w.effective_run_id: RunState.of(w) for w in settings.watch
         }
         self._wake = asyncio.Event()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        # When the pending look at a checkpoint was first asked for (loop time).
+        self._first_hint: dict[tuple[str, str], float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._evaluating = 0
         # Emergency mode (a preemption notice): checkpoints completed after the notice go
@@ -128,6 +145,10 @@ class SyncPipeline:
         self.emergency_deadline: datetime | None = None
         self.on_emergency_complete: Callable[[str, str], None] = lambda run, name: None
         self.on_commit: CommitHook | None = None
+        # The last failure by which the store refused this node itself (credentials,
+        # access, bucket): `ckptd run --once` ends on it. Cleared by a commit.
+        self.unusable: StorageError | None = None
+        self.on_cost: CostHook | None = None
         cluster = settings.cluster
         self.committer: Committer | None = (
             Committer(cluster.nodes, cluster.rank, self.shipper.host, describe())
@@ -165,8 +186,25 @@ class SyncPipeline:
         learn what is committed already."""
         dirs = {run: state.dir for run, state in self.runs.items()}
         await asyncio.to_thread(cleanup.recover, self.repo, self.journal, dirs, self.log)
+        await asyncio.to_thread(
+            functools.partial(
+                cleanup.discard_vanished,
+                self.repo,
+                self.journal,
+                dirs,
+                self._part_written,
+                self.log,
+                whole_prefix=self.committer is None,
+            )
+        )
         for state in self.runs.values():
             state.committed.update(name for name, _ in self.journal.committed(state.run_id))
+
+    def _part_written(self, run: str, name: str) -> bool:
+        """Many nodes: whether this node's part of ``run/name`` is in the store (its
+        objects then belong to a save the other nodes may still complete). Blocking."""
+        committer = self.committer
+        return committer is not None and self.repo.read_part(run, name, committer.rank) is not None
 
     # -- hints -------------------------------------------------------------------------
 
@@ -186,9 +224,21 @@ class SyncPipeline:
         if old is not None:
             old.cancel()
         if name in state.committed:
+            self._first_hint.pop(key, None)
             return
         loop = asyncio.get_running_loop()
-        self._timers[key] = loop.call_later(delay, lambda: self._spawn(self.evaluate(run_id, name)))
+        now = loop.time()
+        if old is None:
+            self._first_hint[key] = now
+        else:  # a burst: no later than EVENT_MAX_DELAY_SECONDS after its first hint
+            first = self._first_hint.setdefault(key, now)
+            delay = min(delay, max(0.0, first + EVENT_MAX_DELAY_SECONDS - now))
+
+        def fire() -> None:
+            self._first_hint.pop(key, None)
+            self._spawn(self.evaluate(run_id, name))
+
+        self._timers[key] = loop.call_later(delay, fire)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -311,6 +361,8 @@ class SyncPipeline:
             if self.queue.remove(run_id, name) is not None:
                 self.log.info("checkpoint_vanished", run=run_id, checkpoint=name)
             state.seen.discard(name)
+            if current is None or current.name != name:
+                await self._discard_unfinished(state, name)
             return None
         if name not in state.seen:
             state.seen.add(name)
@@ -321,11 +373,25 @@ class SyncPipeline:
             state, name, listing.newest_mtime_ns / 1e9
         ):
             return None
+        if listing.unshippable and state.reported_unshippable.get(name) != listing.unshippable:
+            state.reported_unshippable[name] = listing.unshippable
+            self.metrics.unshippable.labels(run=run_id).inc(len(listing.unshippable))
+            self.log.error(
+                "checkpoint_has_unshippable_entries",
+                run=run_id,
+                checkpoint=name,
+                entries=list(listing.unshippable[:10]),
+                count=len(listing.unshippable),
+            )
         verdict, role = self._judge(state, listing)
         await self._withdraw_if_resaved(state, listing)
         if not verdict.complete:
-            if verdict.recheck_after is not None:
-                self.hint(run_id, name, delay=verdict.recheck_after + 0.05)
+            recheck = verdict.recheck_after
+            early_wait = await self._ship_early(state, listing)
+            if early_wait is not None:
+                recheck = early_wait if recheck is None else min(recheck, early_wait)
+            if recheck is not None:
+                self.hint(run_id, name, delay=recheck + 0.05)
             return verdict
         waiting = state.waiting.get(name)
         if role is not None and waiting is not None and waiting.save == role.save:
@@ -357,6 +423,55 @@ class SyncPipeline:
         self._wake.set()
         return verdict
 
+    # -- early shipping ----------------------------------------------------------------
+
+    async def _ship_early(self, state: RunState, listing: CheckpointListing) -> float | None:
+        """Send the closed, quiet files of a checkpoint not complete yet (module doc);
+        returns when to look again for the next file to settle."""
+        run, name = state.run_id, listing.name
+        current = state.current
+        if (
+            not state.watch.ship_early
+            or (run, name) in self.queue
+            or (current is not None and current.name == name)
+            or name in state.waiting
+        ):
+            return None
+        emergency = completed_in_emergency(listing.newest_mtime_ns / 1e9, self.emergency_since)
+        if self.emergency_since is not None and not emergency:
+            return None  # during a notice only the checkpoint being written goes early
+        started, wait = await self.early.offer(
+            run,
+            state.dir,
+            listing,
+            emergency=emergency,
+            now_ns=int(self.clock.time() * 1e9),
+        )
+        if started and emergency:
+            self._make_way(started)
+        return wait
+
+    async def _discard_unfinished(self, state: RunState, name: str) -> None:
+        """A checkpoint deleted locally before it was complete (or while queued): stop
+        its early uploads, then delete what it sent and abort its multipart uploads,
+        unless it is committed or (many nodes) its part is written."""
+        run = state.run_id
+        await self.early.cancel(run, name)
+        if name in state.waiting or name in state.committed:
+            return
+        if (run, name) not in await asyncio.to_thread(self.journal.uncommitted):
+            return
+        if await asyncio.to_thread(self._part_written, run, name):
+            return
+        self.log.info("checkpoint_discarded_before_complete", run=run, checkpoint=name)
+        await asyncio.to_thread(self._discard, run, name)
+
+    def _discard(self, run: str, name: str) -> None:
+        """``cleanup.discard``; with one node the checkpoint's whole prefix is ours."""
+        cleanup.discard(
+            self.repo, self.journal, run, name, self.log, whole_prefix=self.committer is None
+        )
+
     # -- emergency mode ------------------------------------------------------------------
 
     def enter_emergency(self, deadline: datetime | None) -> None:
@@ -379,7 +494,7 @@ class SyncPipeline:
         return self.emergency_deadline.timestamp() - self.clock.time()
 
     def _in_flight(self) -> list[tuple[InFlight, TransferContext]]:
-        found = []
+        found = self.early.in_flight()
         for state in self.runs.values():
             current, ctx = state.current, state.current_ctx
             if current is None or ctx is None:
@@ -437,7 +552,10 @@ class SyncPipeline:
         """Ship pending checkpoints until ``stop`` is set (the current one finishes first)."""
         while not stop.is_set():
             pending = self.queue.next(self.clock.monotonic())
-            if pending is None:
+            # The checkpoint written since a notice goes first, even before it is
+            # complete: while its files are sent early, no older checkpoint starts.
+            held = pending is not None and not pending.emergency and self.early.emergency_active()
+            if pending is None or held:
                 self._wake.clear()
                 waiters = [
                     asyncio.ensure_future(self._wake.wait()),
@@ -445,7 +563,7 @@ class SyncPipeline:
                 ]
                 await asyncio.wait(
                     waiters,
-                    timeout=self.queue.next_wakeup(self.clock.monotonic()),
+                    timeout=0.2 if held else self.queue.next_wakeup(self.clock.monotonic()),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 for w in waiters:
@@ -490,15 +608,26 @@ class SyncPipeline:
             on_started=started,
             on_copied=lambda n: self.metrics.copied_bytes.labels(run=run).inc(n),
             cluster=role,
+            early=self.early.take(run, name),
         )
         state.current_files, state.current_ctx = fingerprint(listing.files), ctx
+        # The save as the files tell it: first file written -> last (a trainer that
+        # reports its own save time is believed first, ``ckptd.advice``).
+        mtimes = [f.mtime_ns for f in listing.files]
+        write_span = (max(mtimes) - min(mtimes)) / 1e9 if mtimes else 0.0
         try:
             result = await self.shipper.ship(request)
         finally:
             state.current = state.current_ctx = state.current_files = None
+            # Whatever the outcome, nothing sent early is still sending (a discard
+            # after "changed" must not race an early upload).
+            await self.early.cancel(run, name)
         log = self.log.bind(run=run, checkpoint=name)
         if result.outcome is Outcome.COMMITTED:
             await self._committed(state, pending, result, log)
+            if self.on_cost is not None and result.commit is not None:
+                upload = max(0.0, self.clock.time() - pending.completed_at)
+                self.on_cost(run, name, pending.completed_at, write_span, upload, pending.emergency)
             return True
         if result.outcome is Outcome.PAUSED:
             log.warning("checkpoint_paused")
@@ -519,6 +648,7 @@ class SyncPipeline:
     ) -> None:
         manifest = result.manifest
         assert manifest is not None  # an Outcome.COMMITTED always carries it
+        self.unusable = None
         self._mark_committed(state, manifest, log, already=result.already_committed)
         if self.on_commit is not None:
             await self.on_commit(
@@ -527,7 +657,11 @@ class SyncPipeline:
         if result.commit is None:
             return  # committed before this attempt: nothing was shipped now
         if self.emergency_since is None:  # never spend a preemption's seconds on deletes
-            protected = set(self.queue.names(state.run_id)) | set(state.waiting)
+            protected = (
+                set(self.queue.names(state.run_id))
+                | set(state.waiting)
+                | {n for r, n in self.early.ships if r == state.run_id}
+            )
             removed = await after_commit(
                 self.repo,
                 self.settings.retention,
@@ -555,6 +689,7 @@ class SyncPipeline:
             copied=sum(1 for r in files if r.how == "copied"),
             resumed=sum(1 for r in files if r.how == "resumed"),
             skipped=sum(1 for r in files if r.how == "skipped"),
+            early=sum(1 for r in files if r.how == "early"),
             seconds=round(result.seconds, 3),
             cpu_seconds=round(result.cpu_seconds, 3),
             latest_moved=result.commit.latest_moved,
@@ -730,7 +865,7 @@ class SyncPipeline:
         self.queue.remove(run, name)
         self.metrics.abandoned.labels(run=run).inc()
         log.warning("checkpoint_abandoned", reason=reason)
-        await asyncio.to_thread(cleanup.discard, self.repo, self.journal, run, name, log)
+        await asyncio.to_thread(self._discard, run, name)
         self.update_gauges()
         self.hint(run, name, delay=max(1.0, state.rules.settle_seconds))
 
@@ -744,6 +879,7 @@ class SyncPipeline:
             self.metrics.storage_errors.labels(operation="checkpoint", code=code).inc()
             if exc.destination_unusable:  # decided by the backend that saw it
                 self.metrics.destination_up.set(0)
+                self.unusable = exc
         log.error(
             "checkpoint_failed",
             error=str(exc),

@@ -58,6 +58,8 @@ class RunState:
     seen: set[str] = field(default_factory=set)
     committed: set[str] = field(default_factory=set)
     failed_for_good: dict[str, str] = field(default_factory=dict)
+    # Checkpoints whose unshippable entries were logged and counted (once each).
+    reported_unshippable: dict[str, tuple[str, ...]] = field(default_factory=dict)
     previous: Manifest | None = None
     previous_loaded: bool = False
     last_committed: dict[str, Any] | None = None

@@ -54,6 +54,7 @@ def snapshot(watch_dir: Path, name: str) -> CheckpointListing | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     vanished: list[str] = []
+    unshippable: list[str] = []
     if stat.S_ISREG(before.st_mode):
         is_dir = False
         files: tuple[FileEntry, ...] = (
@@ -61,7 +62,7 @@ def snapshot(watch_dir: Path, name: str) -> CheckpointListing | None:
         )
     elif stat.S_ISDIR(before.st_mode):
         is_dir = True
-        walked = _walk(root, vanished)
+        walked = _walk(root, vanished, unshippable)
         if walked is None:
             return None
         files = walked
@@ -85,13 +86,17 @@ def snapshot(watch_dir: Path, name: str) -> CheckpointListing | None:
         trackers=_read_trackers(watch_dir),
         siblings=_children(watch_dir),
         open_for_write=writers,
+        unshippable=tuple(sorted(unshippable)),
     )
 
 
-def _walk(root: Path, vanished: list[str]) -> tuple[FileEntry, ...] | None:
-    """Regular files under ``root`` (symlinks not followed); None if ``root`` itself is gone.
+def _walk(root: Path, vanished: list[str], unshippable: list[str]) -> tuple[FileEntry, ...] | None:
+    """Regular files under ``root``; None if ``root`` itself is gone.
 
-    Paths that disappear mid-walk are appended to ``vanished``.
+    A symlink to a regular file counts as that file (as ``cp -L`` would copy it; the
+    upload opens the path and reads the target). Dangling symlinks, symlinks to
+    directories (never followed) and special files go to ``unshippable``. Paths that
+    disappear mid-walk are appended to ``vanished``.
     """
     found: list[FileEntry] = []
     pending: list[tuple[str, str]] = [(str(root), "")]
@@ -110,12 +115,21 @@ def _walk(root: Path, vanished: list[str]) -> tuple[FileEntry, ...] | None:
                 if entry.is_dir(follow_symlinks=False):
                     pending.append((entry.path, rel + "/"))
                     continue
-                st = entry.stat(follow_symlinks=False)
+                if entry.is_symlink():
+                    try:
+                        st = os.stat(entry.path)  # the target
+                    except (FileNotFoundError, NotADirectoryError):
+                        unshippable.append(rel)  # dangling
+                        continue
+                else:
+                    st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 vanished.append(rel)
                 continue
             if stat.S_ISREG(st.st_mode):
                 found.append(FileEntry(path=rel, size=st.st_size, mtime_ns=st.st_mtime_ns))
+            else:
+                unshippable.append(rel)  # a link to a directory, a fifo, a socket
     found.sort(key=lambda f: f.path)
     return tuple(found)
 

@@ -13,6 +13,10 @@ checkpoint in the normal course of things (the caller decides what each means):
 
 The files are listed before and after the transfer: a checkpoint whose listing differs
 is ``changed``, so a manifest only ever describes files that stood still while sent.
+An object sent before (an earlier attempt, or early: ``ckptd.sync.early``) counts only
+while its file still has the identity it had when read (``unchanged``); any other is
+sent again, and an early object of a file no longer in the checkpoint is deleted before
+the commit, so the committed prefix holds what the manifest names.
 
 With many nodes (``ShipRequest.cluster``) the node holding the commit record announces
 first, every node writes its part once its files are verified, and the commit is of the
@@ -22,9 +26,10 @@ union of every node's part (``ckptd.sync.assemble``).
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -49,7 +54,8 @@ from ckptd.sync.assemble import (
     write_part,
 )
 from ckptd.sync.commit import CommitConflictError, CommitResult, commit
-from ckptd.sync.journal import Journal
+from ckptd.sync.early import EarlyFile
+from ckptd.sync.journal import Journal, ObjectRecord
 from ckptd.sync.scanner import snapshot
 from ckptd.sync.transfer import (
     CheckpointChangedError,
@@ -57,6 +63,7 @@ from ckptd.sync.transfer import (
     TransferContext,
     TransferPausedError,
     Transfers,
+    abort_journalled_upload,
 )
 
 T = TypeVar("T")
@@ -110,10 +117,25 @@ class ShipRequest:
     on_started: Callable[[int], None] = lambda total_bytes: None
     on_copied: Callable[[int], None] = lambda nbytes: None
     cluster: ClusterShip | None = None
+    # Early uploads of this checkpoint (path -> the entry sent and its outcome), handed
+    # over by ``EarlyUploads.take``: awaited, never started again.
+    early: Mapping[str, EarlyFile] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.listing.name
+
+
+def unchanged(local: Path, record: ObjectRecord) -> bool:
+    """Whether ``local`` still has the identity it had when ``record``'s object was read
+    (size, mtime, and where recorded ctime and inode). Blocking (one stat)."""
+    try:
+        st = os.stat(local)
+    except OSError:
+        return False
+    if record.ctime_ns == 0:  # recorded without (a copy, an older journal)
+        return (st.st_size, st.st_mtime_ns) == (record.size, record.mtime_ns)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) == record.identity
 
 
 def fingerprint(files: tuple[FileEntry, ...]) -> list[tuple[str, int, int]]:
@@ -257,7 +279,16 @@ class Shipper:
     async def _transfer_all(self, request: ShipRequest, log: Any) -> list[FileResult]:
         run, name, listing, ctx = request.run, request.name, request.listing, request.context
         files_to_ship = request.verdict.files
-        done_records = await asyncio.to_thread(self.journal.objects_for, run, name)
+
+        def local_path(f: FileEntry | str) -> Path:
+            path = f if isinstance(f, str) else f.path
+            return request.dir / name / path if listing.is_dir else request.dir / name
+
+        def still_done() -> dict[str, ObjectRecord]:
+            records = self.journal.objects_for(run, name)
+            return {p: r for p, r in records.items() if unchanged(local_path(p), r)}
+
+        done_records = await asyncio.to_thread(still_done)
         done = {p: (r.size, r.mtime_ns) for p, r in done_records.items()}
         # No copy candidates where the store cannot copy: every changed file is uploaded.
         previous = request.previous if self.transfers.can_copy else None
@@ -271,16 +302,31 @@ class Shipper:
             to_upload=len(plan.upload),
             copy_candidates=len(plan.copy_candidates),
             already_done=len(plan.done),
+            early_in_flight=sum(1 for _, f in request.early.values() if not f.done()),
         )
-
-        def local_path(f: FileEntry) -> Path:
-            return request.dir / name / f.path if listing.is_dir else request.dir / name
 
         async def bounded(work: Awaitable[T]) -> T:
             # Coroutines are created up front but start only here, so at most
             # file_slots files are open (and hold buffers) at once.
             async with self._file_slots:
                 return await work
+
+        async def upload(f: FileEntry) -> FileResult:
+            return await bounded(
+                self.transfers.upload(object_key(run, name, f.path), local_path(f), f, ctx)
+            )
+
+        async def after_early(
+            f: FileEntry, sent: FileEntry, future: Awaitable[FileResult | None]
+        ) -> FileResult:
+            # Sent early and maybe still sending: wait for it, then take it only if the
+            # file is still what was read; else send it now.
+            early = await future
+            if early is not None and sent == f:
+                record = (await asyncio.to_thread(self.journal.objects_for, run, name)).get(f.path)
+                if record is not None and await asyncio.to_thread(unchanged, local_path(f), record):
+                    return FileResult(f.path, f.size, early.crc32c, "early", early.bytes_sent)
+            return await upload(f)
 
         results: list[FileResult] = [
             FileResult(f.path, f.size, done_records[f.path].crc32c, "skipped") for f in plan.done
@@ -306,8 +352,11 @@ class Shipper:
                     bounded(self.transfers.copy(src, dst, c.file, crc_map[c.file.path], ctx))
                 )
         for f in uploads:
-            key = object_key(run, name, f.path)
-            jobs.append(bounded(self.transfers.upload(key, local_path(f), f, ctx)))
+            if f.path in request.early:
+                sent, future = request.early[f.path]
+                jobs.append(after_early(f, sent, future))
+            else:
+                jobs.append(upload(f))
         tasks = [asyncio.ensure_future(j) for j in jobs]
         try:
             results.extend(await asyncio.gather(*tasks))
@@ -316,7 +365,32 @@ class Shipper:
             if tasks:
                 await asyncio.wait(tasks)  # ...and none is still sending when we clean up
             raise
+        await self._drop_strays(request, {f.path for f in files_to_ship}, log)
         for r in results:
             if r.how == "copied":
                 request.on_copied(r.size)
         return results
+
+    async def _drop_strays(self, request: ShipRequest, paths: set[str], log: Any) -> None:
+        """Delete the objects and abort the uploads of this checkpoint whose file is not
+        (any more) among ``paths``: sent early, then renamed or removed by the trainer."""
+        run, name = request.run, request.name
+        leftover = [f for p, (_, f) in request.early.items() if p not in paths and not f.done()]
+        if leftover:
+            await asyncio.wait(leftover)
+
+        def drop() -> list[str]:
+            stray = [r for p, r in self.journal.objects_for(run, name).items() if p not in paths]
+            for rec in self.journal.all_uploads():
+                if rec.run == run and rec.checkpoint == name and rec.path not in paths:
+                    abort_journalled_upload(self.repo.storage, rec.key, rec.upload_id)
+                    self.journal.forget_upload(rec.key)
+            if stray:
+                self.repo.delete([r.key for r in stray])
+                for r in stray:
+                    self.journal.forget_object(r.key)
+            return [r.path for r in stray]
+
+        dropped = await asyncio.to_thread(drop)
+        if dropped:
+            log.info("early_objects_dropped", paths=dropped)

@@ -99,6 +99,12 @@ def _same_file(st: os.stat_result, entry: FileEntry) -> bool:
     return st.st_size == entry.size and st.st_mtime_ns == entry.mtime_ns
 
 
+def _record(key: str, entry: FileEntry, crc: int, st: os.stat_result) -> ObjectRecord:
+    """The journal row of a verified object, with its file's identity when it was opened
+    (``st``): a later change to the file (even to ctime or inode alone) tells it apart."""
+    return ObjectRecord(key, entry.path, entry.size, entry.mtime_ns, crc, st.st_ctime_ns, st.st_ino)
+
+
 class Transfers:
     """Uploads, server-side copies and hashing, bounded by one pool of workers."""
 
@@ -175,6 +181,7 @@ class Transfers:
 
         def work() -> FileResult:
             ctx.check()
+            self.journal.touch(ctx.run, ctx.checkpoint)
             copied = copier.copy(src_key, dst_key)  # verified by the backend
             if copied.size != entry.size:
                 raise StorageError(
@@ -211,19 +218,19 @@ class Transfers:
         if ctx.cancel.is_set():
             raise CheckpointChangedError("cancelled")
         with open(local, "rb", buffering=0) as fh:
-            if not _same_file(os.fstat(fh.fileno()), entry):
+            opened = os.fstat(fh.fileno())
+            if not _same_file(opened, entry):
                 raise CheckpointChangedError(f"{entry.path} changed")
             data = fh.read(entry.size + 1)
             self._drop(fh.fileno(), 0, len(data))
         if len(data) != entry.size:
             raise CheckpointChangedError(f"{entry.path} changed size while read")
         crc = checksum.crc32c(data)
+        self.journal.touch(ctx.run, ctx.checkpoint)
         stored = self.storage.put_bytes(key, data, crc32c=crc)
         self.on_bytes(ctx.run, len(data))
         self._verify(key, entry.size, [], crc, reported=stored)
-        self.journal.record_object(
-            ctx.run, ctx.checkpoint, ObjectRecord(key, entry.path, entry.size, entry.mtime_ns, crc)
-        )
+        self.journal.record_object(ctx.run, ctx.checkpoint, _record(key, entry, crc, opened))
         return FileResult(entry.path, entry.size, crc, "uploaded", bytes_sent=len(data))
 
     def _verify(
@@ -274,7 +281,8 @@ class Transfers:
         resumed = bool(done)
         fd = os.open(local, os.O_RDONLY)
         try:
-            if not _same_file(os.fstat(fd), entry):
+            opened = os.fstat(fd)
+            if not _same_file(opened, entry):
                 raise CheckpointChangedError(f"{entry.path} changed")
             numbers = range(1, (entry.size + self.part_size - 1) // self.part_size + 1)
             todo = [n for n in numbers if n not in done]
@@ -322,11 +330,7 @@ class Transfers:
         def finish() -> None:
             stored = uploads.complete_upload(key, upload_id, parts)
             self._verify(key, entry.size, parts, whole, reported=stored)
-            self.journal.record_object(
-                ctx.run,
-                ctx.checkpoint,
-                ObjectRecord(key, entry.path, entry.size, entry.mtime_ns, whole),
-            )
+            self.journal.record_object(ctx.run, ctx.checkpoint, _record(key, entry, whole, opened))
             self.journal.forget_upload(key)
 
         await self._in_pool(finish)
@@ -375,6 +379,7 @@ class Transfers:
                 self.part_size,
             )
         )
+        self.journal.touch(ctx.run, ctx.checkpoint)
         upload_id = uploads.create_upload(key)
         self.journal.record_upload_id(key, upload_id)
         return upload_id, {}

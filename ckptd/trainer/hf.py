@@ -8,18 +8,24 @@
 
 The Trainer writes the checkpoint itself (``<output_dir>/checkpoint-<step>/``, with
 ``trainer_state.json`` last), which is the layout the daemon ships as ``hf``.
+
+``CkptdCallback(follow_advice=True)`` also saves on the daemon's advised interval
+(``ckptd.trainer.cadence``), beside or instead of ``save_steps``; either way the callback
+reports each save's blocking time to the daemon, which is what the advice is made of.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import ckptd.trainer
 from ckptd.trainer.agree import agree_to_save
+from ckptd.trainer.cadence import AdvisedCadence
 from ckptd.trainer.listener import PreemptionListener
 
 __all__ = ["CkptdCallback"]
@@ -38,6 +44,10 @@ class CkptdCallback(TrainerCallback):
     step: each step's decision is an all-reduce of every rank's own flag
     (:func:`ckptd.trainer.agree_to_save`), so a notice that one rank sees makes every
     rank save that same step, and the collective save meets.
+
+    ``follow_advice=True`` saves whenever the daemon's advised interval of training has
+    passed since the last save ended (any save: ``save_steps``' too), re-reading the
+    advice as it changes; the ranks agree on that step the same way.
     """
 
     def __init__(
@@ -45,11 +55,17 @@ class CkptdCallback(TrainerCallback):
         watch_dir: str | os.PathLike[str] | None = None,
         *,
         listener: PreemptionListener | None = None,
+        follow_advice: bool = False,
+        cadence: AdvisedCadence | None = None,
     ) -> None:
         self.listener = listener if listener is not None else ckptd.trainer.get_listener(watch_dir)
         if watch_dir is not None and listener is not None:
             self.listener.watch_dir = watch_dir
         self.fired_at_step: int | None = None
+        self.follow_advice = follow_advice
+        self.cadence = cadence if cadence is not None else AdvisedCadence(watch_dir)
+        self.advised_saves: list[int] = []  # steps saved on the advice
+        self._step_end = time.monotonic()
 
     def on_train_begin(
         self,
@@ -61,6 +77,9 @@ class CkptdCallback(TrainerCallback):
         """Watch ``args.output_dir`` when no watch dir was configured."""
         if self.listener.watch_dir is None and args.output_dir:
             self.listener.watch_dir = args.output_dir
+        if self.cadence.watch_dir is None and args.output_dir:
+            self.cadence.watch_dir = args.output_dir
+        self.cadence.reset()
 
     def on_step_end(
         self,
@@ -72,10 +91,15 @@ class CkptdCallback(TrainerCallback):
         """Ask the Trainer to save now and stop, once, when a notice has arrived."""
         # Only at step end, not on_substep_end: mid gradient-accumulation there is no
         # consistent state to save, and the Trainer saves only at step boundaries anyway.
+        # The Trainer saves right after this hook: its save time is counted from here.
+        self._step_end = time.monotonic()
         if self.fired_at_step is not None:
             return
         # Every rank runs this at every step: the all-reduce inside is a collective.
         if not agree_to_save(self.listener.preempted()):
+            if self.follow_advice and agree_to_save(self.cadence.due()):
+                control.should_save = True
+                self.advised_saves.append(state.global_step)
             return
         self.fired_at_step = state.global_step
         log.warning(
@@ -85,3 +109,17 @@ class CkptdCallback(TrainerCallback):
         )
         control.should_save = True
         control.should_training_stop = True
+
+    def on_save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Report the save's blocking time; the advised interval restarts from here."""
+        self.cadence.started(at=self._step_end)
+        seconds = self.cadence.finished(
+            checkpoint=f"checkpoint-{state.global_step}", step=state.global_step
+        )
+        log.debug("ckptd: checkpoint-%d saved in %.3f s", state.global_step, seconds)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import ckptd.trainer
 from ckptd.trainer.agree import agree_to_save
+from ckptd.trainer.cadence import AdvisedCadence
 from ckptd.trainer.listener import PreemptionListener
 
 if TYPE_CHECKING:
@@ -61,6 +62,9 @@ class CkptdLightningCallback(Callback):
         watch_dir: str | os.PathLike[str] | None = None,
         listener: PreemptionListener | None = None,
         filename: str = "preempt-step={step}.ckpt",
+        follow_advice: bool = False,
+        cadence: AdvisedCadence | None = None,
+        advised_filename: str = "step={step}.ckpt",
     ) -> None:
         super().__init__()
         self.listener = listener if listener is not None else ckptd.trainer.get_listener(watch_dir)
@@ -69,6 +73,11 @@ class CkptdLightningCallback(Callback):
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.filename = filename
         self.saved_path: Path | None = None
+        # follow_advice: also save ``advised_filename`` on the daemon's advised interval.
+        self.follow_advice = follow_advice
+        self.cadence = cadence if cadence is not None else AdvisedCadence(watch_dir)
+        self.advised_filename = advised_filename
+        self.advised_saves: list[Path] = []
 
     def checkpoint_dir(self, trainer: Trainer) -> Path:
         """Where the preemption checkpoint goes: ``dirpath``, ModelCheckpoint's, or the root."""
@@ -82,6 +91,9 @@ class CkptdLightningCallback(Callback):
         """Settle the watch dir (ModelCheckpoint resolves its dirpath during setup)."""
         if self.listener.watch_dir is None:
             self.listener.watch_dir = self.checkpoint_dir(trainer)
+        if self.cadence.watch_dir is None:
+            self.cadence.watch_dir = self.checkpoint_dir(trainer)
+        self.cadence.reset()
         self._warn_if_slurm_requeue_displaced(trainer)
 
     def on_train_batch_end(
@@ -97,6 +109,8 @@ class CkptdLightningCallback(Callback):
             return
         # Every rank runs this at every batch: the all-reduce inside is a collective.
         if not agree_to_save(self.listener.preempted()):
+            if self.follow_advice and agree_to_save(self.cadence.due()):
+                self._save_on_advice(trainer)
             return
         path = self.checkpoint_dir(trainer) / self.filename.format(step=trainer.global_step)
         log.warning(
@@ -107,6 +121,14 @@ class CkptdLightningCallback(Callback):
         trainer.save_checkpoint(path)
         self.saved_path = path
         trainer.should_stop = True
+
+    def _save_on_advice(self, trainer: Trainer) -> None:
+        """Save now: the advised interval has passed (``save_checkpoint`` blocks, so the
+        next save can only start after this one is written)."""
+        path = self.checkpoint_dir(trainer) / self.advised_filename.format(step=trainer.global_step)
+        with self.cadence.saving(path.name, trainer.global_step):
+            trainer.save_checkpoint(path)
+        self.advised_saves.append(path)
 
     def _warn_if_slurm_requeue_displaced(self, trainer: Trainer) -> None:
         # Single-device strategies do not expose the cluster environment; the connector does.

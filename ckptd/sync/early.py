@@ -1,0 +1,216 @@
+"""Shipping the files of a checkpoint that is not complete yet, each once it is closed and quiet.
+
+Most of a checkpoint's bytes (weights, each rank's optimizer shard) are written and
+closed long before its commit record appears; ``EarlyUploads`` sends them meanwhile, so
+that when the completion rule holds only the last files are left to send.
+
+Invariant: an early upload writes nothing but objects under the checkpoint's own prefix
+and their journal rows, each row with the identity (size, mtime, ctime, inode) its file
+had when it was read. It never writes a manifest, a part or an announcement: what is
+committed is decided by the ordinary ship (``ckptd.sync.ship``) once the completion rule
+holds, which takes an early object only while its file still has that identity, sends
+the others again, and deletes early objects of files no longer in the checkpoint. A
+checkpoint deleted before completion has its early objects and uploads removed
+(``cleanup.discard``). So early shipping changes when bytes move, never what commits.
+
+A file goes early when it is not held open for writing (the ``/proc`` check the
+quiescent rule uses; where ``/proc`` cannot tell, nothing goes early) and unchanged for
+``EARLY_SETTLE_SECONDS``. Early uploads share the node's transfers (its workers and
+its bandwidth cap) and obey the emergency rules: during a preemption notice only the
+checkpoint being written since the notice goes early, and it pauses other uploads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, Set
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptd.layouts.base import CheckpointListing, FileEntry, shippable
+from ckptd.repository import object_key
+from ckptd.storage.base import StorageError
+from ckptd.sync.journal import Journal
+from ckptd.sync.queue import InFlight
+from ckptd.sync.transfer import (
+    CheckpointChangedError,
+    FileResult,
+    TransferContext,
+    TransferPausedError,
+    Transfers,
+)
+
+# A closed file unchanged for this long is taken to be finished. Short: closing is the
+# real signal; the wait only keeps a file that is closed and reopened at once (an append
+# in several opens) from going out between two writes, and puts any later write in a
+# later mtime tick than the one read.
+EARLY_SETTLE_SECONDS = 0.5
+
+EarlyFile = tuple[FileEntry, "asyncio.Future[FileResult | None]"]
+
+
+def ready_files(
+    listing: CheckpointListing,
+    done: Mapping[str, tuple[int, int]],
+    busy: Set[str],
+    now_ns: int,
+    settle_seconds: float = EARLY_SETTLE_SECONDS,
+) -> tuple[list[FileEntry], float | None]:
+    """``(files to send now, seconds until the next closed file is quiet or None)``.
+
+    A file goes when it is not open for writing, unchanged for ``settle_seconds``, not
+    a scratch file, not in ``busy`` (being sent) and not in ``done`` with its present
+    size and mtime. Nothing goes from a file checkpoint (its one file is the whole
+    checkpoint) or where ``/proc`` could not tell which files are open. Pure.
+    """
+    if not listing.is_dir or listing.open_for_write is None:
+        return [], None
+    ready: list[FileEntry] = []
+    wait = math.inf
+    for f in shippable(listing):
+        if f.path in listing.open_for_write or f.path in busy:
+            continue
+        if done.get(f.path) == (f.size, f.mtime_ns):
+            continue
+        age = (now_ns - f.mtime_ns) / 1e9
+        if age < 0:
+            continue  # an mtime in the future: left to the completion rule
+        if age < settle_seconds:
+            wait = min(wait, settle_seconds - age)
+            continue
+        ready.append(f)
+    return ready, (None if wait == math.inf else wait)
+
+
+@dataclass
+class EarlyShip:
+    """The early uploads of one checkpoint."""
+
+    run: str
+    name: str
+    emergency: bool
+    ctx: TransferContext
+    files: dict[str, EarlyFile] = field(default_factory=dict)
+    closed: bool = False  # handed to the ordinary ship: no new file starts
+
+    def busy(self, listing: CheckpointListing) -> set[str]:
+        """Paths being sent, or tried already as they are now in ``listing`` (one that
+        failed is left to the ordinary ship rather than tried again and again)."""
+        now = {f.path: f for f in listing.files}
+        return {
+            path
+            for path, (entry, future) in self.files.items()
+            if not future.done() or now.get(path) == entry
+        }
+
+    def running(self) -> list[asyncio.Future[FileResult | None]]:
+        return [future for _, future in self.files.values() if not future.done()]
+
+    def bytes_in_flight(self) -> int:
+        return sum(e.size for e, future in self.files.values() if not future.done())
+
+
+class EarlyUploads:
+    """Every checkpoint's early uploads on this node (module doc)."""
+
+    def __init__(self, transfers: Transfers, journal: Journal, *, slots: int, log: Any) -> None:
+        self.transfers = transfers
+        self.journal = journal
+        self.log = log
+        self._slots = asyncio.Semaphore(slots)
+        self.ships: dict[tuple[str, str], EarlyShip] = {}
+
+    async def offer(
+        self,
+        run: str,
+        run_dir: Path,
+        listing: CheckpointListing,
+        *,
+        emergency: bool,
+        now_ns: int,
+        settle_seconds: float = EARLY_SETTLE_SECONDS,
+    ) -> tuple[int, float | None]:
+        """Start the uploads of ``listing``'s files that are ready; returns ``(bytes
+        started, seconds until another file may be ready or None)``."""
+        key = (run, listing.name)
+        ship = self.ships.get(key)
+        if ship is not None and ship.closed:
+            return 0, None
+        if ship is not None and ship.ctx.pause.is_set():
+            if ship.running():
+                return 0, None  # paused: the ones in flight stop at their next part
+            ship = None  # made way for an emergency before: start afresh
+        if ship is None:
+            ship = self.ships[key] = EarlyShip(
+                run, listing.name, emergency, TransferContext(run, listing.name)
+            )
+        ship.emergency = ship.emergency or emergency
+        records = await asyncio.to_thread(self.journal.objects_for, run, listing.name)
+        if ship.closed:  # handed over while the journal was read
+            return 0, None
+        done = {p: (r.size, r.mtime_ns) for p, r in records.items()}
+        ready, wait = ready_files(listing, done, ship.busy(listing), now_ns, settle_seconds)
+        for f in ready:
+            future = asyncio.ensure_future(self._send(ship, run_dir / listing.name / f.path, f))
+            ship.files[f.path] = (f, future)
+            self.log.info(
+                "early_upload_started", run=run, checkpoint=listing.name, path=f.path, bytes=f.size
+            )
+        return sum(f.size for f in ready), wait
+
+    async def _send(self, ship: EarlyShip, local: Path, entry: FileEntry) -> FileResult | None:
+        """One file's early upload; None when it did not finish (the ordinary ship then
+        sends it: paused, changed, or the store failed)."""
+        key = object_key(ship.run, ship.name, entry.path)
+        log = self.log.bind(run=ship.run, checkpoint=ship.name, path=entry.path)
+        try:
+            async with self._slots:
+                result = await self.transfers.upload(key, local, entry, ship.ctx)
+        except TransferPausedError:
+            log.info("early_upload_paused")
+            return None
+        except CheckpointChangedError as exc:
+            log.info("early_upload_dropped", reason=str(exc))
+            return None
+        except (StorageError, OSError) as exc:
+            log.warning("early_upload_failed", error=str(exc))
+            return None
+        log.info("early_upload_done", bytes=entry.size)
+        return result
+
+    def take(self, run: str, name: str) -> dict[str, EarlyFile]:
+        """Hand ``run/name``'s early uploads to the ordinary ship: none starts after this."""
+        ship = self.ships.get((run, name))
+        if ship is None:
+            return {}
+        ship.closed = True
+        return dict(ship.files)
+
+    async def cancel(self, run: str, name: str) -> bool:
+        """Stop ``run/name``'s early uploads and wait until none is sending; True if it
+        had any."""
+        ship = self.ships.pop((run, name), None)
+        if ship is None:
+            return False
+        ship.closed = True
+        ship.ctx.cancel.set()
+        running = ship.running()
+        if running:
+            await asyncio.wait(running)
+        return bool(ship.files)
+
+    def in_flight(self) -> list[tuple[InFlight, TransferContext]]:
+        """Early uploads sending now, as the emergency's pause decision sees them."""
+        found = []
+        for ship in self.ships.values():
+            left = ship.bytes_in_flight()
+            if left and not ship.closed:
+                upload = InFlight(ship.run, ship.name, left, 0, emergency=ship.emergency)
+                found.append((upload, ship.ctx))
+        return found
+
+    def emergency_active(self) -> bool:
+        """Whether the checkpoint being written since a notice is being sent early."""
+        return any(s.emergency and s.running() for s in self.ships.values())
