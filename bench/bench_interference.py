@@ -196,6 +196,11 @@ class Run:
         return self.during_mean_s / self.alone_mean_s - 1
 
     @property
+    def lost_s(self) -> float:
+        """Trainer time lost while the tool ran: its steps' excess over the alone mean."""
+        return self.steps_during * (self.during_mean_s - self.alone_mean_s)
+
+    @property
     def median_inflation(self) -> float:
         return self.during_median_s / self.alone_median_s - 1
 
@@ -369,16 +374,17 @@ def report(runs: list[Run], header: str) -> str:
     lines = [header, ""]
     lines.append(
         "| tool | wall s | tool CPU s | step alone ms | step while shipping ms | "
-        "inflation (mean) | inflation (median) | page-cache hit alone | hit while shipping |"
+        "inflation (mean) | inflation (median) | trainer time lost s | "
+        "page-cache hit alone | hit while shipping |"
     )
-    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     by_tool: dict[str, list[Run]] = {}
     for r in runs:
         by_tool.setdefault(r.tool, []).append(r)
     for tool, rs in by_tool.items():
         ok = [r for r in rs if r.error is None]
         if not ok:
-            lines.append(f"| {tool} | failed: {rs[0].error} | | | | | | | |")
+            lines.append(f"| {tool} | failed: {rs[0].error} | | | | | | | | |")
             continue
 
         def med(values: list[float]) -> float:
@@ -391,6 +397,7 @@ def report(runs: list[Run], header: str) -> str:
             f"| {fmt(med([r.during_mean_s for r in ok]) * 1000, '.1f')} "
             f"| {med([r.inflation for r in ok]):+.1%} "
             f"| {med([r.median_inflation for r in ok]):+.1%} "
+            f"| {med([r.lost_s for r in ok]):.1f} "
             f"| {med([r.hit_alone for r in ok]):.1%} "
             f"| {med([r.hit_during for r in ok]):.1%} |"
         )
@@ -498,7 +505,11 @@ def main() -> int:
                         "header": header,
                         "runs": [
                             r.__dict__
-                            | {"inflation": r.inflation, "median_inflation": r.median_inflation}
+                            | {
+                                "inflation": r.inflation,
+                                "median_inflation": r.median_inflation,
+                                "lost_s": r.lost_s,
+                            }
                             for r in runs
                         ],
                     },
