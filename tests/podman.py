@@ -166,4 +166,5 @@ def run_detached(name: str, image: str, args: Sequence[str], options: Sequence[s
 
 def remove(*names: str) -> None:
     for name in names:
-        podman("rm", "-f", "-t", "0", name, check=False, timeout=120)
+        # -v: the anonymous volume of the image's VOLUME goes with the container.
+        podman("rm", "-f", "-v", "-t", "0", name, check=False, timeout=120)
