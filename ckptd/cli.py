@@ -34,6 +34,7 @@ from ckptd.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
 from ckptd.storage import open_destination
 from ckptd.storage.base import StorageError
 from ckptd.storage.retrying import RetryingStorage
+from ckptd.yielding import lower_this_thread, priority_of
 
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130
@@ -294,6 +295,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     require_destination(settings)
     require_watch(settings)
+    # First, while this is the only thread: every thread the daemon starts inherits it.
+    # (ckptd exec does not: its trainer would inherit it too; its workers lower themselves.)
+    for problem in lower_this_thread(priority_of(settings.resources)):
+        logs.get_logger().warning("priority_not_lowered", problem=problem)
     return asyncio.run(
         Service(settings, once=args.once, shutdown_timeout=args.shutdown_timeout).serve()
     )

@@ -496,6 +496,21 @@ class ClusterConfig(_Section):
         return self.nodes > 1
 
 
+class ResourcesConfig(_Section):
+    """How the daemon yields to the trainer it shares the node with."""
+
+    # Niceness the daemon moves down to (never up); 0 leaves it as started.
+    nice: int = Field(default=19, ge=0, le=19)
+    # I/O scheduling class: best-effort at io_priority, idle (only when the disk is
+    # otherwise unused: may starve under a busy data loader), or none (leave as is).
+    io_class: Literal["best-effort", "idle", "none"] = "best-effort"
+    # Best-effort level, 0 (first) .. 7 (last).
+    io_priority: int = Field(default=7, ge=0, le=7)
+    # posix_fadvise(DONTNEED) behind every range read (and file:// written), so
+    # shipping does not evict the trainer's dataset from the page cache.
+    drop_page_cache: bool = True
+
+
 class Settings(BaseSettings):
     """The whole configuration; build it with ``load_settings``."""
 
@@ -517,6 +532,7 @@ class Settings(BaseSettings):
     http: HttpConfig = Field(default_factory=HttpConfig)
     state: StateConfig = Field(default_factory=StateConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     cadence: CadenceConfig = Field(default_factory=CadenceConfig)
 
     @field_validator("watch")

@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.logs",
             "ckptd.metrics",
             "ckptd.writeback",
+            "ckptd.yielding",
         ),
     ),
     ("storage", ("ckptd.storage",)),

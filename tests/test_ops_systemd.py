@@ -87,6 +87,20 @@ def test_unit_hardening_is_present() -> None:
     assert "@system-service" in d["SystemCallFilter"]
 
 
+def test_unit_yields_to_the_trainer_as_the_daemons_own_defaults_do() -> None:
+    """Nice=/IOScheduling* equal [resources]' defaults: the daemon finds them set and
+    makes no setpriority/ioprio_set call, which ~@resources would refuse."""
+    from ckptd.config import ResourcesConfig
+
+    d = _directives(UNIT)
+    defaults = ResourcesConfig()
+    assert d["Nice"] == [str(defaults.nice)]
+    assert d["IOSchedulingClass"] == [defaults.io_class]
+    assert d["IOSchedulingPriority"] == [str(defaults.io_priority)]
+    assert 1 <= int(d["CPUWeight"][0]) < 100 and 1 <= int(d["IOWeight"][0]) < 100
+    assert "@resources" in " ".join(d["SystemCallFilter"])
+
+
 @needs_systemd_analyze
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     result = subprocess.run(

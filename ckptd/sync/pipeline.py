@@ -75,6 +75,7 @@ from ckptd.sync.ship import (
     fingerprint,
 )
 from ckptd.sync.transfer import TransferContext, Transfers
+from ckptd.yielding import lower_this_thread, priority_of
 
 # Coalesces the burst of events one save produces into one look at the checkpoint.
 EVENT_DEBOUNCE_SECONDS = 0.2
@@ -114,6 +115,8 @@ class SyncPipeline:
             part_size=dest.part_size_mib * 1024 * 1024,
             concurrency=dest.concurrency,
             on_bytes=self._count_bytes,
+            drop_page_cache=settings.resources.drop_page_cache,
+            thread_setup=self._lower_worker,
         )
         self.shipper = Shipper(
             self.repo,
@@ -155,6 +158,15 @@ class SyncPipeline:
         # A checkpoint below the newest committed step, waiting longer than this, is given
         # up (``cluster.superseded``), here and by retention's sweep.
         self.abandon_grace_seconds = ABANDON_GRACE_SECONDS
+        self._priority_problems: set[str] = set()
+
+    def _lower_worker(self) -> None:
+        """Each transfer thread moves itself down to [resources] as it starts; under
+        ``ckptd run`` it inherited that from the main thread already (nothing to do)."""
+        for problem in lower_this_thread(priority_of(self.settings.resources)):
+            if problem not in self._priority_problems:
+                self._priority_problems.add(problem)
+                self.log.warning("priority_not_lowered", problem=problem)
 
     def _count_bytes(self, run: str, n: int) -> None:
         self.metrics.upload_bytes.labels(run=run).inc(n)

@@ -10,6 +10,13 @@ on every read. Memory is a few MiB per part in flight, whatever the part or chec
 size (94 MiB peak RSS for a 4 GiB checkpoint with the defaults). Files up to 8 MiB go in
 one PUT from memory.
 
+Page cache, too, stays bounded: with ``drop_page_cache`` (the default) each range is
+dropped from the cache (``posix_fadvise(DONTNEED)``) once it is sent or hashed, so at
+most concurrency x one part of checkpoint data is cached on ckptd's behalf, and
+shipping a checkpoint larger than memory leaves the trainer's dataset in the cache.
+The pool's threads are the daemon's busiest; ``thread_setup`` (``yielding``) lowers
+their CPU and I/O priority as each starts.
+
 File-level logic runs as coroutines; only leaf operations (read+send one part, one
 request) run in the thread pool, so a file never waits on a pool slot it holds.
 """
@@ -42,6 +49,7 @@ from ckptd.storage.base import (
     require_capability,
 )
 from ckptd.sync.journal import Journal, ObjectRecord, UploadRecord
+from ckptd.yielding import drop_cached
 
 T = TypeVar("T")
 
@@ -108,15 +116,24 @@ class Transfers:
         part_size: int,
         concurrency: int,
         on_bytes: Callable[[str, int], None] | None = None,
+        drop_page_cache: bool = True,
+        thread_setup: Callable[[], None] | None = None,
     ) -> None:
         self.storage = storage
+        self.drop_page_cache = drop_page_cache
         self.journal = journal
         self.part_size = part_size
         # Files up to this size go in one PUT, held in memory; larger ones are streamed
         # as multipart, so memory stays small whatever part_size is.
         self.single_put_max = min(part_size, SINGLE_PUT_MAX)
         self.on_bytes = on_bytes or (lambda run, n: None)
-        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ckptd-io")
+        self.pool = ThreadPoolExecutor(
+            max_workers=concurrency, thread_name_prefix="ckptd-io", initializer=thread_setup
+        )
+
+    def _drop(self, fd: int, offset: int, length: int) -> None:
+        if self.drop_page_cache:
+            drop_cached(fd, offset, length)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -144,6 +161,7 @@ class Transfers:
                 while n := fh.readinto(buf):
                     ctx.check()
                     value = checksum.crc32c(view[:n], value)
+                    self._drop(fh.fileno(), total, n)
                     total += n
                 if total != entry.size:
                     raise CheckpointChangedError(f"{entry.path} changed size while read")
@@ -204,6 +222,7 @@ class Transfers:
             if not _same_file(opened, entry):
                 raise CheckpointChangedError(f"{entry.path} changed")
             data = fh.read(entry.size + 1)
+            self._drop(fh.fileno(), 0, len(data))
         if len(data) != entry.size:
             raise CheckpointChangedError(f"{entry.path} changed size while read")
         crc = checksum.crc32c(data)
@@ -289,6 +308,7 @@ class Transfers:
                 part = uploads.upload_part(
                     key, upload_id, number, offset, FileRange(fd, offset, length), crc32c=crc
                 )
+                self._drop(fd, offset, length)  # sent: the trainer's pages matter more
                 self.journal.record_part(key, upload_id, part)
                 self.on_bytes(ctx.run, length)
                 return part
