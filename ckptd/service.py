@@ -41,7 +41,7 @@ from ckptd.notices.detect import make_source
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.sigterm import SigtermSource
 from ckptd.repository import Repository
-from ckptd.respond import Responder, Response
+from ckptd.respond import NOTICE_FILE, Responder, Response
 from ckptd.sdnotify import SystemdNotifier, summarize
 from ckptd.storage import StorageError, open_destination
 from ckptd.sync.journal import Journal
@@ -185,6 +185,7 @@ class Service:
             once=self.once,
         )
         await self.destination.check()
+        await asyncio.to_thread(self._remove_stale_notice_files)
         await self.pipeline.recover()
         if not self.once:
             await self.advisor.load()
@@ -210,6 +211,21 @@ class Service:
                 ) from None
             self.http_port = port
             self.log.info("http_listening", host=self.settings.metrics.host, port=port)
+
+    def _remove_stale_notice_files(self) -> None:
+        """A notice file left by an earlier daemon (a restart, a crash) describes a notice
+        nobody acts on any more: it must not outlive it. A notice still in force is
+        delivered again by its source and the file written anew."""
+        for watch_dir in self.pipeline.watch_dirs():
+            path = watch_dir / NOTICE_FILE
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                self.log.error("stale_notice_file_not_removed", path=str(path), error=str(exc))
+                continue
+            self.log.info("stale_notice_file_removed", path=str(path))
 
     async def run_once(self) -> int:
         """Ship what is complete now, then return 0, or 1 if any checkpoint failed."""

@@ -511,3 +511,31 @@ def test_a_linked_file_is_committed_with_its_bytes_and_a_dangling_link_is_refuse
     assert restored.returncode == 0, restored.stderr
     copy = tmp_path / "r" / "checkpoint-4" / "shared.bin"
     assert not copy.is_symlink() and copy.read_bytes() == shared.read_bytes()
+
+
+def test_a_notice_file_left_by_an_earlier_daemon_is_removed_at_start(tmp_path: Path) -> None:
+    """After a restart no notice is in force until a source delivers one again, so the
+    previous daemon's .ckptd/preemption.json (which trainers act on) must not stay."""
+    run = tmp_path / "run"
+    stale = run / ".ckptd" / "preemption.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(
+        json.dumps(
+            {
+                "source": "sigterm",
+                "kind": "sigterm",
+                "deadline": "2026-12-03T00:01:00Z",
+                "noticed_at": "2026-12-03T00:00:00Z",
+                "cancelled": False,
+            }
+        )
+    )
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(
+        f'[[watch]]\ndir = "{run}"\nrun_id = "run"\n'
+        f'[destination]\nurl = "file://{tmp_path / "store"}"\n[state]\ndir = "{tmp_path / "s"}"\n'
+    )
+    done = run_cli("run", "--once", config=cfg, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not stale.exists()
+    assert "stale_notice_file_removed" in done.stderr
