@@ -70,7 +70,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ckptd import checksum
-from ckptd.manifest import ManifestError, ManifestFile, check_relative_path
+from ckptd.manifest import ManifestError, ManifestFile, check_path_component
 
 ANNOUNCE_FORMAT = "ckptd.announce/1"
 PART_FORMAT = "ckptd.part/1"
@@ -169,10 +169,7 @@ class Part(_Model):
     @field_validator("checkpoint", "run_id")
     @classmethod
     def _one_component(cls, value: str) -> str:
-        check_relative_path(value)
-        if "/" in value:
-            raise ValueError(f"{value!r} must be a single path component")
-        return value
+        return check_path_component(value)
 
 
 def parse_announcement(data: bytes) -> Announcement:

@@ -40,6 +40,14 @@ def check_relative_path(path: str) -> str:
     return path
 
 
+def check_path_component(value: str) -> str:
+    """Return ``value`` if it is one safe path component (a run id, a checkpoint name)."""
+    check_relative_path(value)
+    if "/" in value:
+        raise ValueError(f"{value!r} must be a single path component")
+    return value
+
+
 class ManifestFile(BaseModel):
     """One file of a checkpoint."""
 
@@ -93,10 +101,7 @@ class Manifest(BaseModel):
     @field_validator("checkpoint", "run_id")
     @classmethod
     def _one_component(cls, value: str) -> str:
-        check_relative_path(value)
-        if "/" in value:
-            raise ValueError(f"{value!r} must be a single path component")
-        return value
+        return check_path_component(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
