@@ -32,12 +32,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: find tests.e2e
+sys.path.insert(0, str(REPO / "bench"))  # and common
 
-from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3  # noqa: E402
+from common import BUCKET, use_local_s3_identity  # noqa: E402
+
+from ckptd.locals3 import LocalS3  # noqa: E402
 from tests.e2e.exec_harness import ExecNode, crash_repeatedly  # noqa: E402
 from tests.e2e.harness import Env, TrainerSpec  # noqa: E402
 
-BUCKET = "ckpt"
 ADVERTISED_S = 30.0
 SPECS = {
     "pytorch-dcp": TrainerSpec(
@@ -139,16 +141,7 @@ def main() -> int:
     options = parser.parse_args()
     trials = 3 if options.short else options.trials
     spec = SPECS[options.trainer]
-    os.environ.update(
-        AWS_ACCESS_KEY_ID=ACCESS_KEY,
-        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-        AWS_CONFIG_FILE=os.devnull,
-        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-    )
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CA_BUNDLE"):
-        os.environ.pop(name, None)
+    use_local_s3_identity()
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-exec-") as tmp:
         work = Path(tmp)
         server = LocalS3(work / "seaweedfs", buckets=(BUCKET,)).start()

@@ -22,8 +22,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: find tests.e2e
+sys.path.insert(0, str(REPO / "bench"))  # and common
 
-from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3  # noqa: E402
+from common import use_local_s3_identity  # noqa: E402
+
+from ckptd.locals3 import LocalS3  # noqa: E402
 from tests.e2e.harness import HF, LIGHTNING, PLAIN, Env, lossless_resume, markdown  # noqa: E402
 
 SPECS = {spec.name: spec for spec in (PLAIN, HF, LIGHTNING)}
@@ -40,16 +43,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown trainer(s) {unknown}; known: {sorted(SPECS)}")
 
-    os.environ.update(
-        AWS_ACCESS_KEY_ID=ACCESS_KEY,
-        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-        AWS_CONFIG_FILE=os.devnull,
-        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-    )
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CA_BUNDLE"):
-        os.environ.pop(name, None)
+    use_local_s3_identity()
 
     failed = False
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-resume-") as tmp:

@@ -582,3 +582,20 @@ def ckptd_command(src: Path | None) -> list[str]:
     if src is None:
         return [sys.executable, "-m", "ckptd"]
     return [sys.executable, str(RUN_CKPTD), str(src)]
+
+
+def use_local_s3_identity() -> None:
+    """Give this process and its children ``ckptd.locals3``'s credentials and nothing else:
+    no profile, no session token, no instance metadata, no CA bundle meant for real AWS."""
+    from ckptd.locals3 import ACCESS_KEY, SECRET_KEY
+
+    os.environ.update(
+        AWS_ACCESS_KEY_ID=ACCESS_KEY,
+        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+    )
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CA_BUNDLE"):
+        os.environ.pop(name, None)
