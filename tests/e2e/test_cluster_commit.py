@@ -50,14 +50,21 @@ def test_a_two_node_dcp_checkpoint_commits_only_with_every_shard_of_both_nodes(
         part = store.part("step-10", 0)
         assert part is not None and part["node_rank"] == 0
         assert {f["path"] for f in part["files"]} == set(files[0])
-        waiting = wait_until(
-            lambda: cluster.daemon(0).get_json("/v1/status")["runs"]["run"].get("waiting"),
+
+        # The part object is written inside the ship, the status entry just after it:
+        # poll until both checkpoints are reported rather than take the first look.
+        def waiting() -> list[dict[str, Any]] | None:
+            entries = cluster.daemon(0).get_json("/v1/status")["runs"]["run"].get("waiting")
+            names = {w["checkpoint"] for w in entries or []}
+            return entries if names == {"step-5", "step-10"} else None
+
+        entries = wait_until(
+            waiting,
             30,
-            "node 0 reporting checkpoints waiting for node 1",
+            "node 0 reporting step-5 and step-10 waiting for node 1",
             details=cluster.logs,
         )
-        assert {w["checkpoint"] for w in waiting} == {"step-5", "step-10"}
-        assert all(w["missing_nodes"] == [1] for w in waiting), waiting
+        assert all(w["missing_nodes"] == [1] for w in entries), entries
         assert cluster.daemon(0).metric("ckptd_checkpoints_waiting_for_nodes", run="run") == 2
         assert store.committed() == [] and store.latest() is None
 
