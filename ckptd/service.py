@@ -14,14 +14,16 @@
                flight gets a few seconds -> close
 
 As in uvicorn, a signal handler only sets a flag; the main loop acts on it. The first
-SIGTERM is a notice (Kubernetes, systemd: flush first, exit last); SIGINT, or a second
-SIGTERM, stops after the upload in flight.
+SIGTERM is a notice when the machine or pod is going away (``ckptd.notices.shutdown``:
+flush first, exit last), else a plain stop; SIGINT, or a second SIGTERM, stops after
+the upload in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -39,6 +41,7 @@ from ckptd.metrics import Metrics
 from ckptd.notices.cluster import ClusterNoticeSource, NoticePublisher
 from ckptd.notices.detect import make_source
 from ckptd.notices.model import Notice, NoticeSource
+from ckptd.notices.shutdown import sigterm_meaning
 from ckptd.notices.sigterm import SigtermSource
 from ckptd.repository import Repository
 from ckptd.respond import NOTICE_FILE, Responder, Response
@@ -357,6 +360,16 @@ class Service:
             await asyncio.sleep(self.settings.preemption.poll_interval_seconds)
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
+        if notice.source == "sigterm":
+            mode = self.settings.preemption.sigterm
+            meaning = await asyncio.to_thread(sigterm_meaning, mode, os.environ)
+            if not meaning.notice:
+                # A stop or restart of ckptd alone: the trainer trains on, and nothing
+                # is written to its notice file.
+                self.log.info("sigterm_is_a_stop", why=meaning.why)
+                self.request_stop()
+                return
+            self.log.warning("sigterm_is_a_notice", why=meaning.why)
         response = await self._respond(notice, source)
         if notice.source == "sigterm":
             self.sigterm.set()  # the main loop flushes, then stops
