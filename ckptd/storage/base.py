@@ -59,6 +59,19 @@ class StorageError(CkptdError):
         self.destination_unusable = destination_unusable
 
 
+# Codes by which a backend says the bytes it holds are not the bytes sent.
+VERIFY_CODES = frozenset({"BadDigest", "VerifyFailed", "IncompleteBody"})
+
+
+def storage_error_kind(exc: StorageError) -> str:
+    """The closed set a metric label can carry: unusable, verify, transient, permanent."""
+    if exc.destination_unusable:
+        return "unusable"
+    if exc.code in VERIFY_CODES:
+        return "verify"
+    return "transient" if exc.transient else "permanent"
+
+
 class NotFoundError(StorageError):
     """The key (or multipart upload) does not exist."""
 

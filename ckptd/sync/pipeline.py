@@ -41,7 +41,7 @@ from ckptd.logs import get_logger
 from ckptd.manifest import Manifest, ManifestError
 from ckptd.metrics import Metrics
 from ckptd.repository import Repository
-from ckptd.storage.base import Storage, StorageError
+from ckptd.storage.base import Storage, StorageError, storage_error_kind
 from ckptd.sync import cleanup
 from ckptd.sync.assemble import (
     Assembly,
@@ -133,6 +133,8 @@ class SyncPipeline:
         self.runs: dict[str, RunState] = {
             w.effective_run_id: RunState.of(w) for w in settings.watch
         }
+        for run in self.runs:
+            self.metrics.init_run(run)
         self._wake = asyncio.Event()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         # When the pending look at a checkpoint was first asked for (loop time).
@@ -872,11 +874,13 @@ class SyncPipeline:
     def _failed(self, state: RunState, pending: Pending, result: ShipResult, log: Any) -> None:
         exc, code = result.error, result.reason
         delay = self.queue.failed(pending, self.clock.monotonic())
-        self.metrics.failed.labels(run=state.run_id, reason=code).inc()
+        kind = storage_error_kind(exc) if isinstance(exc, StorageError) else None
+        reason = "local" if kind is None else kind if kind in ("unusable", "verify") else "storage"
+        self.metrics.failed.labels(run=state.run_id, reason=reason).inc()
         # Counted as a storage error only when the store said no; a local I/O error or
         # a manifest that would not build is a failed checkpoint, not a storage error.
-        if isinstance(exc, StorageError):
-            self.metrics.storage_errors.labels(operation="checkpoint", code=code).inc()
+        if isinstance(exc, StorageError) and kind is not None:
+            self.metrics.storage_errors.labels(operation="checkpoint", kind=kind).inc()
             if exc.destination_unusable:  # decided by the backend that saw it
                 self.metrics.destination_up.set(0)
                 self.unusable = exc
@@ -884,6 +888,7 @@ class SyncPipeline:
             "checkpoint_failed",
             error=str(exc),
             code=code,
+            reason=reason,
             attempt=pending.failures,
             retry_in=round(delay, 1),
         )
