@@ -934,4 +934,5 @@ class SyncPipeline:
             timer.cancel()
         for task in list(self._tasks):
             task.cancel()
+        await self.early.close()
         await asyncio.to_thread(self.transfers.close)
