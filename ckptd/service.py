@@ -34,6 +34,7 @@ from typing import Any
 from ckptd.advice import CadenceAdvisor
 from ckptd.clock import SYSTEM_CLOCK, Clock
 from ckptd.config import ConfigError, Settings
+from ckptd.errors import CkptdError
 from ckptd.health import DestinationHealth
 from ckptd.logs import get_logger
 from ckptd.manifest import ManifestError
@@ -57,6 +58,19 @@ TICK_SECONDS = 1.0
 JOURNAL_STATS_SECONDS = 10.0
 # `run --once` waits this long at most for checkpoints still in a quiet window.
 ONCE_MAX_WAIT_SECONDS = 120.0
+
+
+class WatchDirMissingError(CkptdError):
+    """``run --once``: a watch dir does not exist, so nothing could be shipped from it."""
+
+    def __init__(self, missing: list[Path]) -> None:
+        names = ", ".join(str(p) for p in missing)
+        super().__init__(
+            f"watch dir {names} does not exist: nothing was shipped from it; create it or "
+            "fix [[watch]] dir"
+        )
+
+
 # After SIGTERM: exit once nothing is pending, uploading or being written for this long.
 DRAIN_QUIET_SECONDS = 2.0
 # At shutdown, a cluster NOTICE write still in flight gets this long before the store closes.
@@ -111,6 +125,7 @@ class Service:
             {r: s.dir for r, s in self.pipeline.runs.items()}, self.pipeline.hint
         )
         self.watching: list[str] = []
+        self.missing_watch_dirs: list[Path] = []
         # SIGTERM's deadline is our own grace period: what we may spend flushing.
         self.sigterm_source = SigtermSource(grace=shutdown_timeout, on_repeat=self.request_stop)
         self.http: Any = None  # ckptd.http.HttpServer, imported only when serving
@@ -188,6 +203,7 @@ class Service:
             once=self.once,
         )
         await self.destination.check()
+        self.missing_watch_dirs = self._report_missing_watch_dirs()
         await asyncio.to_thread(self._remove_stale_notice_files)
         await self.pipeline.recover()
         if not self.once:
@@ -214,6 +230,20 @@ class Service:
                 ) from None
             self.http_port = port
             self.log.info("http_listening", host=self.settings.metrics.host, port=port)
+
+    def _report_missing_watch_dirs(self) -> list[Path]:
+        """A watch dir that does not exist yet is watched from when it appears (a fresh
+        node's trainer creates it); a mistyped one would wait forever in silence."""
+        missing = [d for d in self.pipeline.watch_dirs() if not d.is_dir()]
+        for path in missing:
+            self.log.warning(
+                "watch_dir_missing",
+                path=str(path),
+                action="nothing to ship from it now"
+                if self.once
+                else "watched from when it appears; check [[watch]] dir if that is a typo",
+            )
+        return missing
 
     def _remove_stale_notice_files(self) -> None:
         """A notice file left by an earlier daemon (a restart, a crash) describes a notice
@@ -255,6 +285,9 @@ class Service:
             await asyncio.sleep(0.1)
             await self._cluster_round()
             ok = await pipeline.drain_once() and ok
+        if self.missing_watch_dirs:
+            # Nothing could be shipped from there: "all shipped" would not be true.
+            raise WatchDirMissingError(self.missing_watch_dirs)
         return 0 if ok and not pipeline.cluster_busy() else 1
 
     async def main_loop(self) -> int:
@@ -459,9 +492,12 @@ class Service:
                 stats = await asyncio.to_thread(self.journal.stats)
                 for table, rows in stats.items():
                     self.metrics.journal_rows.labels(table=table).set(rows)
-            self.watching = self.watcher.refresh()
+            before, self.watching = set(self.watching), self.watcher.refresh()
             for run_id, state in pipeline.runs.items():
-                if now - last_scan[run_id] >= state.watch.rescan_seconds:
+                # A watch dir that appeared since the last tick may already hold
+                # checkpoints its new watch will never hear of: look now.
+                appeared = run_id in self.watching and run_id not in before
+                if appeared or now - last_scan[run_id] >= state.watch.rescan_seconds:
                     last_scan[run_id] = now
                     with contextlib.suppress(OSError):
                         await pipeline.rescan(run_id)

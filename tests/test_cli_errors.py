@@ -406,3 +406,23 @@ def test_restore_off_a_terminal_says_its_result_once(tmp_path: Path) -> None:
     # Asked for, the progress and the summary are logged too.
     verbose = run_cli("restore", *common, "--to", str(tmp_path / "c"), "--log-level", "info")
     assert "restore_done" in verbose.stderr
+
+
+def test_run_once_with_a_missing_watch_dir_says_so_and_exits_1(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-run"
+    done = run_cli(
+        "run",
+        "--once",
+        "--watch",
+        str(missing),
+        "--dest",
+        f"file://{tmp_path / 'store'}",
+        env={"CKPTD_STATE__DIR": str(tmp_path / "state"), "CKPTD_PREEMPTION__PROVIDER": "none"},
+    )
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("ckptd:")]
+    assert errors == [
+        f"ckptd: watch dir {missing} does not exist: nothing was shipped from it; "
+        "create it or fix [[watch]] dir"
+    ]
+    assert "watch_dir_missing" in done.stderr and "Traceback" not in done.stderr

@@ -59,6 +59,9 @@ class StorageError(CkptdError):
         self.destination_unusable = destination_unusable
 
 
+# Codes by which a backend says it is full (a file system's errno names; S3 has none:
+# a bucket has no size limit, and a quota is an AccessDenied).
+NO_SPACE_CODES = frozenset({"ENOSPC", "EDQUOT"})
 # Codes by which a backend says the bytes it holds are not the bytes sent.
 VERIFY_CODES = frozenset({"BadDigest", "VerifyFailed", "IncompleteBody"})
 

@@ -41,7 +41,7 @@ from ckptd.logs import get_logger
 from ckptd.manifest import Manifest, ManifestError
 from ckptd.metrics import Metrics
 from ckptd.repository import Repository
-from ckptd.storage.base import Storage, StorageError, storage_error_kind
+from ckptd.storage.base import NO_SPACE_CODES, Storage, StorageError, storage_error_kind
 from ckptd.sync import cleanup
 from ckptd.sync.assemble import (
     Assembly,
@@ -642,7 +642,7 @@ class SyncPipeline:
             self.queue.remove(run, name)
             self._waiting(state, name, role, result.assembly, log, emergency=pending.emergency)
         else:
-            self._failed(state, pending, result, log)
+            await self._failed(state, pending, result, log)
         return False
 
     async def _committed(
@@ -871,7 +871,9 @@ class SyncPipeline:
         self.update_gauges()
         self.hint(run, name, delay=max(1.0, state.rules.settle_seconds))
 
-    def _failed(self, state: RunState, pending: Pending, result: ShipResult, log: Any) -> None:
+    async def _failed(
+        self, state: RunState, pending: Pending, result: ShipResult, log: Any
+    ) -> None:
         exc, code = result.error, result.reason
         delay = self.queue.failed(pending, self.clock.monotonic())
         kind = storage_error_kind(exc) if isinstance(exc, StorageError) else None
@@ -892,6 +894,11 @@ class SyncPipeline:
             attempt=pending.failures,
             retry_in=round(delay, 1),
         )
+        if isinstance(exc, StorageError) and exc.code in NO_SPACE_CODES:
+            # A full destination: what this attempt sent holds the space a smaller
+            # checkpoint needs, and it cannot commit until space is freed anyway.
+            log.warning("checkpoint_discarded_for_space", code=code)
+            await asyncio.to_thread(self._discard, state.run_id, pending.name)
         self.update_gauges()
 
     # -- state for metrics and /v1/status -------------------------------------------------
