@@ -36,6 +36,7 @@ from ckptd.clock import SYSTEM_CLOCK, Clock
 from ckptd.config import ConfigError, Settings
 from ckptd.errors import CkptdError
 from ckptd.health import DestinationHealth
+from ckptd.instance import STATE_LOCK, WATCH_LOCK, InstanceLocks
 from ckptd.logs import get_logger
 from ckptd.manifest import ManifestError
 from ckptd.metrics import Metrics
@@ -102,7 +103,23 @@ class Service:
         self.sigterm = asyncio.Event()
         self._io_stop = threading.Event()
         self.sd = SystemdNotifier.from_env()  # systemd Type=notify; inert elsewhere
-        self.journal = Journal(Path(settings.state.dir))
+        # First: a second daemon on this journal or these watch dirs stops here.
+        self.locks = InstanceLocks()
+        state_dir = Path(settings.state.dir)
+        self.locks.acquire(
+            state_dir / STATE_LOCK,
+            f"the state dir {state_dir}",
+            "or give this one its own state.dir",
+        )
+        self.unlocked_watch_dirs = [
+            w.dir
+            for w in settings.watch
+            if w.dir.is_dir()
+            and not self.locks.acquire(
+                w.dir / WATCH_LOCK, f"the watch dir {w.dir}", "or watch another dir"
+            )
+        ]
+        self.journal = Journal(state_dir)
         self.storage = open_destination(
             settings.destination, limit_uploads=True, on_retry=self._on_retry, stop=self._io_stop
         )
@@ -204,6 +221,13 @@ class Service:
         )
         await self.destination.check()
         self.missing_watch_dirs = self._report_missing_watch_dirs()
+        for path in self.unlocked_watch_dirs:
+            self.log.warning(
+                "watch_dir_not_locked",
+                path=str(path),
+                why="cannot create .ckptd/daemon.lock there: a second daemon on this dir "
+                "would not be stopped",
+            )
         await asyncio.to_thread(self._remove_stale_notice_files)
         await self.pipeline.recover()
         if not self.once:
@@ -334,6 +358,7 @@ class Service:
             await self.advisor.flush(force=True)
         await self.pipeline.close()
         self.journal.close()
+        self.locks.release()
         self.sigterm_source.close()
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)

@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.clock",
             "ckptd.config",
             "ckptd.environment",
+            "ckptd.instance",
             "ckptd.logs",
             "ckptd.metrics",
             "ckptd.writeback",
