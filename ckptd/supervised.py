@@ -83,7 +83,7 @@ class SupervisedService(Service):
             match=settings.trainer.match,
             save_signal=settings.trainer.signal_number,
             # Ship what it left at once: file events can be missed (a watch set up late).
-            on_exit=lambda: self.pipeline.rescan(self.run_id),
+            on_exit=lambda: self.rescan(self.run_id),
             on_restart=lambda cause: self.advisor.record_interruption(
                 "restart", cause, self.run_id
             ),

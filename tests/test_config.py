@@ -182,6 +182,38 @@ BAD_VALUES = [
     ("[retention]\nkeep_last = -1", "retention.keep_last"),
     ("[retention]\nkeep_every_steps = -1", "retention.keep_every_steps"),
     ("[retention]\nlocal_keep_last = -1", "retention.local_keep_last"),
+    ('[retention]\nkeep_within = "7 days"', "retention.keep_within"),
+    ('[retention]\nkeep_within = "-1d"', "retention.keep_within"),
+    ('[destination]\nname = "has space"', "destination.name"),
+    ('[destination]\nname = "1st"', "destination.name"),
+    ("[[tiers]]\nname = \"s3\"", "tiers[0].url"),
+    ('[[tiers]]\nurl = "file:///t"', "tiers[0].name"),
+    ('[[tiers]]\nname = "s3"\nurl = ""', "tiers[0].url"),
+    ('[[tiers]]\nname = "s3"\nurl = "ftp://h/p"', "tiers[0].url"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nendpoint_url = "ftp://h"', "tiers[0].endpoint_url"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nregion = 5', "tiers[0].region"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\npart_size_mib = 1', "tiers[0].part_size_mib"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nconcurrency = 0', "tiers[0].concurrency"),
+    (
+        '[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nmax_upload_mib_per_s = -1',
+        "tiers[0].max_upload_mib_per_s",
+    ),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nmax_attempts = 0', "tiers[0].max_attempts"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nretention = 5', "tiers[0].retention"),
+    (
+        '[[tiers]]\nname = "s3"\nurl = "s3://bkt"\n[tiers.retention]\nkeep_within = "x"',
+        "tiers[0].retention.keep_within",
+    ),
+    (
+        '[[tiers]]\nname = "s3"\nurl = "s3://bkt"\n[tiers.retention]\nlocal_keep_last = 1',
+        "tiers[0].retention.local_keep_last",
+    ),
+    ('[destination]\nname = "a"\n[[tiers]]\nname = "a"\nurl = "file:///t"', "tiers[0].name"),
+    (
+        '[destination]\nurl = "file:///t"\n[[tiers]]\nname = "b"\nurl = "file:///t"',
+        "tiers[0].url",
+    ),
+    ('[cluster]\nnodes = 2\nnode_rank = 0\n[[tiers]]\nname = "b"\nurl = "file:///t"', "tiers"),
     ('[preemption]\nprovider = "oracle"', "preemption.provider"),
     ('[preemption]\nendpoint = "169.254.169.254"', "preemption.endpoint"),
     ("[preemption]\npoll_interval_seconds = 0", "preemption.poll_interval_seconds"),
@@ -230,9 +262,13 @@ def test_bad_value_is_reported_under_its_key(tmp_path: Path, toml: str, key: str
 
 
 def test_every_key_has_a_bad_value_case() -> None:
-    covered = {key.split("].")[-1] if "]." in key else key for _, key in BAD_VALUES}
+    covered = {
+        key.replace("[0]", "") if key.startswith("tiers") else key.split("].")[-1]
+        for _, key in BAD_VALUES
+    }
+    lists = {"watch": config.WatchConfig, "tiers": config.TierConfig}
     for section, field in Settings.model_fields.items():
-        model = field.annotation if section != "watch" else config.WatchConfig
+        model = lists.get(section, field.annotation)
         assert isinstance(model, type)
         for name in model.model_fields:
             wanted = name if section == "watch" else f"{section}.{name}"
