@@ -33,7 +33,7 @@ from typing import Any
 from ckptd.advice import CadenceAdvisor
 from ckptd.clock import SYSTEM_CLOCK, Clock
 from ckptd.config import ConfigError, DestinationConfig, RetentionConfig, Settings, TierConfig
-from ckptd.health import DestinationHealth
+from ckptd.health import RECHECK_FAILING_SECONDS, DestinationHealth
 from ckptd.logs import get_logger
 from ckptd.manifest import ManifestError
 from ckptd.metrics import Metrics
@@ -114,9 +114,10 @@ class Service:
         self.storage = open_destination(
             settings.destination, limit_uploads=True, on_retry=self._on_retry, stop=self._io_stop
         )
-        self.destination = DestinationHealth(self.storage, self.metrics, self.log)
+        first = settings.destination.name
+        self.destination = DestinationHealth(self.storage, self.metrics, self.log, tier=first)
         self.pipeline = SyncPipeline(
-            settings, self.storage, self.journal, self.metrics, clock=clock
+            settings, self.storage, self.journal, self.metrics, clock=clock, tier=first
         )
         self.responder = Responder(settings, self.metrics, self.pipeline, clock=clock)
         self.pipeline.on_commit = self.responder.on_commit
@@ -129,9 +130,7 @@ class Service:
             clock=clock,
         )
         self.pipeline.on_cost = self.advisor.record_save
-        self.tiers: list[Tier] = [
-            Tier(settings.destination.name, self.journal, self.destination, self.pipeline)
-        ]
+        self.tiers: list[Tier] = [Tier(first, self.journal, self.destination, self.pipeline)]
         for tier in settings.tiers:
             self.tiers.append(self._build_tier(tier))
         if len(self.tiers) > 1:
@@ -554,7 +553,11 @@ class Service:
     async def _check_tier(self, tier: Tier, now: float) -> None:
         """Ask a further tier's store again when due; when it comes back, its backlog is
         shipped at once rather than after the rest of its backoff."""
-        if now - tier.last_check < tier.health.recheck_seconds:
+        # A checkpoint that failed in this tier makes it due soon, so the metrics say the
+        # tier is down within seconds, and its return is noticed as soon.
+        failing = any(p.failures for p in tier.pipeline.queue)
+        interval = RECHECK_FAILING_SECONDS if failing else tier.health.recheck_seconds
+        if now - tier.last_check < interval:
             return
         tier.last_check = now
         was_ok = tier.health.ok

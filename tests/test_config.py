@@ -186,7 +186,7 @@ BAD_VALUES = [
     ('[retention]\nkeep_within = "-1d"', "retention.keep_within"),
     ('[destination]\nname = "has space"', "destination.name"),
     ('[destination]\nname = "1st"', "destination.name"),
-    ("[[tiers]]\nname = \"s3\"", "tiers[0].url"),
+    ('[[tiers]]\nname = "s3"', "tiers[0].url"),
     ('[[tiers]]\nurl = "file:///t"', "tiers[0].name"),
     ('[[tiers]]\nname = "s3"\nurl = ""', "tiers[0].url"),
     ('[[tiers]]\nname = "s3"\nurl = "ftp://h/p"', "tiers[0].url"),

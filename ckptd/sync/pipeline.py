@@ -120,7 +120,8 @@ class SyncPipeline:
         self.journal = journal
         self.metrics = metrics
         self.clock = clock
-        self.log = get_logger()
+        # Several tiers: every line says which one (one tier: as before).
+        self.log = get_logger(tier=tier) if settings.tiers else get_logger()
         dest = settings.destination
         self.rate = RateMeter(clock=clock.monotonic)
         self.transfers = Transfers(
