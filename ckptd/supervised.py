@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 from collections.abc import Sequence
@@ -31,13 +32,13 @@ from ckptd.errors import EXIT_FLUSH_FAILED, CkptdError
 from ckptd.manifest import ManifestError
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.sigterm import SigtermSource
-from ckptd.repository import Repository
 from ckptd.restarts import RestartPolicy
-from ckptd.restore import RestoreError, restore
+from ckptd.restore import RestoreError
 from ckptd.service import DRAIN_QUIET_SECONDS, Service
 from ckptd.storage import StorageError
 from ckptd.storage.base import NotFoundError
 from ckptd.supervise import TrainerSupervisor
+from ckptd.tiers import TierStore, newest_in_tiers, restore_from_tiers, tier_configs
 
 # After its emergency checkpoint is committed, the trainer gets this long to exit by
 # itself (it usually has already) before SIGTERM, then as long again before SIGKILL.
@@ -155,9 +156,13 @@ class SupervisedService(Service):
         local one is as new. ExecError when the store cannot say what it holds: starting
         the trainer from scratch would train over the run's history."""
         local_path, local_step = await self.newest_complete(self.run_id)
-        repo = Repository(self.storage)
+        # Every tier, in order: the newest step in any, from the first holding it.
+        stores = [
+            TierStore(t.name, t.health.storage, c)
+            for t, c in zip(self.tiers, tier_configs(self.settings), strict=True)
+        ]
         try:
-            manifest = await asyncio.to_thread(repo.resolve, self.run_id, None)
+            manifest, _ = await asyncio.to_thread(newest_in_tiers, stores, self.run_id, self.log)
         except NotFoundError:
             self.log.info("exec_nothing_to_restore", run=self.run_id, local=str(local_path))
             return
@@ -178,20 +183,23 @@ class SupervisedService(Service):
             self.restored = {"checkpoint": manifest.checkpoint, "skipped": True, "seconds": 0.0}
             return
         try:
-            result = await asyncio.to_thread(
-                restore,
-                self.storage,
-                self.run_id,
-                manifest.checkpoint,
-                self.watch_dir,
-                if_missing=True,
-                concurrency=self.settings.destination.concurrency,
-                progress=False,
+            done = await asyncio.to_thread(
+                functools.partial(
+                    restore_from_tiers,
+                    stores,
+                    self.run_id,
+                    manifest.checkpoint,
+                    self.watch_dir,
+                    if_missing=True,
+                    concurrency=self.settings.destination.concurrency,
+                    progress=False,
+                )
             )
         except (RestoreError, StorageError, ManifestError) as exc:
             raise ExecError(
                 f"restore of {self.run_id}/{manifest.checkpoint} failed: {exc}"
             ) from exc
+        result = done.result
         self.restored = {
             "checkpoint": result.checkpoint,
             "skipped": result.skipped,

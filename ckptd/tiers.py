@@ -122,11 +122,12 @@ def _step_key(manifest: Manifest) -> int:
 
 def newest_in_tiers(
     tiers: Sequence[TierStore], run_id: str, log: Any
-) -> tuple[str, list[TierStore]]:
-    """The newest checkpoint committed in any tier, and the tiers holding it (in order).
-    NotFoundError when no tier that could be read holds one."""
+) -> tuple[Manifest, list[TierStore]]:
+    """The manifest of the newest checkpoint committed in any tier, and the tiers holding
+    it (in order). NotFoundError when no tier holds one; when none holds one but some
+    could not be read, that tier's error (it may hold the run's history)."""
     found: list[tuple[TierStore, Manifest]] = []
-    errors: list[str] = []
+    error: StorageError | ManifestError | None = None
     for tier in tiers:
         try:
             found.append((tier, Repository(tier.storage).resolve(run_id, None)))
@@ -134,10 +135,11 @@ def newest_in_tiers(
             continue
         except (StorageError, ManifestError) as exc:
             log.warning("restore_tier_unreadable", tier=tier.name, error=str(exc))
-            errors.append(f"{tier.name}: {exc}")
+            error = error or exc
     if not found:
-        why = f" ({'; '.join(errors)})" if errors else ""
-        raise NotFoundError(f"run {run_id!r} has no committed checkpoint in any tier{why}")
+        if error is not None:
+            raise error
+        raise NotFoundError(f"run {run_id!r} has no committed checkpoint in any tier")
     # max() keeps the first of equals: the earliest tier wins a tie of steps.
     _, best = max(found, key=lambda pair: _step_key(pair[1]))
     holders = [t for t, m in found if m.checkpoint == best.checkpoint]
@@ -152,7 +154,7 @@ def newest_in_tiers(
         except StorageError:
             continue
     holders.sort(key=list(tiers).index)
-    return best.checkpoint, holders
+    return best, holders
 
 
 def restore_from_tiers(
@@ -169,7 +171,8 @@ def restore_from_tiers(
 
     log = logs.get_logger(run=run_id)
     if checkpoint is None:
-        name, holders = newest_in_tiers(tiers, run_id, log)
+        newest, holders = newest_in_tiers(tiers, run_id, log)
+        name = newest.checkpoint
     else:
         name, holders = checkpoint, list(tiers)
     skipped: list[str] = []

@@ -716,3 +716,53 @@ def test_one_node_ignores_a_stray_launcher_rank(tmp_path: Path) -> None:
     settings = load(tmp_path, "", environ={"NODE_RANK": "7"})
     assert settings.cluster.nodes == 1
     assert settings.cluster.rank == 0
+
+
+TIERS_TOML = """
+[destination]
+url = "file:///mnt/nfs"
+name = "nfs"
+
+[retention]
+keep_last = 3
+keep_within = "12h"
+local_keep_last = 2
+
+[[tiers]]
+name = "s3"
+url = "s3://my-bucket/ckpt"
+max_upload_mib_per_s = 200
+
+[tiers.retention]
+keep_last = 10
+keep_within = "7d"
+keep_every_steps = 5000
+
+[[tiers]]
+name = "dr"
+url = "s3://other-bucket"
+endpoint_url = "http://127.0.0.1:9000"
+"""
+
+
+def test_tiers_load_in_order_with_their_own_retention_and_render_back(tmp_path: Path) -> None:
+    settings = load(tmp_path, TIERS_TOML)
+    assert settings.destination.name == "nfs"
+    assert settings.retention.keep_within_seconds == 12 * 3600
+    assert [t.name for t in settings.tiers] == ["s3", "dr"]
+    s3, dr = settings.tiers
+    assert (s3.url, s3.max_upload_mib_per_s, s3.part_size_mib) == ("s3://my-bucket/ckpt", 200, 64)
+    assert (s3.retention.keep_last, s3.retention.keep_every_steps) == (10, 5000)
+    assert s3.retention.keep_within_seconds == 7 * 86400
+    assert (dr.retention.keep_last, dr.retention.keep_within) == (5, "0")  # the defaults
+    rendered = render_effective_config(settings)
+    assert "[[tiers]]" in rendered and "[tiers.retention]" in rendered
+    again = tmp_path / "again"
+    again.mkdir()
+    assert load(again, rendered) == settings
+
+
+def test_one_destination_is_unchanged_by_tiers(tmp_path: Path) -> None:
+    settings = load(tmp_path, '[destination]\nurl = "s3://bkt/p"\n')
+    assert settings.tiers == [] and settings.destination.name == "primary"
+    assert settings.retention.keep_within == "0"

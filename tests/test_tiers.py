@@ -278,3 +278,29 @@ def test_restore_takes_the_newest_step_from_the_first_tier_and_skips_a_tampered_
     listed = json.loads(run_cli("list", "--json", config=config).stdout)
     holders = {c["checkpoint"]: c["tiers"] for c in listed["checkpoints"]}
     assert holders == {"checkpoint-100": ["fast", "slow"], "checkpoint-200": ["slow"]}
+
+
+def test_restore_passes_over_a_tier_that_cannot_be_reached(tmp_path: Path) -> None:
+    from ckptd.config import DestinationConfig
+    from ckptd.storage import StorageError, open_storage
+    from ckptd.tiers import TierStore, restore_from_tiers
+    from tests.test_retention_age import commit_aged
+
+    dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    dead = TierStore(
+        "fast",
+        open_storage(f"s3://{BUCKET}/x", endpoint_url=dead_url, max_attempts=1),
+        DestinationConfig(url=f"s3://{BUCKET}/x", endpoint_url=dead_url, name="fast"),
+    )
+    good_url = f"file://{tmp_path / 'nfs'}"
+    good = TierStore("nfs", open_storage(good_url), DestinationConfig(url=good_url, name="nfs"))
+    commit_aged(good.storage, RUN, 100, 1_780_000_000.0)
+
+    done = restore_from_tiers([dead, good], RUN, None, tmp_path / "out", progress=False)
+    assert (done.tier, done.result.checkpoint) == ("nfs", "checkpoint-100")
+    assert (tmp_path / "out" / "checkpoint-100" / "model.bin").stat().st_size == 96
+    # Only unreachable tiers: the store's error, never "nothing to restore" (a fresh
+    # node would train over the run's history).
+    with pytest.raises(StorageError):
+        restore_from_tiers([dead], RUN, None, tmp_path / "out2", progress=False)
+    assert not (tmp_path / "out2" / "checkpoint-100").exists()
