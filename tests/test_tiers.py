@@ -304,3 +304,45 @@ def test_restore_passes_over_a_tier_that_cannot_be_reached(tmp_path: Path) -> No
     with pytest.raises(StorageError):
         restore_from_tiers([dead], RUN, None, tmp_path / "out2", progress=False)
     assert not (tmp_path / "out2" / "checkpoint-100").exists()
+
+
+def test_exec_on_a_fresh_node_restores_from_the_tier_that_holds_the_run(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from ckptd.storage import open_storage
+    from tests.test_restore import commit_files
+
+    # The fast tier is empty (a new NFS volume); the object store holds step 7.
+    watch, nfs, far = tmp_path / "watch", tmp_path / "nfs", tmp_path / "far"
+    data = os.urandom(50_000)
+    commit_files(
+        open_storage(f"file://{far}"),
+        RUN,
+        "step-7",
+        {"weights.bin": data, "COMPLETE": b""},
+        step=7,
+    )
+    config = write_tier_config(
+        tmp_path / "ckptd.toml",
+        watch=watch,
+        state=tmp_path / "state",
+        port=free_port(),
+        first={"url": f"file://{nfs}", "name": "nfs"},
+        retention={"keep_last": 0},
+        tiers=[{"name": "far", "url": f"file://{far}", "retention": {"keep_last": 0}}],
+    )
+    script = "import json, os; json.dump(os.environ.get('CKPTD_RESUME_FROM'), open('r.json', 'w'))"
+    trainer = [sys.executable, "-c", script]
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptd", "exec", "--config", str(config), "--", *trainer],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "r.json").read_text()) == str(watch / "step-7")
+    assert (watch / "step-7" / "weights.bin").read_bytes() == data
+    restored = [json.loads(line) for line in done.stderr.splitlines() if "exec_restored" in line]
+    assert restored and restored[0]["checkpoint"] == "step-7"
