@@ -346,3 +346,53 @@ def test_exec_on_a_fresh_node_restores_from_the_tier_that_holds_the_run(tmp_path
     assert (watch / "step-7" / "weights.bin").read_bytes() == data
     restored = [json.loads(line) for line in done.stderr.splitlines() if "exec_restored" in line]
     assert restored and restored[0]["checkpoint"] == "step-7"
+
+
+async def test_a_further_tier_starts_nothing_while_the_first_is_in_emergency(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+    from datetime import UTC, datetime, timedelta
+
+    from ckptd.config import load_settings
+    from ckptd.service import Service
+    from tests.fakes import wait_until as async_wait_until
+
+    watch, state = tmp_path / "watch", tmp_path / "state"
+    watch.mkdir()
+    settings = load_settings(
+        overrides={
+            "watch": [{"dir": str(watch), "run_id": RUN, "layout": "marker"}],
+            "destination": {"url": f"file://{tmp_path / 'nfs'}", "name": "nfs"},
+            "tiers": [{"name": "far", "url": f"file://{tmp_path / 'far'}"}],
+            "state": {"dir": str(state)},
+        },
+        environ={},
+    )
+    service = Service(settings)
+    first, far = service.tiers
+    stop = asyncio.Event()
+    worker = asyncio.create_task(far.pipeline.work(stop))
+    try:
+        first.pipeline.enter_emergency(datetime.now(UTC) + timedelta(seconds=60))
+        save(watch, 100)
+        await far.pipeline.evaluate(RUN, "checkpoint-100")
+        assert far.pipeline.queue.get(RUN, "checkpoint-100") is not None
+        # A bounded look for something that must not happen: nothing starts in 1 s.
+        await asyncio.sleep(1.0)
+        assert far.pipeline.runs[RUN].current is None and not in_dir(tmp_path / "far", 100)
+        first.pipeline.leave_emergency()
+        far.pipeline.retry_now()  # what a wake-up does; the worker also looks every 0.2 s
+        await async_wait_until(
+            lambda: in_dir(tmp_path / "far", 100), timeout=30, what="far commits after"
+        )
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+        for t in service.tiers:
+            await t.pipeline.close()
+            t.journal.close()
+    # Local retention's view: committed in every tier, only once both hold it.
+    assert service._committed_in_every_tier(RUN) == set()  # the first tier never shipped it
+    far_state = far.pipeline.runs[RUN]
+    assert far_state.committed == {"checkpoint-100"}
