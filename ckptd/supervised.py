@@ -1,8 +1,9 @@
 """``ckptd exec``: the daemon with the trainer as its supervised child.
 
     start-up   the daemon's own (SIGTERM, and here SIGINT too, are notices from now on)
-    restore    the run's newest committed checkpoint into the watch dir, unless a complete
-               local one is as new (a rerun on the same node restores nothing)
+    restore    the run's newest committed checkpoint (in any tier) into the watch dir,
+               unless a complete local one is as new (a rerun on the same node restores
+               nothing)
     run        the trainer (``ckptd.supervise``), the daemon's main loop beside it
     end        - the trainer finished by itself, or was given up on: ship what is
                  complete, exit with its code (``EXIT_GAVE_UP`` when given up on)
