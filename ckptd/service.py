@@ -320,9 +320,17 @@ class Service:
         # Checkpoints complete but for a quiet window (settle/quiescence) are waited
         # for, within ONCE_MAX_WAIT, then shipped too.
         waited_until = self.clock.monotonic() + ONCE_MAX_WAIT_SECONDS
+
         # With many nodes, also until every checkpoint is announced and joined by the
         # other nodes' parts (or the wait runs out: then 1).
-        while (not all(t.pipeline.idle() for t in self.tiers) or pipeline.cluster_busy()) and (
+        # A further tier that refuses this node (credentials, bucket) is not waited for:
+        # it holds the others back no more here than in the daemon (the exit is 1).
+        def busy(tier: Tier) -> bool:
+            return not tier.pipeline.idle() and (
+                tier.pipeline is pipeline or tier.pipeline.unusable is None
+            )
+
+        while (any(busy(t) for t in self.tiers) or pipeline.cluster_busy()) and (
             self.clock.monotonic() < waited_until
         ):
             if pipeline.unusable is not None:
@@ -330,7 +338,10 @@ class Service:
             await asyncio.sleep(0.1)
             await self._cluster_round()
             ok = await self._drain_tiers() and ok
-        return 0 if ok and not pipeline.cluster_busy() else 1
+        refused = [t.name for t in self.tiers if t.pipeline.unusable is not None]
+        if refused:
+            self.log.error("tiers_not_committed", tiers=refused)
+        return 0 if ok and not refused and not pipeline.cluster_busy() else 1
 
     async def _drain_tiers(self) -> bool:
         ok = True

@@ -396,3 +396,37 @@ async def test_a_further_tier_starts_nothing_while_the_first_is_in_emergency(
     assert service._committed_in_every_tier(RUN) == set()  # the first tier never shipped it
     far_state = far.pipeline.runs[RUN]
     assert far_state.committed == {"checkpoint-100"}
+
+
+def test_once_commits_to_the_tiers_it_can_and_exits_1_for_one_that_refuses(
+    local_s3: LocalS3, tmp_path: Path
+) -> None:
+    import time
+
+    watch, nfs = tmp_path / "watch", tmp_path / "nfs"
+    watch.mkdir()
+    config = write_tier_config(
+        tmp_path / "ckptd.toml",
+        watch=watch,
+        state=tmp_path / "state",
+        port=free_port(),
+        first={"url": f"file://{nfs}", "name": "nfs"},
+        retention={"keep_last": 0},
+        tiers=[
+            {
+                "name": "gone",
+                "url": "s3://no-such-bucket-here/p",
+                "endpoint_url": local_s3.endpoint_url,
+                "max_attempts": 1,
+                "retention": {},
+            }
+        ],
+    )
+    save(watch, 100)
+    started = time.monotonic()
+    once = run_cli("run", "--once", config=config)
+    took = time.monotonic() - started
+    assert once.returncode == 1, once.stderr
+    assert in_dir(nfs, 100)  # the first tier was not held back
+    assert '"event": "tiers_not_committed"' in once.stderr and '"gone"' in once.stderr
+    assert took < 60, f"--once waited {took:.0f} s on a tier that refuses it"
