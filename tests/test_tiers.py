@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,9 @@ def test_a_tier_that_is_down_holds_no_other_back_and_catches_up(
 
         # Back: the backlog is shipped, oldest first, without a restart.
         fault_proxy.clear_faults()
+        back = time.monotonic()
         wait_until(lambda: in_s3(200) and in_s3(300), 60, "s3 catches up", details=log)
+        print(f"s3 tier caught up {time.monotonic() - back:.1f} s after it came back")
         wait_until(
             lambda: (
                 daemon.metric("ckptd_tier_pending_checkpoints", run=RUN, tier="s3") == 0
@@ -401,8 +404,6 @@ async def test_a_further_tier_starts_nothing_while_the_first_is_in_emergency(
 def test_once_commits_to_the_tiers_it_can_and_exits_1_for_one_that_refuses(
     local_s3: LocalS3, tmp_path: Path
 ) -> None:
-    import time
-
     watch, nfs = tmp_path / "watch", tmp_path / "nfs"
     watch.mkdir()
     config = write_tier_config(

@@ -411,6 +411,10 @@ class SyncPipeline:
         waiting = state.waiting.get(name)
         if role is not None and waiting is not None and waiting.save == role.save:
             return verdict  # its part is in the store: poll_cluster takes it from here
+        if name in state.committed:
+            # Committed by the worker while this look awaited the listing (a rescan
+            # racing a commit): queuing it again would ship and count it twice.
+            return verdict
         total = sum(f.size for f in verdict.files)
         pending = Pending(
             run_id,
