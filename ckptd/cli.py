@@ -68,7 +68,10 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, log_level: str = "warning") -> None:
+    """Options every command has. One-shot commands print their result on stdout and log
+    only problems by default (a JSON line beside the human one said everything twice);
+    the daemons (run, exec) log their work at info."""
     parser.add_argument(
         "--config", type=Path, default=None, help="TOML config (default /etc/ckptd/ckptd.toml)"
     )
@@ -80,7 +83,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-level",
-        default="info",
+        default=log_level,
         choices=["debug", "info", "warning", "error"],
         help="least severe log line written to stderr (default %(default)s)",
     )
@@ -97,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the daemon in the foreground")
-    _common(run)
+    _common(run, log_level="info")
     run.add_argument("--watch", type=Path, default=None, help="local checkpoint dir (one run)")
     run.add_argument(
         "--run", dest="run_id", default=None, help="run id for --watch (default: its basename)"
@@ -224,7 +227,7 @@ def _add_exec(sub: Any) -> None:
         epilog=EXEC_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _common(exe)
+    _common(exe, log_level="info")
     exe.add_argument("--watch", type=Path, default=None, help="local checkpoint dir")
     exe.add_argument("--run", dest="run_id", default=None, help="run id (default: its basename)")
     exe.add_argument("--layout", default=None, help="completion rule (default auto)")

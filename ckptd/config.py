@@ -78,6 +78,9 @@ Layout = Literal[
     "auto", "hf", "dcp", "deepspeed", "megatron", "lightning", "orbax", "marker", "quiescent"
 ]
 Provider = Literal["auto", "aws", "gcp", "azure", "none"]
+# What our own SIGTERM means (ckptd.notices.shutdown): a notice, a plain stop, or decided
+# by whether the machine or pod is going away.
+SigtermMode = Literal["auto", "notice", "stop"]
 
 
 # --- errors -------------------------------------------------------------------------------
@@ -441,6 +444,7 @@ class PreemptionConfig(_Section):
     endpoint: str = ""
     poll_interval_seconds: float = Field(default=1.0, gt=0, le=60, allow_inf_nan=False)
     imdsv1_fallback: bool = False
+    sigterm: SigtermMode = "auto"
 
     @field_validator("endpoint")
     @classmethod

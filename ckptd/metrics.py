@@ -2,7 +2,9 @@
 (DESIGN.md, "HTTP"); labelled by ``run`` where it applies.
 
 A ``Metrics`` owns its own registry so tests (and several daemons in one process)
-never share counters.
+never share counters. Counters an alert takes ``increase()`` of have closed label sets,
+created at 0 when their run is known (``init_run``): a series born at 1 has no earlier
+sample, so ``increase()`` would miss the first failure.
 """
 
 from __future__ import annotations
@@ -13,6 +15,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 SIZE_BUCKETS = tuple(float(2**p) for p in range(20, 42, 2))  # 1 MiB .. 2 TiB
 RESTART_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
+
+# ckptd_checkpoints_failed_total{reason}: why a checkpoint was not committed. The store's
+# own error code is in the ``checkpoint_failed`` log line, not in a label.
+FAILURE_REASONS = (
+    "unusable",  # the store refuses this node: credentials, access, no such bucket
+    "verify",  # what was read back does not match what was sent
+    "storage",  # any other error of the store, after retries
+    "conflict",  # the name is taken by other content, or two nodes' parts disagree
+    "local",  # reading the checkpoint here failed, or its manifest would not build
+)
+# ckptd_storage_errors_total{kind}.
+STORAGE_ERROR_KINDS = ("unusable", "verify", "transient", "permanent")
 
 
 class Metrics:
@@ -29,7 +43,8 @@ class Metrics:
         )
         self.failed = Counter(
             "ckptd_checkpoints_failed",
-            "Checkpoint uploads that failed, by reason; retried with backoff, except a conflict.",
+            "Checkpoint uploads that failed, by reason (unusable, verify, storage, conflict, local);"
+            " retried with backoff, except a conflict.",
             ["run", "reason"],
             registry=r,
         )
@@ -119,8 +134,9 @@ class Metrics:
         )
         self.storage_errors = Counter(
             "ckptd_storage_errors",
-            "Storage operations that failed for good (after retries, or permanent).",
-            ["operation", "code"],
+            "Storage operations that failed for good (after retries, or permanent), by kind"
+            " (unusable, verify, transient, permanent).",
+            ["operation", "kind"],
             registry=r,
         )
         self.destination_up = Gauge(
@@ -213,6 +229,20 @@ class Metrics:
             ["tier"],
             registry=r,
         )
+
+    def init_run(self, run: str) -> None:
+        """Every series an alert watches, at 0, for a run this daemon ships."""
+        for reason in FAILURE_REASONS:
+            self.failed.labels(run=run, reason=reason)
+        for kind in STORAGE_ERROR_KINDS:
+            self.storage_errors.labels(operation="checkpoint", kind=kind)
+        for counter in (self.committed, self.abandoned, self.upload_bytes):
+            counter.labels(run=run)
+
+    def init_tier(self, run: str, tier: str) -> None:
+        """A tier's counters, at 0, for a run this daemon ships to it."""
+        for counter in (self.tier_committed, self.tier_failed):
+            counter.labels(run=run, tier=tier)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -454,16 +454,26 @@ class _Progress:
                 BarColumn,
                 DownloadColumn,
                 Progress,
+                ProgressColumn,
+                Task,
                 TextColumn,
                 TimeRemainingColumn,
-                TransferSpeedColumn,
             )
+            from rich.text import Text
+
+            class MiBPerSecond(ProgressColumn):
+                """rich's TransferSpeedColumn counts MB/s; the summary line says MiB/s."""
+
+                def render(self, task: Task) -> Text:
+                    speed = task.finished_speed or task.speed
+                    shown = "?" if speed is None else f"{speed / 2**20:.1f}"
+                    return Text(f"{shown} MiB/s", style="progress.data.speed")
 
             self._bar = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
+                DownloadColumn(binary_units=True),
+                MiBPerSecond(),
                 TimeRemainingColumn(),
                 console=Console(stderr=True),
             )

@@ -14,14 +14,16 @@
                flight gets a few seconds -> close
 
 As in uvicorn, a signal handler only sets a flag; the main loop acts on it. The first
-SIGTERM is a notice (Kubernetes, systemd: flush first, exit last); SIGINT, or a second
-SIGTERM, stops after the upload in flight.
+SIGTERM is a notice when the machine or pod is going away (``ckptd.notices.shutdown``:
+flush first, exit last), else a plain stop; SIGINT, or a second SIGTERM, stops after
+the upload in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -33,6 +35,7 @@ from typing import Any
 from ckptd.advice import CadenceAdvisor
 from ckptd.clock import SYSTEM_CLOCK, Clock
 from ckptd.config import ConfigError, DestinationConfig, RetentionConfig, Settings, TierConfig
+from ckptd.errors import CkptdError
 from ckptd.health import RECHECK_FAILING_SECONDS, DestinationHealth
 from ckptd.logs import get_logger
 from ckptd.manifest import ManifestError
@@ -40,6 +43,7 @@ from ckptd.metrics import Metrics
 from ckptd.notices.cluster import ClusterNoticeSource, NoticePublisher
 from ckptd.notices.detect import make_source
 from ckptd.notices.model import Notice, NoticeSource
+from ckptd.notices.shutdown import sigterm_meaning
 from ckptd.notices.sigterm import SigtermSource
 from ckptd.repository import Repository
 from ckptd.respond import NOTICE_FILE, Responder, Response
@@ -55,6 +59,19 @@ TICK_SECONDS = 1.0
 JOURNAL_STATS_SECONDS = 10.0
 # `run --once` waits this long at most for checkpoints still in a quiet window.
 ONCE_MAX_WAIT_SECONDS = 120.0
+
+
+class WatchDirMissingError(CkptdError):
+    """``run --once``: a watch dir does not exist, so nothing could be shipped from it."""
+
+    def __init__(self, missing: list[Path]) -> None:
+        names = ", ".join(str(p) for p in missing)
+        super().__init__(
+            f"watch dir {names} does not exist: nothing was shipped from it; create it or "
+            "fix [[watch]] dir"
+        )
+
+
 # After SIGTERM: exit once nothing is pending, uploading or being written for this long.
 DRAIN_QUIET_SECONDS = 2.0
 # At shutdown, a cluster NOTICE write still in flight gets this long before the store closes.
@@ -138,6 +155,7 @@ class Service:
                 t.pipeline.locally_deletable = self._committed_in_every_tier
         self.watcher = Watcher({r: s.dir for r, s in self.pipeline.runs.items()}, self._hint)
         self.watching: list[str] = []
+        self.missing_watch_dirs: list[Path] = []
         # SIGTERM's deadline is our own grace period: what we may spend flushing.
         self.sigterm_source = SigtermSource(grace=shutdown_timeout, on_repeat=self.request_stop)
         self.http: Any = None  # ckptd.http.HttpServer, imported only when serving
@@ -259,6 +277,7 @@ class Service:
             once=self.once,
         )
         await self.destination.check()
+        self.missing_watch_dirs = self._report_missing_watch_dirs()
         for t in self.tiers[1:]:
             self.log.info("tier", tier=t.name, destination=t.health.storage.url)
             await t.health.check()  # a tier that is down holds no other back
@@ -289,6 +308,20 @@ class Service:
                 ) from None
             self.http_port = port
             self.log.info("http_listening", host=self.settings.metrics.host, port=port)
+
+    def _report_missing_watch_dirs(self) -> list[Path]:
+        """A watch dir that does not exist yet is watched from when it appears (a fresh
+        node's trainer creates it); a mistyped one would wait forever in silence."""
+        missing = [d for d in self.pipeline.watch_dirs() if not d.is_dir()]
+        for path in missing:
+            self.log.warning(
+                "watch_dir_missing",
+                path=str(path),
+                action="nothing to ship from it now"
+                if self.once
+                else "watched from when it appears; check [[watch]] dir if that is a typo",
+            )
+        return missing
 
     def _remove_stale_notice_files(self) -> None:
         """A notice file left by an earlier daemon (a restart, a crash) describes a notice
@@ -338,6 +371,9 @@ class Service:
             await asyncio.sleep(0.1)
             await self._cluster_round()
             ok = await self._drain_tiers() and ok
+        if self.missing_watch_dirs:
+            # Nothing could be shipped from there: "all shipped" would not be true.
+            raise WatchDirMissingError(self.missing_watch_dirs)
         refused = [t.name for t in self.tiers if t.pipeline.unusable is not None]
         if refused:
             self.log.error("tiers_not_committed", tiers=refused)
@@ -460,6 +496,16 @@ class Service:
             await asyncio.sleep(self.settings.preemption.poll_interval_seconds)
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
+        if notice.source == "sigterm":
+            mode = self.settings.preemption.sigterm
+            meaning = await asyncio.to_thread(sigterm_meaning, mode, os.environ)
+            if not meaning.notice:
+                # A stop or restart of ckptd alone: the trainer trains on, and nothing
+                # is written to its notice file.
+                self.log.info("sigterm_is_a_stop", why=meaning.why)
+                self.request_stop()
+                return
+            self.log.warning("sigterm_is_a_notice", why=meaning.why)
         response = await self._respond(notice, source)
         if notice.source == "sigterm":
             self.sigterm.set()  # the main loop flushes, then stops
@@ -549,9 +595,12 @@ class Service:
                 stats = await asyncio.to_thread(self.journal.stats)
                 for table, rows in stats.items():
                     self.metrics.journal_rows.labels(table=table).set(rows)
-            self.watching = self.watcher.refresh()
+            before, self.watching = set(self.watching), self.watcher.refresh()
             for run_id, state in pipeline.runs.items():
-                if now - last_scan[run_id] >= state.watch.rescan_seconds:
+                # A watch dir that appeared since the last tick may already hold
+                # checkpoints its new watch will never hear of: look now.
+                appeared = run_id in self.watching and run_id not in before
+                if appeared or now - last_scan[run_id] >= state.watch.rescan_seconds:
                     last_scan[run_id] = now
                     with contextlib.suppress(OSError):
                         await self.rescan(run_id)

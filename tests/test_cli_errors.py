@@ -384,3 +384,45 @@ def test_a_dead_endpoint_is_retried_aloud_and_bounded_by_max_attempts() -> None:
     assert [r["attempt"] for r in retries] == ["1/3", "2/3"]
     assert done.stderr.strip().splitlines()[-1].startswith("ckptd: ")
     assert took < 30
+
+
+def test_restore_off_a_terminal_says_its_result_once(tmp_path: Path) -> None:
+    """One human line on stdout; nothing on stderr when all went well (no JSON line
+    repeating it); the same with --json gives one document and still a quiet stderr."""
+    from ckptd.storage import open_storage
+    from tests.test_restore import commit_files
+
+    dest = f"file://{tmp_path / 'shared'}"
+    commit_files(open_storage(dest), "run", "ck-3", {"w.bin": os.urandom(3 * 2**20)}, step=3)
+    common = ("--dest", dest, "--run", "run", "--latest")
+    done = run_cli("restore", *common, "--to", str(tmp_path / "a"))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("restored run/ck-3") and "3.0 MiB" in line
+    as_json = run_cli("restore", *common, "--to", str(tmp_path / "b"), "--json")
+    assert as_json.returncode == 0 and as_json.stderr == ""
+    assert json.loads(as_json.stdout)["checkpoint"] == "ck-3"
+    # Asked for, the progress and the summary are logged too.
+    verbose = run_cli("restore", *common, "--to", str(tmp_path / "c"), "--log-level", "info")
+    assert "restore_done" in verbose.stderr
+
+
+def test_run_once_with_a_missing_watch_dir_says_so_and_exits_1(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-run"
+    done = run_cli(
+        "run",
+        "--once",
+        "--watch",
+        str(missing),
+        "--dest",
+        f"file://{tmp_path / 'store'}",
+        env={"CKPTD_STATE__DIR": str(tmp_path / "state"), "CKPTD_PREEMPTION__PROVIDER": "none"},
+    )
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("ckptd:")]
+    assert errors == [
+        f"ckptd: watch dir {missing} does not exist: nothing was shipped from it; "
+        "create it or fix [[watch]] dir"
+    ]
+    assert "watch_dir_missing" in done.stderr and "Traceback" not in done.stderr

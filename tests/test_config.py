@@ -219,6 +219,7 @@ BAD_VALUES = [
     ("[preemption]\npoll_interval_seconds = 0", "preemption.poll_interval_seconds"),
     ("[preemption]\npoll_interval_seconds = 61", "preemption.poll_interval_seconds"),
     ('[preemption]\nimdsv1_fallback = "maybe"', "preemption.imdsv1_fallback"),
+    ('[preemption]\nsigterm = "restart"', "preemption.sigterm"),
     ('[trainer]\npidfile = "train.pid"', "trainer.pidfile"),
     ("[trainer]\nmatch = 5", "trainer.match"),
     ('[trainer]\nsignal = "SIGNOPE"', "trainer.signal"),

@@ -26,7 +26,7 @@ from ckptd.storage.fs import FileStorage
 from ckptd.sync import cleanup
 from ckptd.sync.early import ready_files
 from ckptd.sync.journal import Journal
-from tests.daemon import Daemon, committed_manifest, wait_until
+from tests.daemon import Daemon, committed_manifest, run_cli, wait_until
 from tests.test_sync_e2e import _assert_committed_identical, _keys
 from tests.writers import write_bytes
 
@@ -325,3 +325,30 @@ def test_kill_9_at_random_instants_never_commits_a_mixed_checkpoint(
     finally:
         if daemon.alive():
             daemon.kill9()
+
+
+def test_run_once_with_early_uploads_in_flight_stops_them_cleanly(tmp_path: Path) -> None:
+    """``--once`` over an incomplete checkpoint whose files are ready to go early: the
+    early uploads are stopped before the transfer pool closes (no "Task exception was
+    never retrieved" traceback), and the exit says nothing failed."""
+    run = tmp_path / "watch" / "run"
+    ckpt = run / "checkpoint-1"
+    write_bytes(ckpt / "model.bin", 24 * MiB)  # not weights by HF's names: incomplete
+    (ckpt / "trainer_state.json").write_text("{}")
+    old = time.time() - 60
+    for f in ckpt.iterdir():
+        os.utime(f, (old, old))
+    store = tmp_path / "store"
+    store.mkdir()
+    config = tmp_path / "ckptd.toml"
+    config.write_text(
+        f'[[watch]]\ndir = "{run}"\nsettle_seconds = 0\n'
+        f'[destination]\nurl = "file://{store}"\nmax_upload_mib_per_s = 20\n'
+        f'[preemption]\nprovider = "none"\n[metrics]\nlisten = "127.0.0.1:0"\n'
+        f'[state]\ndir = "{tmp_path / "state"}"\n'
+    )
+    result = run_cli("run", "--once", config=config, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "early_upload_started" in result.stderr  # the case this test is about
+    assert "Traceback" not in result.stderr and "never retrieved" not in result.stderr
+    assert not (store / "run" / "checkpoint-1" / "ckptd.manifest.json").exists()

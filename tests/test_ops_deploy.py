@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -381,3 +384,85 @@ def test_manifest_configmaps_are_valid_ckptd_configs(path: Path, tmp_path: Path)
     toml.write_text(_of_kind(path, "ConfigMap")["data"]["ckptd.toml"])
     result = run_cli("config", "check", config=toml, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+needs_root_and_setpriv = pytest.mark.skipif(
+    os.geteuid() != 0 or tool("setpriv") is None,
+    reason="runs commands as other uids and with fewer capabilities: needs root and setpriv",
+)
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory other uids can reach (pytest's own tmp_path is 0700 root's)."""
+    path = Path(tempfile.mkdtemp(prefix="ckptd-uid-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _as_uid(uid: int, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [tool("setpriv") or "", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@needs_root_and_setpriv
+def test_daemonset_state_dir_step_lets_uid_10001_open_its_journal(shared_tmp: Path) -> None:
+    """The DaemonSet's own commands, run as the manifest says: the init step as root with
+    only the capabilities it is given, then ckptd as the pod's uid on what a
+    ``DirectoryOrCreate`` hostPath is at first (root-owned, 0755)."""
+    ds = _of_kind(DAEMONSET, "DaemonSet")
+    spec = ds["spec"]["template"]["spec"]
+    uid = spec["securityContext"]["runAsUser"]
+    (init,) = spec["initContainers"]
+    assert init["securityContext"]["runAsUser"] == 0
+    caps = init["securityContext"]["capabilities"]
+    assert caps["drop"] == ["ALL"]
+    (mount,) = init["volumeMounts"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mount["name"]]["hostPath"]["type"] == "DirectoryOrCreate"
+
+    state = shared_tmp / "state"
+    state.mkdir(mode=0o755)  # as the kubelet creates it
+    watch = shared_tmp / "ckpt" / "run1"
+    watch.mkdir(parents=True)
+    store = shared_tmp / "store"
+    store.mkdir()
+    os.chown(watch, uid, uid)
+    os.chown(store, uid, uid)
+    config = shared_tmp / "ckptd.toml"
+    config.write_text(
+        f'[[watch]]\ndir = "{watch}"\n[destination]\nurl = "file://{store}"\n'
+        f'[preemption]\nprovider = "none"\n[metrics]\nlisten = "127.0.0.1:0"\n'
+        f'[state]\ndir = "{state}"\n'
+    )
+    config.chmod(0o644)
+    run_once = [sys.executable, "-m", "ckptd", "run", "--once", "--config", str(config)]
+
+    # Without the step: one line naming the state dir, exit 2, no traceback.
+    refused = _as_uid(uid, *run_once)
+    assert refused.returncode == 2, refused.stderr
+    assert str(state) in refused.stderr and "Traceback" not in refused.stderr
+
+    # The step, with the capabilities the manifest grants and no others.
+    script = init["command"][-1].replace(mount["mountPath"], str(state))
+    bounding = ",".join(["-all", *(f"+{c.lower()}" for c in caps["add"])])
+    step = subprocess.run(
+        [tool("setpriv") or "", f"--bounding-set={bounding}", *init["command"][:-1], script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert step.returncode == 0, step.stderr
+    assert (state.stat().st_uid, state.stat().st_mode & 0o777) == (uid, 0o700)
+
+    ran = _as_uid(uid, *run_once)
+    assert ran.returncode == 0, ran.stderr
+    assert any(p.is_file() for p in state.iterdir())  # the journal, owned by the pod's uid
+    assert all(p.stat().st_uid == uid for p in state.iterdir())

@@ -11,8 +11,10 @@ import mmap
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -43,15 +45,6 @@ def _directives(path: Path) -> dict[str, list[str]]:
     return out
 
 
-def _local_copy(tmp_path: Path) -> Path:
-    """The unit with ExecStart pointing at this venv's ckptd, which verify checks exists."""
-    ckptd = Path(sys.executable).parent / "ckptd"
-    text = UNIT.read_text().replace("/usr/local/bin/ckptd", str(ckptd))
-    copy = tmp_path / "ckptd.service"
-    copy.write_text(text)
-    return copy
-
-
 def test_unit_is_type_notify_with_watchdog_and_a_stop_timeout_above_the_flush() -> None:
     d = _directives(UNIT)
     assert d["Type"] == ["notify"]
@@ -59,7 +52,8 @@ def test_unit_is_type_notify_with_watchdog_and_a_stop_timeout_above_the_flush() 
     assert d["WatchdogSec"] == ["30"]
     assert d["Restart"] == ["on-failure"]
     exec_start = shlex.split(d["ExecStart"][0])
-    assert exec_start[:2] == ["/usr/local/bin/ckptd", "run"]
+    # Found on systemd's PATH wherever pip put it; verify checks /usr/bin/env exists.
+    assert exec_start[:3] == ["/usr/bin/env", "ckptd", "run"]
     flush = float(exec_start[exec_start.index("--shutdown-timeout") + 1])
     assert float(d["TimeoutStopSec"][0]) >= flush + 20, "systemd would SIGKILL mid-flush"
 
@@ -102,9 +96,9 @@ def test_unit_yields_to_the_trainer_as_the_daemons_own_defaults_do() -> None:
 
 
 @needs_systemd_analyze
-def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+def test_unit_passes_systemd_analyze_verify_as_shipped() -> None:
     result = subprocess.run(
-        [tool("systemd-analyze") or "", "verify", str(_local_copy(tmp_path))],
+        [tool("systemd-analyze") or "", "verify", str(UNIT)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -116,9 +110,9 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 @needs_systemd_analyze
-def test_unit_exposure_score_is_low(tmp_path: Path) -> None:
+def test_unit_exposure_score_is_low() -> None:
     result = subprocess.run(
-        [tool("systemd-analyze") or "", "security", "--offline=true", str(_local_copy(tmp_path))],
+        [tool("systemd-analyze") or "", "security", "--offline=true", str(UNIT)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -201,3 +195,67 @@ def test_daemon_commits_under_memory_deny_write_execute(
         )
         assert daemon.stop() == 0
     assert "Traceback" not in daemon.log_text()
+
+
+SYSUSERS = SYSTEMD / "ckptd.sysusers"
+
+
+@pytest.mark.skipif(tool("systemd-sysusers") is None, reason="systemd-sysusers not installed")
+def test_sysusers_file_creates_the_units_user_with_the_state_dir_as_home(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    result = subprocess.run(
+        [tool("systemd-sysusers") or "", f"--root={tmp_path}", str(SYSUSERS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    users = {
+        line.split(":")[0]: line.split(":")
+        for line in (tmp_path / "etc" / "passwd").read_text().splitlines()
+    }
+    d = _directives(UNIT)
+    (user,) = d["User"]
+    assert user in users, "User= of the unit is not created by the sysusers file"
+    entry = users[user]
+    assert 0 < int(entry[2]) < 1000  # a system user
+    assert entry[5] == f"/var/lib/{d['StateDirectory'][0]}"
+    assert entry[6].endswith("nologin")
+    # The header's install lines use this very file.
+    assert "systemd/ckptd.sysusers /etc/sysusers.d/ckptd.conf" in UNIT.read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or tool("setpriv") is None, reason="needs root and setpriv")
+def test_config_installed_as_the_header_says_is_readable_by_the_service_user() -> None:
+    """The header installs the config root-owned with the mode it names; the service user
+    (not root, no group of root's) must be able to read it, or the unit exits 2 and
+    RestartPreventExitStatus=2 never retries."""
+    mode = re.search(r"install -D -m (\d+) systemd/ckptd.toml.example", UNIT.read_text())
+    assert mode, "the header no longer says how to install the config"
+    shared = Path(tempfile.mkdtemp(prefix="ckptd-unit-"))
+    try:
+        shared.chmod(0o755)
+        config = shared / "ckptd.toml"
+        shutil.copyfile(SYSTEMD / "ckptd.toml.example", config)
+        config.chmod(int(mode.group(1), 8))
+        result = subprocess.run(
+            [
+                tool("setpriv") or "",
+                "--reuid=999",
+                "--regid=999",
+                "--clear-groups",
+                sys.executable,
+                "-m",
+                "ckptd",
+                "config",
+                "check",
+                "--config",
+                str(config),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from ckptd.config import load_settings
-from ckptd.metrics import Metrics
+from ckptd.metrics import FAILURE_REASONS, STORAGE_ERROR_KINDS, Metrics
 from ckptd.repository import Repository
 from ckptd.storage import open_storage
 from ckptd.sync.journal import Journal
@@ -130,6 +130,13 @@ async def test_a_checkpoint_already_committed_elsewhere_is_marked_committed_with
 
 async def test_a_failing_store_backs_off_and_counts_a_storage_error(tmp_path: Path) -> None:
     pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=0)
+    # Before any failure every series an alert watches is there, at 0: a series born at
+    # 1 has no earlier sample and increase() would miss the first failure.
+    text = pipeline.metrics.render().decode()
+    for reason in FAILURE_REASONS:
+        assert f'ckptd_checkpoints_failed_total{{reason="{reason}",run="run"}} 0.0' in text
+    for kind in STORAGE_ERROR_KINDS:
+        assert f'ckptd_storage_errors_total{{kind="{kind}",operation="checkpoint"}} 0.0' in text
     # The destination's root is now a plain file: every write under it fails for good.
     (tmp_path / "store").rmdir()
     (tmp_path / "store").write_text("not a directory")
@@ -141,9 +148,14 @@ async def test_a_failing_store_backs_off_and_counts_a_storage_error(tmp_path: Pa
         assert pending is not None and pending.failures == 1
         assert pending.not_before > pipeline.clock.monotonic()  # held back by the backoff
         errors = pipeline.metrics.storage_errors.collect()[0].samples
-        assert any(s.labels.get("operation") == "checkpoint" and s.value == 1 for s in errors), (
-            errors
-        )
+        counted = {s.labels["kind"]: s.value for s in errors if s.name.endswith("_total")}
+        assert sum(counted.values()) == 1 and set(counted) == set(STORAGE_ERROR_KINDS), counted
+        failed = {
+            s.labels["reason"]: s.value
+            for s in pipeline.metrics.failed.collect()[0].samples
+            if s.name.endswith("_total")
+        }
+        assert sum(failed.values()) == 1 and failed["storage"] + failed["unusable"] == 1, failed
         assert pipeline.status()["runs"]["run"]["pending"] == ["ck-4"]
     finally:
         await pipeline.close()

@@ -689,4 +689,8 @@ def test_progress_bar_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[s
     storage = open_storage(f"file://{tmp_path / 'shared'}")
     commit_files(storage, "run", "ck-8", {"w.bin": os.urandom(MiB)}, step=8)
     restore(storage, "run", None, tmp_path / "out", progress=True)
-    assert "run/ck-8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "run/ck-8" in err
+    # The same binary units as the summary line (rich's defaults count MB and MB/s).
+    assert "MiB" in err and "MiB/s" in err
+    assert " MB" not in err and "MB/s" not in err.replace("MiB/s", "")

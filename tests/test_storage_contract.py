@@ -4,6 +4,7 @@ a real directory (file://). What one backend promises, all keep."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import errno
 import os
 import re
@@ -393,14 +394,18 @@ def test_the_pipeline_marks_the_destination_down_by_the_backend_flag_alone(
         # An S3 code that used to mean "down", without the backend's flag: still up.
         denied_key = StorageError("get run/c/a: AccessDenied", transient=False, code="AccessDenied")
         failed = ShipResult(Outcome.FAILED, error=denied_key)
-        pipeline._failed(state, Pending(state.run_id, "c", 1, 0.0), failed, pipeline.log)
+        asyncio.run(
+            pipeline._failed(state, Pending(state.run_id, "c", 1, 0.0), failed, pipeline.log)
+        )
         assert up() == 1
         # A filesystem refusal the backend flagged: down.
         refused = StorageError(
             "put run/c/a: EACCES", transient=False, code="EACCES", destination_unusable=True
         )
         failed = ShipResult(Outcome.FAILED, error=refused)
-        pipeline._failed(state, Pending(state.run_id, "c", 1, 0.0), failed, pipeline.log)
+        asyncio.run(
+            pipeline._failed(state, Pending(state.run_id, "c", 1, 0.0), failed, pipeline.log)
+        )
         assert up() == 0
     finally:
         pipeline.transfers.close()

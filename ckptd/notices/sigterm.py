@@ -106,7 +106,8 @@ class SigtermSource:
                 deadline=noticed_at + self.grace,
                 detail={"signal": signal.Signals(self.signum).name},
             )
-            log.warning("notice received", source="sigterm", kind="sigterm", id=notice.id)
+            # Whether it is a preemption is the daemon's decision (ckptd.notices.shutdown).
+            log.warning("sigterm_received", id=notice.id)
             yield notice
             # One notice per process; later signals are absorbed while the flush runs.
             await asyncio.Event().wait()

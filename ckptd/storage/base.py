@@ -59,6 +59,22 @@ class StorageError(CkptdError):
         self.destination_unusable = destination_unusable
 
 
+# Codes by which a backend says it is full (a file system's errno names; S3 has none:
+# a bucket has no size limit, and a quota is an AccessDenied).
+NO_SPACE_CODES = frozenset({"ENOSPC", "EDQUOT"})
+# Codes by which a backend says the bytes it holds are not the bytes sent.
+VERIFY_CODES = frozenset({"BadDigest", "VerifyFailed", "IncompleteBody"})
+
+
+def storage_error_kind(exc: StorageError) -> str:
+    """The closed set a metric label can carry: unusable, verify, transient, permanent."""
+    if exc.destination_unusable:
+        return "unusable"
+    if exc.code in VERIFY_CODES:
+        return "verify"
+    return "transient" if exc.transient else "permanent"
+
+
 class NotFoundError(StorageError):
     """The key (or multipart upload) does not exist."""
 

@@ -117,11 +117,15 @@ class FileStorage:
     def _write_new(self, target: Path, data: bytes) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._temp_for(target, uuid.uuid4().hex)
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-            drop_cached(fh.fileno(), 0, len(data))
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+                drop_cached(fh.fileno(), 0, len(data))
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a failed write (ENOSPC) leaves no debris
+            raise
         return tmp
 
     def put_bytes(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
@@ -129,7 +133,11 @@ class FileStorage:
         _check_crc(data, crc32c, f"put {key}")
         try:
             tmp = self._write_new(target, data)
-            os.replace(tmp, target)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             _fsync_dir(target.parent)
         except OSError as exc:
             raise _error(exc, f"put {key}") from exc
@@ -237,10 +245,14 @@ class FileStorage:
             tmp = self._temp_for(target, uuid.uuid4().hex)
             # copyfile uses copy_file_range/sendfile: the kernel (or an NFS 4.2 server)
             # moves the bytes, not this process.
-            shutil.copyfile(src, tmp)
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
+            try:
+                shutil.copyfile(src, tmp)
+                with open(tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
+                os.replace(tmp, target)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a failed copy (ENOSPC) leaves no debris
+                raise
             _fsync_dir(target.parent)
             return ObjectInfo(dst_key, target.stat().st_size)
         except OSError as exc:

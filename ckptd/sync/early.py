@@ -188,6 +188,13 @@ class EarlyUploads:
         ship.closed = True
         return dict(ship.files)
 
+    async def close(self) -> None:
+        """Stop every early upload and wait until none is sending (the daemon is
+        stopping: the transfer pool goes next, and a send still queued for it would
+        fail). Parts already sent stay journalled for the next start."""
+        for run, name in list(self.ships):
+            await self.cancel(run, name)
+
     async def cancel(self, run: str, name: str) -> bool:
         """Stop ``run/name``'s early uploads and wait until none is sending; True if it
         had any."""

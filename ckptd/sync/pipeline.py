@@ -41,7 +41,7 @@ from ckptd.logs import get_logger
 from ckptd.manifest import Manifest, ManifestError
 from ckptd.metrics import Metrics
 from ckptd.repository import Repository
-from ckptd.storage.base import Storage, StorageError
+from ckptd.storage.base import NO_SPACE_CODES, Storage, StorageError, storage_error_kind
 from ckptd.sync import cleanup
 from ckptd.sync.assemble import (
     Assembly,
@@ -148,6 +148,9 @@ class SyncPipeline:
         self.runs: dict[str, RunState] = {
             w.effective_run_id: RunState.of(w) for w in settings.watch
         }
+        for run in self.runs:
+            self.metrics.init_run(run)
+            self.tier_metrics.init_tier(run, tier)
         self._wake = asyncio.Event()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         # When the pending look at a checkpoint was first asked for (loop time).
@@ -666,7 +669,7 @@ class SyncPipeline:
             self.queue.remove(run, name)
             self._waiting(state, name, role, result.assembly, log, emergency=pending.emergency)
         else:
-            self._failed(state, pending, result, log)
+            await self._failed(state, pending, result, log)
         return False
 
     async def _committed(
@@ -899,15 +902,19 @@ class SyncPipeline:
         self.update_gauges()
         self.hint(run, name, delay=max(1.0, state.rules.settle_seconds))
 
-    def _failed(self, state: RunState, pending: Pending, result: ShipResult, log: Any) -> None:
+    async def _failed(
+        self, state: RunState, pending: Pending, result: ShipResult, log: Any
+    ) -> None:
         exc, code = result.error, result.reason
         delay = self.queue.failed(pending, self.clock.monotonic())
-        self.metrics.failed.labels(run=state.run_id, reason=code).inc()
+        kind = storage_error_kind(exc) if isinstance(exc, StorageError) else None
+        reason = "local" if kind is None else kind if kind in ("unusable", "verify") else "storage"
+        self.metrics.failed.labels(run=state.run_id, reason=reason).inc()
         self.tier_metrics.tier_failed.labels(run=state.run_id, tier=self.tier).inc()
         # Counted as a storage error only when the store said no; a local I/O error or
         # a manifest that would not build is a failed checkpoint, not a storage error.
-        if isinstance(exc, StorageError):
-            self.metrics.storage_errors.labels(operation="checkpoint", code=code).inc()
+        if isinstance(exc, StorageError) and kind is not None:
+            self.metrics.storage_errors.labels(operation="checkpoint", kind=kind).inc()
             if exc.destination_unusable:  # decided by the backend that saw it
                 self.metrics.destination_up.set(0)
                 self.unusable = exc
@@ -915,9 +922,15 @@ class SyncPipeline:
             "checkpoint_failed",
             error=str(exc),
             code=code,
+            reason=reason,
             attempt=pending.failures,
             retry_in=round(delay, 1),
         )
+        if isinstance(exc, StorageError) and exc.code in NO_SPACE_CODES:
+            # A full destination: what this attempt sent holds the space a smaller
+            # checkpoint needs, and it cannot commit until space is freed anyway.
+            log.warning("checkpoint_discarded_for_space", code=code)
+            await asyncio.to_thread(self._discard, state.run_id, pending.name)
         self.update_gauges()
 
     # -- state for metrics and /v1/status -------------------------------------------------
@@ -963,4 +976,5 @@ class SyncPipeline:
             timer.cancel()
         for task in list(self._tasks):
             task.cancel()
+        await self.early.close()
         await asyncio.to_thread(self.transfers.close)

@@ -300,7 +300,9 @@ class Shipper:
             files=len(files_to_ship),
             bytes=total,
             to_upload=len(plan.upload),
-            copy_candidates=len(plan.copy_candidates),
+            # Same size and mtime as in the previous checkpoint: copied server-side if
+            # their CRC-32C still matches (checkpoint_committed counts those copied).
+            unchanged_candidates=len(plan.copy_candidates),
             already_done=len(plan.done),
             early_in_flight=sum(1 for _, f in request.early.values() if not f.done()),
         )

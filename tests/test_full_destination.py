@@ -1,0 +1,87 @@
+"""A full destination: a checkpoint that does not fit fails with ENOSPC, leaves nothing
+behind, and does not hold back a smaller one that fits.
+
+The destination is a real 60 MiB tmpfs (mounting needs root; skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.daemon import Daemon, wait_until
+from tests.writers import write_hf
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def small_volume(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "volume"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=60m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _files(root: Path) -> dict[str, int]:
+    return {
+        p.relative_to(root).as_posix(): p.stat().st_size for p in root.rglob("*") if p.is_file()
+    }
+
+
+def test_a_checkpoint_too_large_leaves_no_debris_and_a_small_one_still_commits(
+    tmp_path: Path, small_volume: Path
+) -> None:
+    run = tmp_path / "run"
+    daemon = Daemon.configured(
+        tmp_path,
+        watch=[{"dir": run, "settle_seconds": 0}],
+        dest=f"file://{small_volume}",
+        state_dir=tmp_path / "state",
+        part_size_mib=5,
+    )
+    with daemon:
+        write_hf(run, 100, model_bytes=80 * MiB)  # cannot fit in 60 MiB
+        wait_until(
+            lambda: daemon.events_named("checkpoint_failed", checkpoint="checkpoint-100"),
+            60,
+            "the large checkpoint failing",
+            details=daemon.log_text,
+        )
+        (failed,) = daemon.events_named("checkpoint_failed", checkpoint="checkpoint-100")[:1]
+        assert failed["code"] == "ENOSPC"
+        # Nothing of the failed attempt is left: no temporary file, no partial upload,
+        # no object of the uncommitted checkpoint.
+        wait_until(
+            lambda: not _files(small_volume),
+            15,
+            "the failed attempt's files removed",
+            details=lambda: json.dumps(_files(small_volume)),
+        )
+        # A small checkpoint written now commits while the large one backs off.
+        write_hf(run, 101, model_bytes=256 * 1024)
+        wait_until(
+            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-101"),
+            15,
+            "the small checkpoint committed",
+            details=daemon.log_text,
+        )
+        assert (small_volume / "run" / "checkpoint-101" / "ckptd.manifest.json").is_file()
+        assert not (small_volume / "run" / "checkpoint-100" / "ckptd.manifest.json").exists()
+        assert daemon.metric("ckptd_checkpoints_failed_total", run="run", reason="storage") >= 1
