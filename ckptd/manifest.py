@@ -28,10 +28,33 @@ class ManifestError(CkptdError, ValueError):
     Also a ValueError, as it was before ``CkptdError`` existed: callers catch it as one."""
 
 
+# C0 controls and DEL: S3 lists keys in XML 1.0, which cannot carry most of them, and a
+# name with a newline breaks every line-oriented tool an operator points at the store.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def unstorable_name(path: str) -> str | None:
+    """Why a local file's relative path cannot be a key faithfully, or None. A backslash
+    is refused too: SeaweedFS (and Windows) read it as a '/', so ``a\\b`` would become
+    ``a/b``; a name that is not UTF-8 (Python's surrogate escapes) has no key at all."""
+    if "\\" in path:
+        return "a backslash (stores read it as '/')"
+    if _CONTROL.search(path):
+        return "a control character"
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "bytes that are not UTF-8"
+    return None
+
+
 def check_relative_path(path: str) -> str:
     """Return ``path`` if it is a safe relative '/'-path, else raise ManifestError."""
-    if not path or path.startswith("/") or "\\" in path or "\x00" in path:
+    if not path or path.startswith("/"):
         raise ManifestError(f"unsafe path {path!r}: must be relative and '/'-separated")
+    problem = unstorable_name(path)
+    if problem is not None:
+        raise ManifestError(f"unsafe path {path!r}: it holds {problem}")
     if re.match(r"^[A-Za-z]:", path):
         raise ManifestError(f"unsafe path {path!r}: drive letters are not allowed")
     parts = path.split("/")

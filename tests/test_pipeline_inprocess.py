@@ -8,6 +8,7 @@ import asyncio
 import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from ckptd.config import load_settings
 from ckptd.metrics import FAILURE_REASONS, STORAGE_ERROR_KINDS, Metrics
@@ -158,5 +159,44 @@ async def test_a_failing_store_backs_off_and_counts_a_storage_error(tmp_path: Pa
         assert sum(failed.values()) == 1 and failed["storage"] + failed["unusable"] == 1, failed
         assert pipeline.status()["runs"]["run"]["pending"] == ["ck-4"]
     finally:
+        await pipeline.close()
+        journal.close()
+
+
+async def test_an_unforeseen_error_in_one_checkpoint_never_stops_the_worker(
+    tmp_path: Path,
+) -> None:
+    """Whatever one checkpoint's ship raises (here a bug injected into the shipper), it
+    is said and backed off, and the worker goes on to the next checkpoint."""
+    pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=0)
+    real_ship = pipeline.shipper.ship
+
+    async def ship(request: Any) -> Any:
+        if request.listing.name == "ck-bad":
+            raise RuntimeError("a bug nobody foresaw")
+        return await real_ship(request)
+
+    pipeline.shipper.ship = ship  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    worker = asyncio.create_task(pipeline.work(stop))
+    try:
+        write_marked(watch, "ck-bad", 1000)
+        await pipeline.evaluate("run", "ck-bad")
+        write_marked(watch, "ck-good", 1000)
+        await pipeline.evaluate("run", "ck-good")
+        deadline = asyncio.get_running_loop().time() + 20
+        while "ck-good" not in pipeline.runs["run"].committed:
+            assert not worker.done(), worker
+            assert asyncio.get_running_loop().time() < deadline, "ck-good never committed"
+            await asyncio.sleep(0.02)
+        pending = pipeline.queue.get("run", "ck-bad")
+        assert pending is not None and pending.failures >= 1  # backed off, not forgotten
+        failed = pipeline.metrics.registry.get_sample_value(
+            "ckptd_checkpoints_failed_total", {"run": "run", "reason": "local"}
+        )
+        assert failed is not None and failed >= 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 10)
         await pipeline.close()
         journal.close()

@@ -593,7 +593,30 @@ class SyncPipeline:
                 for w in waiters:
                     w.cancel()
                 continue
-            await self.ship(pending)
+            try:
+                await self.ship(pending)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one checkpoint never stops the worker
+                # A bug or an input nobody foresaw: this checkpoint backs off and is
+                # said to have failed; every other checkpoint still ships.
+                self._crashed(pending, exc)
+
+    def _crashed(self, pending: Pending, exc: Exception) -> None:
+        delay = self.queue.failed(pending, self.clock.monotonic())
+        self.metrics.failed.labels(run=pending.run, reason="local").inc()
+        self.log.error(
+            "checkpoint_failed",
+            run=pending.run,
+            checkpoint=pending.name,
+            error=repr(exc),
+            code=type(exc).__name__,
+            reason="local",
+            attempt=pending.failures,
+            retry_in=round(delay, 1),
+            exc_info=exc,
+        )
+        self.update_gauges()
 
     def retry_now(self) -> None:
         """The store is back: end every backoff and ship the backlog now."""
@@ -604,7 +627,11 @@ class SyncPipeline:
         """Ship everything pending now (``ckptd run --once``); True if all committed."""
         ok = True
         while (pending := self.queue.next(self.clock.monotonic())) is not None:
-            ok = await self.ship(pending) and ok
+            try:
+                ok = await self.ship(pending) and ok
+            except Exception as exc:  # noqa: BLE001 - as in work(): said, then backed off
+                self._crashed(pending, exc)
+                ok = False
         # Failures left in backoff count as not done.
         return ok and not len(self.queue)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ckptd.layouts import TRACKER_FILES, is_checkpoint_candidate
 from ckptd.layouts.base import CheckpointListing, FileEntry
+from ckptd.manifest import unstorable_name
 
 #: Tracker files are a step number or a tag; anything longer is not one.
 TRACKER_MAX_BYTES = 4096
@@ -54,7 +55,8 @@ def snapshot(watch_dir: Path, name: str) -> CheckpointListing | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     vanished: list[str] = []
-    unshippable: list[str] = []
+    # A checkpoint whose own name no key can hold is never committed (said, not skipped).
+    unshippable: list[str] = [name] if unstorable_name(name) is not None else []
     if stat.S_ISREG(before.st_mode):
         is_dir = False
         files: tuple[FileEntry, ...] = (
@@ -95,7 +97,8 @@ def _walk(root: Path, vanished: list[str], unshippable: list[str]) -> tuple[File
 
     A symlink to a regular file counts as that file (as ``cp -L`` would copy it; the
     upload opens the path and reads the target). Dangling symlinks, symlinks to
-    directories (never followed) and special files go to ``unshippable``. Paths that
+    directories (never followed), special files and names no key can hold faithfully
+    (``manifest.unstorable_name``) go to ``unshippable``. Paths that
     disappear mid-walk are appended to ``vanished``.
     """
     found: list[FileEntry] = []
@@ -126,7 +129,9 @@ def _walk(root: Path, vanished: list[str], unshippable: list[str]) -> tuple[File
             except FileNotFoundError:
                 vanished.append(rel)
                 continue
-            if stat.S_ISREG(st.st_mode):
+            if unstorable_name(rel) is not None:
+                unshippable.append(rel)  # no key can hold its name faithfully
+            elif stat.S_ISREG(st.st_mode):
                 found.append(FileEntry(path=rel, size=st.st_size, mtime_ns=st.st_mtime_ns))
             else:
                 unshippable.append(rel)  # a link to a directory, a fifo, a socket
