@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptd import __version__, logs
 from ckptd.config import (
@@ -35,6 +35,9 @@ from ckptd.storage import open_destination
 from ckptd.storage.base import StorageError
 from ckptd.storage.retrying import RetryingStorage
 from ckptd.yielding import lower_this_thread, priority_of
+
+if TYPE_CHECKING:
+    from ckptd.tiers import TierStore
 
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130
@@ -119,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     lst = sub.add_parser("list", help="committed checkpoints, newest last")
     _common(lst)
     lst.add_argument("--run", dest="run_id", default=None, help="only this run (default: all)")
+    lst.add_argument("--tier", default=None, help=_TIER_HELP)
     lst.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     ver = sub.add_parser(
@@ -129,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = ver.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", default=None, help="the checkpoint's name")
     which.add_argument("--latest", action="store_true", help="the newest committed checkpoint")
+    ver.add_argument("--tier", default=None, help=_TIER_HELP)
     ver.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     res = sub.add_parser("restore", help="download, verify, then appear atomically as DIR/NAME")
@@ -165,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_at_least(1),
         default=16,
         help="size of each ranged GET in MiB (default %(default)s)",
+    )
+    res.add_argument(
+        "--tier",
+        default=None,
+        help="only this tier (default: the first tier holding it, the next if it fails)",
     )
     res.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     res.add_argument("--json", action="store_true", help=_JSON_HELP)
@@ -270,6 +280,12 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _storage(settings: Settings, *, concurrency: int | None = None) -> RetryingStorage:
     require_destination(settings)
+    return open_destination(
+        settings.destination, concurrency=concurrency, on_retry=_retry_logger(settings)
+    )
+
+
+def _retry_logger(settings: Settings) -> Callable[[str, StorageError, int, float], None]:
     attempts = settings.destination.max_attempts
     log = logs.get_logger()
 
@@ -285,7 +301,26 @@ def _storage(settings: Settings, *, concurrency: int | None = None) -> RetryingS
             retry_in=round(delay, 2),
         )
 
-    return open_destination(settings.destination, concurrency=concurrency, on_retry=retrying)
+    return retrying
+
+
+_TIER_HELP = "only this tier (a [destination] or [[tiers]] name; default: every tier)"
+
+
+def _tiers(
+    args: argparse.Namespace, settings: Settings, *, concurrency: int | None = None
+) -> list[TierStore]:
+    """The destinations a read command uses, in preference order: every configured tier,
+    or only ``--dest`` when given (a URL on the command line names one store)."""
+    from ckptd.tiers import open_tiers
+
+    require_destination(settings)
+    if getattr(args, "dest", None):
+        settings = settings.model_copy(update={"tiers": []})
+    tier = getattr(args, "tier", None)
+    return open_tiers(
+        settings, only=tier, concurrency=concurrency, on_retry=_retry_logger(settings)
+    )
 
 
 def _print_json(doc: Any) -> None:
@@ -332,42 +367,78 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from ckptd.repository import Repository
+    from ckptd.tiers import list_runs, list_tiers
 
-    storage = _storage(_settings(args))
-    repo = Repository(storage)
-    runs = [args.run_id] if args.run_id else repo.list_runs()
-    rows: list[dict[str, Any]] = []
+    tiers = _tiers(args, _settings(args))
+    names = [t.name for t in tiers]
+    runs, errors = ([args.run_id], {}) if args.run_id else list_runs(tiers)
+    if len(errors) == len(tiers):
+        raise next(iter(errors.values()))  # nothing could be read at all
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
     for run_id in runs:
-        for c in repo.list_committed(run_id):
-            m = c.manifest
-            rows.append(
-                {
-                    "run": run_id,
-                    "checkpoint": m.checkpoint,
-                    "step": m.step,
-                    "total_bytes": m.total_bytes,
-                    "files": len(m.files),
-                    "layout": m.layout,
-                    "host": m.host,
-                    "committed_at": m.committed_at,
-                    "latest": c.is_latest,
-                }
-            )
+        for listing in list_tiers(tiers, run_id):
+            if listing.error is not None:
+                errors.setdefault(listing.tier, listing.error)
+            for c in listing.committed:
+                m = c.manifest
+                row = rows.setdefault(
+                    (run_id, m.checkpoint),
+                    {
+                        "run": run_id,
+                        "checkpoint": m.checkpoint,
+                        "step": m.step,
+                        "total_bytes": m.total_bytes,
+                        "files": len(m.files),
+                        "layout": m.layout,
+                        "host": m.host,
+                        "committed_at": m.committed_at,
+                        "latest": False,
+                        "tiers": [],
+                        "latest_in": [],
+                    },
+                )
+                row["tiers"].append(listing.tier)
+                if c.is_latest:
+                    row["latest_in"].append(listing.tier)
+                    # `latest` (one destination's contract) is the first tier's LATEST.
+                    row["latest"] = row["latest"] or listing.tier == names[0]
+    ordered = sorted(
+        rows.values(),
+        key=lambda r: (r["run"], r["step"] if r["step"] is not None else -1, r["committed_at"]),
+    )
+    if len(errors) == len(tiers):
+        raise next(iter(errors.values()))
+    for tier, error in errors.items():  # the others are listed: say which is missing
+        logs.get_logger().error("tier_unreadable", tier=tier, error=str(error))
     if args.json:
-        _print_json({"destination": storage.url, "checkpoints": rows})
-        return EXIT_OK
-    if not rows:
-        print(f"no committed checkpoints under {storage.url}")
-        return EXIT_OK
-    header = f"{'RUN':<16} {'CHECKPOINT':<28} {'STEP':>8} {'SIZE':>12} {'COMMITTED':<21} LATEST"
-    print(header)
-    for r in rows:
-        step = "-" if r["step"] is None else str(r["step"])
-        print(
-            f"{r['run']:<16} {r['checkpoint']:<28} {step:>8} {_human(r['total_bytes']):>12} "
-            f"{r['committed_at']:<21} {'*' if r['latest'] else ''}"
+        _print_json(
+            {
+                "destination": tiers[0].storage.url,
+                "tiers": [
+                    {"name": t.name, "url": t.storage.url, "ok": t.name not in errors}
+                    for t in tiers
+                ],
+                "checkpoints": ordered,
+            }
         )
+        return EXIT_OK
+    if not ordered:
+        where = ", ".join(t.storage.url for t in tiers)
+        print(f"no committed checkpoints under {where}")
+        return EXIT_OK
+    many = len(tiers) > 1
+    header = f"{'RUN':<16} {'CHECKPOINT':<28} {'STEP':>8} {'SIZE':>12} {'COMMITTED':<21} LATEST"
+    print(header + ("  TIERS" if many else ""))
+    for r in ordered:
+        step = "-" if r["step"] is None else str(r["step"])
+        latest = "*" if r["latest"] else ""
+        line = (
+            f"{r['run']:<16} {r['checkpoint']:<28} {step:>8} {_human(r['total_bytes']):>12} "
+            f"{r['committed_at']:<21} {latest}"
+        )
+        if many:
+            line = f"{line:<98}  " + ",".join(n for n in names if n in r["tiers"])
+        print(line.rstrip())
     return EXIT_OK
 
 
@@ -382,41 +453,72 @@ def _human(n: int) -> str:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ckptd.repository import Repository
+    from ckptd.storage.base import NotFoundError
     from ckptd.verify import verify_checkpoint
 
-    settings = _settings(args)
-    storage = _storage(settings)
-    manifest = Repository(storage).resolve(args.run_id, None if args.latest else args.checkpoint)
-    problems = verify_checkpoint(storage, manifest, concurrency=settings.destination.concurrency)
-    if args.json:
-        _print_json(
+    tiers = _tiers(args, _settings(args))
+    many = len(tiers) > 1
+    reports: list[dict[str, Any]] = []
+    bad = False
+    for tier in tiers:
+        try:
+            manifest = Repository(tier.storage).resolve(
+                args.run_id, None if args.latest else args.checkpoint
+            )
+        except NotFoundError:
+            if not many:
+                raise
+            # A pinned checkpoint one tier never held (or has aged out) is no mismatch.
+            reports.append({"tier": tier.name, "held": False})
+            continue
+        problems = verify_checkpoint(tier.storage, manifest, concurrency=tier.config.concurrency)
+        bad = bad or bool(problems)
+        reports.append(
             {
+                "tier": tier.name,
+                "held": True,
                 "run": manifest.run_id,
                 "checkpoint": manifest.checkpoint,
                 "ok": not problems,
                 "files": len(manifest.files),
+                "total_bytes": manifest.total_bytes,
                 "problems": [{"path": p.path, "problem": p.problem} for p in problems],
             }
         )
-    elif problems:
-        for p in problems:
-            print(f"BAD  {manifest.run_id}/{manifest.checkpoint}/{p.path}: {p.problem}")
-        print(f"{len(problems)} of {len(manifest.files)} files do not match the manifest")
-    else:
-        print(
-            f"OK   {manifest.run_id}/{manifest.checkpoint}: {len(manifest.files)} files, {_human(manifest.total_bytes)}"
-        )
-    return EXIT_FAILED if problems else EXIT_OK
+    held = [r for r in reports if r["held"]]
+    if not held:
+        raise NotFoundError(f"{args.run_id}/{args.checkpoint} is not committed in any tier")
+    if args.json:
+        if many:
+            _print_json({"ok": not bad, "tiers": reports})
+        else:
+            doc = dict(held[0])
+            doc.pop("tier"), doc.pop("held"), doc.pop("total_bytes")
+            _print_json(doc)
+        return EXIT_FAILED if bad else EXIT_OK
+    for r in reports:
+        where = f"[{r['tier']}] " if many else ""
+        if not r["held"]:
+            print(f"--   {where}{args.run_id}/{args.checkpoint}: not in this tier")
+            continue
+        name = f"{r['run']}/{r['checkpoint']}"
+        for p in r["problems"]:
+            print(f"BAD  {where}{name}/{p['path']}: {p['problem']}")
+        if r["problems"]:
+            print(f"{where}{len(r['problems'])} of {r['files']} files do not match the manifest")
+        else:
+            print(f"OK   {where}{name}: {r['files']} files, {_human(r['total_bytes'])}")
+    return EXIT_FAILED if bad else EXIT_OK
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from ckptd.restore import restore
+    from ckptd.tiers import restore_from_tiers
 
     settings = _settings(args)
     concurrency = args.concurrency or settings.destination.concurrency
-    storage = _storage(settings, concurrency=concurrency)
-    result = restore(
-        storage,
+    tiers = _tiers(args, settings, concurrency=concurrency)
+    done = restore_from_tiers(
+        tiers,
         args.run_id,
         None if args.latest else args.checkpoint,
         args.to.expanduser().absolute(),
@@ -426,6 +528,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
         progress=False if args.no_progress else None,
         part=args.part,
     )
+    result = done.result
+    storage = next(t.storage for t in tiers if t.name == done.tier)
     if not result.skipped:
         import time
 
@@ -447,6 +551,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
                 "reused_bytes": result.reused_bytes,
                 "seconds": round(result.seconds, 3),
                 "skipped": result.skipped,
+                "tier": done.tier,
+                "skipped_tiers": list(done.skipped_tiers),
                 "environment_differences": {
                     k: list(v) for k, v in result.environment_differences.items()
                 },
@@ -458,6 +564,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         print(
             f"restored {result.run_id}/{result.checkpoint} -> {result.path}: {result.files} files, "
             f"{_human(result.total_bytes)} in {result.seconds:.1f}s"
+            + (f" from tier {done.tier}" if len(tiers) > 1 else "")
         )
     return EXIT_OK
 

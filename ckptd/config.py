@@ -59,9 +59,12 @@ __all__ = [
     "RetentionConfig",
     "Settings",
     "StateConfig",
+    "TierConfig",
+    "TierRetentionConfig",
     "TrainerConfig",
     "WatchConfig",
     "load_settings",
+    "parse_duration",
     "render_effective_config",
     "require_destination",
     "require_watch",
@@ -134,6 +137,7 @@ def _keyed_error(loc_suffix: tuple[str | int, ...], message: str) -> PydanticCus
 
 # --- value checks shared by the models (each raises ValueError with what is wrong) ---------
 
+_TIER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 _RUN_ID_CHARS = re.compile(r"[A-Za-z0-9._=-]+")
 _HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"{_HOST_LABEL}(?:\.{_HOST_LABEL})*")
@@ -279,6 +283,18 @@ class DestinationConfig(_Section):
     # Node-wide cap so training I/O is not starved; 0 = unlimited.
     max_upload_mib_per_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     max_attempts: int = Field(default=8, ge=1, le=100)
+    # The tier's name in metrics, status, `ckptd list` and `restore --tier`.
+    name: str = "primary"
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_label(cls, value: str) -> str:
+        if not _TIER_NAME.fullmatch(value):
+            raise ValueError(
+                "must be 1-32 letters, digits, _ or -, starting with a letter "
+                '(it is a metric label), e.g. "nfs" or "s3"'
+            )
+        return value
 
     @field_validator("url")
     @classmethod
@@ -331,12 +347,69 @@ class DestinationConfig(_Section):
         return root
 
 
-class RetentionConfig(_Section):
-    """What to keep: remotely (0 = all) and locally (0 = never delete, opt-in)."""
+_DURATION = re.compile(r"(?P<amount>[0-9]+(?:\.[0-9]+)?)(?P<unit>[smhdw]?)")
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: a number with an optional unit s, m, h, d or w ("7d", "12h",
+    "90"); ValueError naming the accepted forms."""
+    match = _DURATION.fullmatch(text.strip())
+    if not match:
+        raise ValueError(
+            f"{text!r} is not a duration: write a number and a unit s, m, h, d or w "
+            '(e.g. "7d", "12h", "30m"), or "0" for off'
+        )
+    return float(match["amount"]) * _DURATION_UNITS[match["unit"]]
+
+
+class TierRetentionConfig(_Section):
+    """What one destination keeps (``ckptd.retention``): the union of the newest
+    ``keep_last`` (0 = no count rule), every step multiple of ``keep_every_steps`` and
+    everything committed within ``keep_within``; with no count and no age rule, all."""
 
     keep_last: int = Field(default=5, ge=0)
     keep_every_steps: int = Field(default=0, ge=0)
+    # Age from the manifest's committed_at, e.g. "7d", "12h", "30m"; "0" = off.
+    keep_within: str = "0"
+
+    @field_validator("keep_within", mode="before")
+    @classmethod
+    def _within_is_a_duration(cls, value: object) -> object:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)  # a bare number of seconds
+        if isinstance(value, str):
+            parse_duration(value)
+        return value
+
+    @property
+    def keep_within_seconds(self) -> float:
+        """``keep_within`` in seconds (0 = off)."""
+        return parse_duration(self.keep_within)
+
+
+class RetentionConfig(TierRetentionConfig):
+    """The first destination's retention, and the node's local one (0 = never delete,
+    opt-in): local checkpoints are node-wide, so only ``[retention]`` has that key."""
+
     local_keep_last: int = Field(default=0, ge=0)
+
+
+class TierConfig(DestinationConfig):
+    """One further destination (``[[tiers]]``), committed and retained on its own; the
+    same keys as ``[destination]`` (``url`` and ``name`` required) and its own
+    ``[tiers.retention]``. Order is restore preference: fastest first."""
+
+    name: str
+    url: str
+    retention: TierRetentionConfig = Field(default_factory=TierRetentionConfig)
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_set(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must not be empty: s3://bucket[/prefix] or file:///absolute/path")
+        return value
 
 
 class CadenceConfig(_Section):
@@ -538,6 +611,34 @@ class Settings(BaseSettings):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     cadence: CadenceConfig = Field(default_factory=CadenceConfig)
+    tiers: list[TierConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _tiers_are_distinct(self) -> Settings:
+        names = {self.destination.name: "destination"}
+        urls = {self.destination.url: "destination"} if self.destination.url else {}
+        for index, tier in enumerate(self.tiers):
+            if tier.name in names:
+                raise _keyed_error(
+                    ("tiers", index, "name"),
+                    f"{tier.name!r} is already the name of {names[tier.name]}; "
+                    "each tier needs its own name",
+                )
+            key = (tier.url, tier.endpoint_url)
+            if tier.url in urls and (self.destination.url, self.destination.endpoint_url) == key:
+                raise _keyed_error(
+                    ("tiers", index, "url"),
+                    f"{tier.url!r} is already the url of {urls[tier.url]}",
+                )
+            names[tier.name] = f"tiers[{index}]"
+            urls.setdefault(tier.url, f"tiers[{index}]")
+        if self.tiers and self.cluster.multi_node:
+            raise _keyed_error(
+                ("tiers",),
+                "several tiers are not supported with cluster.nodes > 1 yet: keep "
+                "[destination] alone, or run one node",
+            )
+        return self
 
     @field_validator("watch")
     @classmethod
@@ -988,6 +1089,10 @@ def render_effective_config(settings: Settings) -> str:
                 if isinstance(entry, WatchConfig) and entry.run_id is None:
                     run_id = _toml_string(entry.effective_run_id)
                     lines.append(f"# run_id unset: defaults to {run_id} (basename of dir)")
+                for key in type(entry).model_fields:  # sub-tables: [tiers.retention]
+                    inner = getattr(entry, key)
+                    if isinstance(inner, BaseModel):
+                        lines += [f"[{name}.{key}]", *_render_table(inner)]
                 lines.append("")
         else:
             lines += [f"[{name}]", *_render_table(value), ""]
@@ -1000,6 +1105,8 @@ def _render_table(model: BaseModel) -> list[str]:
         value = getattr(model, name)
         if value is None:  # TOML has no null: leaving the key out means the same
             continue
+        if isinstance(value, BaseModel):
+            continue  # rendered as its own sub-table after the table's keys
         line = f"{name} = {_toml_value(value)}"
         if isinstance(value, SecretStr) and value.get_secret_value():
             line += "  # redacted"

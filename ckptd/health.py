@@ -22,10 +22,20 @@ RECHECK_OK_SECONDS = 60.0
 class DestinationHealth:
     """The destination's last known state."""
 
-    def __init__(self, storage: Storage, metrics: Metrics, log: Any) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        metrics: Metrics,
+        log: Any,
+        *,
+        tier: str = "primary",
+        tier_metrics: Metrics | None = None,
+    ) -> None:
         self.storage = storage
         self.metrics = metrics
         self.log = log
+        self.tier = tier
+        self.tier_metrics = tier_metrics if tier_metrics is not None else metrics
         self.ok = False
         self.error = ""
         self.failure: StorageError | None = None  # the last check's, while failing
@@ -43,6 +53,7 @@ class DestinationHealth:
                 self.log.error(
                     "destination_unusable",
                     destination=self.storage.url,
+                    tier=self.tier,
                     error=str(exc),
                     code=exc.code,
                 )
@@ -50,14 +61,16 @@ class DestinationHealth:
             self.error = str(exc)
             self.failure = exc
             self.metrics.destination_up.set(0)
+            self.tier_metrics.tier_up.labels(tier=self.tier).set(0)
             return False
         if not self.ok:
-            self.log.info("destination_ok", destination=self.storage.url)
+            self.log.info("destination_ok", destination=self.storage.url, tier=self.tier)
         self.ok = True
         self.error = ""
         self.failure = None
         self.metrics.destination_up.set(1)
+        self.tier_metrics.tier_up.labels(tier=self.tier).set(1)
         return True
 
     def to_json(self) -> dict[str, Any]:
-        return {"url": self.storage.url, "ok": self.ok}
+        return {"url": self.storage.url, "ok": self.ok, "tier": self.tier}

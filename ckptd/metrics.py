@@ -191,6 +191,45 @@ class Metrics:
             registry=r,
         )
 
+        # Several destinations (README, "Tiers"): each tier counted on its own; the
+        # unlabelled metrics above are the first tier's.
+        self.tier_committed = Counter(
+            "ckptd_tier_checkpoints_committed",
+            "Checkpoints committed to this tier (its own manifest written and verified).",
+            ["run", "tier"],
+            registry=r,
+        )
+        self.tier_failed = Counter(
+            "ckptd_tier_checkpoints_failed",
+            "Attempts to commit a checkpoint to this tier that failed (retried with backoff).",
+            ["run", "tier"],
+            registry=r,
+        )
+        self.tier_pending = Gauge(
+            "ckptd_tier_pending_checkpoints",
+            "Complete checkpoints not yet committed to this tier (its backlog).",
+            ["run", "tier"],
+            registry=r,
+        )
+        self.tier_last_commit_ts = Gauge(
+            "ckptd_tier_last_commit_timestamp_seconds",
+            "Unix time of the last commit to this tier.",
+            ["run", "tier"],
+            registry=r,
+        )
+        self.tier_last_step = Gauge(
+            "ckptd_tier_last_committed_step",
+            "Step of the newest checkpoint committed to this tier.",
+            ["run", "tier"],
+            registry=r,
+        )
+        self.tier_up = Gauge(
+            "ckptd_tier_up",
+            "1 when the last check of this tier's destination succeeded.",
+            ["tier"],
+            registry=r,
+        )
+
     def init_run(self, run: str) -> None:
         """Every series an alert watches, at 0, for a run this daemon ships."""
         for reason in FAILURE_REASONS:
@@ -199,6 +238,11 @@ class Metrics:
             self.storage_errors.labels(operation="checkpoint", kind=kind)
         for counter in (self.committed, self.abandoned, self.upload_bytes):
             counter.labels(run=run)
+
+    def init_tier(self, run: str, tier: str) -> None:
+        """A tier's counters, at 0, for a run this daemon ships to it."""
+        for counter in (self.tier_committed, self.tier_failed):
+            counter.labels(run=run, tier=tier)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -38,7 +38,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from pathlib import Path
 
 from ckptd.cluster import epoch_of, superseded
@@ -59,26 +59,54 @@ def plan_retention(
     keep_last: int,
     keep_every_steps: int,
     protected: Set[str] = frozenset(),
+    keep_within: float = 0.0,
+    committed_at: Mapping[str, float] | None = None,
+    now: float | None = None,
 ) -> list[str]:
     """Names of committed checkpoints to delete, oldest first.
 
-    ``committed`` is oldest first. Kept: the newest ``keep_last`` (0 keeps all), every
-    one whose step is a multiple of ``keep_every_steps`` (when > 0; step 0 counts), and
-    every name in ``protected``.
+    ``committed`` is oldest first. A checkpoint is kept when any rule keeps it (their
+    union, as restic's ``--keep-within``): it is one of the newest ``keep_last``; its
+    step is a multiple of ``keep_every_steps`` (when > 0; step 0 counts); it was
+    committed within ``keep_within`` seconds before ``now`` (when > 0; by
+    ``committed_at``, epoch seconds per name, one without a time is kept); it is in
+    ``protected``; or it is the newest. With neither a count nor an age rule
+    (``keep_last`` and ``keep_within`` 0) everything is kept.
     """
-    if keep_last < 0 or keep_every_steps < 0:
-        raise ValueError("keep_last and keep_every_steps must be >= 0")
-    if keep_last == 0:
+    if keep_last < 0 or keep_every_steps < 0 or keep_within < 0:
+        raise ValueError("keep_last, keep_every_steps and keep_within must be >= 0")
+    if keep_last == 0 and keep_within == 0:
         return []
-    newest = {name for name, _ in committed[-keep_last:]}
+    if keep_within > 0 and (committed_at is None or now is None):
+        raise ValueError("keep_within needs committed_at and now")
+    newest = {name for name, _ in committed[-keep_last:]} if keep_last > 0 else set()
+    if committed:
+        newest.add(committed[-1][0])  # the newest committed checkpoint is never deleted
     victims: list[str] = []
     for name, step in committed:
         if name in newest or name in protected:
             continue
         if keep_every_steps > 0 and step is not None and step % keep_every_steps == 0:
             continue
+        if keep_within > 0 and _within(name, keep_within, committed_at, now):
+            continue
         victims.append(name)
     return victims
+
+
+def _within(
+    name: str, seconds: float, committed_at: Mapping[str, float] | None, now: float | None
+) -> bool:
+    when = None if committed_at is None else committed_at.get(name)
+    # A commit time that cannot be read is no reason to delete: kept.
+    return when is None or now is None or now - when <= seconds
+
+
+def kept_by_age(
+    committed: Sequence[Entry], keep_within: float, committed_at: Mapping[str, float], now: float
+) -> list[Entry]:
+    """The entries ``keep_within`` alone keeps (oldest first)."""
+    return [e for e in committed if _within(e[0], keep_within, committed_at, now)]
 
 
 def plan_orphans(
@@ -141,6 +169,7 @@ def apply_retention(
     *,
     keep_last: int,
     keep_every_steps: int,
+    keep_within: float = 0.0,
     protected: Iterable[str] = (),
     collect_orphans: bool = True,
     now: float | None = None,
@@ -168,8 +197,19 @@ def apply_retention(
     committed = repo.list_committed(run_id)
     guarded |= {c.manifest.checkpoint for c in committed if c.is_latest}
     entries = [(c.manifest.checkpoint, c.manifest.step) for c in committed]
+    times = {
+        c.manifest.checkpoint: t
+        for c in committed
+        if (t := epoch_of(c.manifest.committed_at)) is not None
+    }
     victims = plan_retention(
-        entries, keep_last=keep_last, keep_every_steps=keep_every_steps, protected=guarded
+        entries,
+        keep_last=keep_last,
+        keep_every_steps=keep_every_steps,
+        protected=guarded,
+        keep_within=keep_within,
+        committed_at=times,
+        now=clock,
     )
     deleted: list[str] = []
     for name in victims:
@@ -177,7 +217,7 @@ def apply_retention(
         log.info("retention_deleted", checkpoint=name, objects=objects)
         deleted.append(name)
 
-    if collect_orphans and keep_last > 0:
+    if collect_orphans and (keep_last > 0 or keep_within > 0):
         committed_names = {name for name, _ in entries}
         candidates: list[Entry] = []
         for name in repo.list_names(run_id):
@@ -187,7 +227,10 @@ def apply_retention(
             if repo.has_manifest(run_id, name):
                 continue
             candidates.append((name, step_of(name)))
-        for name in plan_orphans(candidates, entries, keep_last=keep_last, protected=guarded):
+        # The orphan floor: the count rule's window or, with the age rule alone, what
+        # the age rule keeps (an upload in flight is newer than both).
+        window = entries if keep_last > 0 else kept_by_age(entries, keep_within, times, clock)
+        for name in plan_orphans(candidates, window, keep_last=keep_last, protected=guarded):
             objects = _delete_prefix(repo, run_id, name)
             if objects:  # some stores list an emptied prefix for a while: nothing to do
                 log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
@@ -296,6 +339,7 @@ __all__ = [
     "apply_local_cleanup",
     "apply_retention",
     "delete_checkpoint",
+    "kept_by_age",
     "plan_local_cleanup",
     "plan_orphans",
     "plan_retention",

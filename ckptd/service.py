@@ -27,15 +27,16 @@ import os
 import signal
 import socket
 import threading
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from ckptd.advice import CadenceAdvisor
 from ckptd.clock import SYSTEM_CLOCK, Clock
-from ckptd.config import ConfigError, Settings
+from ckptd.config import ConfigError, DestinationConfig, RetentionConfig, Settings, TierConfig
 from ckptd.errors import CkptdError
-from ckptd.health import DestinationHealth
+from ckptd.health import RECHECK_FAILING_SECONDS, DestinationHealth
 from ckptd.instance import STATE_LOCK, WATCH_LOCK, InstanceLocks
 from ckptd.logs import get_logger
 from ckptd.manifest import ManifestError
@@ -82,6 +83,30 @@ PUBLISH_DRAIN_SECONDS = 5.0
 RESUME_SETTLE_MAX_SECONDS = 15.0
 
 
+@dataclass
+class Tier:
+    """One destination with its own pipeline, journal and health (README, "Tiers")."""
+
+    name: str
+    journal: Journal
+    health: DestinationHealth
+    pipeline: SyncPipeline
+    last_check: float = 0.0
+
+
+def tier_settings(settings: Settings, tier: TierConfig) -> Settings:
+    """The settings a further tier's pipeline runs with: its destination and retention,
+    the node's local retention, no early shipping (first tier only), one node."""
+    destination = DestinationConfig(**tier.model_dump(exclude={"retention"}))
+    retention = RetentionConfig(
+        **tier.retention.model_dump(), local_keep_last=settings.retention.local_keep_last
+    )
+    watch = [w.model_copy(update={"ship_early": False}) for w in settings.watch]
+    return settings.model_copy(
+        update={"destination": destination, "retention": retention, "watch": watch}
+    )
+
+
 class Service:
     """One daemon: ``await Service(settings).serve()`` returns the exit code."""
 
@@ -123,9 +148,10 @@ class Service:
         self.storage = open_destination(
             settings.destination, limit_uploads=True, on_retry=self._on_retry, stop=self._io_stop
         )
-        self.destination = DestinationHealth(self.storage, self.metrics, self.log)
+        first = settings.destination.name
+        self.destination = DestinationHealth(self.storage, self.metrics, self.log, tier=first)
         self.pipeline = SyncPipeline(
-            settings, self.storage, self.journal, self.metrics, clock=clock
+            settings, self.storage, self.journal, self.metrics, clock=clock, tier=first
         )
         self.responder = Responder(settings, self.metrics, self.pipeline, clock=clock)
         self.pipeline.on_commit = self.responder.on_commit
@@ -138,9 +164,13 @@ class Service:
             clock=clock,
         )
         self.pipeline.on_cost = self.advisor.record_save
-        self.watcher = Watcher(
-            {r: s.dir for r, s in self.pipeline.runs.items()}, self.pipeline.hint
-        )
+        self.tiers: list[Tier] = [Tier(first, self.journal, self.destination, self.pipeline)]
+        for tier in settings.tiers:
+            self.tiers.append(self._build_tier(tier))
+        if len(self.tiers) > 1:
+            for t in self.tiers:
+                t.pipeline.locally_deletable = self._committed_in_every_tier
+        self.watcher = Watcher({r: s.dir for r, s in self.pipeline.runs.items()}, self._hint)
         self.watching: list[str] = []
         self.missing_watch_dirs: list[Path] = []
         # SIGTERM's deadline is our own grace period: what we may spend flushing.
@@ -155,6 +185,50 @@ class Service:
         self.http_port: int | None = None
         if settings.cluster.multi_node:
             self._build_cluster_notices()
+
+    def _build_tier(self, tier: TierConfig) -> Tier:
+        """A further tier: its own storage, journal (``state.dir/tiers/NAME``) and
+        pipeline, whose unlabelled metrics stay private (they are the first tier's);
+        it counts under its ``tier`` label, and starts nothing during a notice."""
+        own = tier_settings(self.settings, tier)
+        private = Metrics()
+        storage = open_destination(
+            own.destination, limit_uploads=True, on_retry=self._on_retry, stop=self._io_stop
+        )
+        journal = Journal(Path(self.settings.state.dir) / "tiers" / tier.name)
+        health = DestinationHealth(
+            storage, private, self.log, tier=tier.name, tier_metrics=self.metrics
+        )
+        pipeline = SyncPipeline(
+            own,
+            storage,
+            journal,
+            private,
+            clock=self.clock,
+            tier=tier.name,
+            tier_metrics=self.metrics,
+        )
+        first = self.pipeline
+        pipeline.held = lambda: first.emergency_since is not None
+        return Tier(tier.name, journal, health, pipeline)
+
+    def _committed_in_every_tier(self, run: str) -> set[str]:
+        """Local retention deletes only what every tier has committed."""
+        sets = [t.pipeline.runs[run].committed for t in self.tiers]
+        return set.intersection(*(set(c) for c in sets))
+
+    def _hint(self, run_id: str, name: str | None, delay: float | None = None) -> None:
+        """A file event, to every tier's pipeline."""
+        for t in self.tiers:
+            if delay is None:
+                t.pipeline.hint(run_id, name)
+            else:
+                t.pipeline.hint(run_id, name, delay)
+
+    async def rescan(self, run_id: str) -> None:
+        """Look at every checkpoint of ``run_id`` again, for every tier."""
+        for t in self.tiers:
+            await t.pipeline.rescan(run_id)
 
     def _build_cluster_notices(self) -> None:
         cluster = self.settings.cluster
@@ -228,8 +302,12 @@ class Service:
                 why="cannot create .ckptd/daemon.lock there: a second daemon on this dir "
                 "would not be stopped",
             )
+        for t in self.tiers[1:]:
+            self.log.info("tier", tier=t.name, destination=t.health.storage.url)
+            await t.health.check()  # a tier that is down holds no other back
         await asyncio.to_thread(self._remove_stale_notice_files)
-        await self.pipeline.recover()
+        for t in self.tiers:
+            await t.pipeline.recover()
         if not self.once:
             await self.advisor.load()
             from ckptd.http import HttpServer  # aiohttp costs ~0.3 s of start-up; --once needs none
@@ -294,33 +372,55 @@ class Service:
         if failure is not None and failure.destination_unusable:
             raise failure
         for run_id in pipeline.runs:
-            await pipeline.rescan(run_id)
-        ok = await pipeline.drain_once()
+            await self.rescan(run_id)
+        ok = await self._drain_tiers()
         # Checkpoints complete but for a quiet window (settle/quiescence) are waited
         # for, within ONCE_MAX_WAIT, then shipped too.
         waited_until = self.clock.monotonic() + ONCE_MAX_WAIT_SECONDS
+
         # With many nodes, also until every checkpoint is announced and joined by the
         # other nodes' parts (or the wait runs out: then 1).
-        while (not pipeline.idle() or pipeline.cluster_busy()) and (
+        # A further tier that refuses this node (credentials, bucket) is not waited for:
+        # it holds the others back no more here than in the daemon (the exit is 1).
+        def busy(tier: Tier) -> bool:
+            return not tier.pipeline.idle() and (
+                tier.pipeline is pipeline or tier.pipeline.unusable is None
+            )
+
+        while (any(busy(t) for t in self.tiers) or pipeline.cluster_busy()) and (
             self.clock.monotonic() < waited_until
         ):
             if pipeline.unusable is not None:
                 raise pipeline.unusable
             await asyncio.sleep(0.1)
             await self._cluster_round()
-            ok = await pipeline.drain_once() and ok
+            ok = await self._drain_tiers() and ok
         if self.missing_watch_dirs:
             # Nothing could be shipped from there: "all shipped" would not be true.
             raise WatchDirMissingError(self.missing_watch_dirs)
-        return 0 if ok and not pipeline.cluster_busy() else 1
+        refused = [t.name for t in self.tiers if t.pipeline.unusable is not None]
+        if refused:
+            self.log.error("tiers_not_committed", tiers=refused)
+        return 0 if ok and not refused and not pipeline.cluster_busy() else 1
+
+    async def _drain_tiers(self) -> bool:
+        ok = True
+        for t in self.tiers:
+            ok = await t.pipeline.drain_once() and ok
+        return ok
 
     async def main_loop(self) -> int:
         pipeline = self.pipeline
         self.watcher.start(asyncio.get_running_loop())
         self.watching = self.watcher.refresh()
         for run_id in pipeline.runs:
-            await pipeline.rescan(run_id)
+            await self.rescan(run_id)
         worker = asyncio.create_task(pipeline.work(self.stop_event), name="worker")
+        # Each further tier has its own worker: one that is down holds no other back.
+        tier_workers = [
+            asyncio.create_task(t.pipeline.work(self.stop_event), name=f"worker-{t.name}")
+            for t in self.tiers[1:]
+        ]
         ticker = asyncio.create_task(self._tick(), name="ticker")
         notices = asyncio.create_task(self._watch_notices(), name="notices")
         cluster = asyncio.create_task(self._poll_cluster(), name="cluster")
@@ -341,7 +441,9 @@ class Service:
         notices.cancel()
         cluster.cancel()
         try:
-            await asyncio.wait_for(worker, timeout=self.shutdown_timeout)
+            await asyncio.wait_for(
+                asyncio.gather(worker, *tier_workers), timeout=self.shutdown_timeout
+            )
         except TimeoutError:
             # The journal holds every finished part: the next start resumes there.
             self.log.warning("shutdown_timeout", seconds=self.shutdown_timeout)
@@ -356,8 +458,9 @@ class Service:
             await self.publisher.drain(PUBLISH_DRAIN_SECONDS)
         if not self.once:
             await self.advisor.flush(force=True)
-        await self.pipeline.close()
-        self.journal.close()
+        for t in self.tiers:
+            await t.pipeline.close()
+            t.journal.close()
         self.locks.release()
         self.sigterm_source.close()
         with contextlib.suppress(RuntimeError):
@@ -525,10 +628,26 @@ class Service:
                 if appeared or now - last_scan[run_id] >= state.watch.rescan_seconds:
                     last_scan[run_id] = now
                     with contextlib.suppress(OSError):
-                        await pipeline.rescan(run_id)
+                        await self.rescan(run_id)
             if now - last_check >= self.destination.recheck_seconds:
                 last_check = now
                 await self.destination.check()
+            for t in self.tiers[1:]:
+                await self._check_tier(t, now)
+
+    async def _check_tier(self, tier: Tier, now: float) -> None:
+        """Ask a further tier's store again when due; when it comes back, its backlog is
+        shipped at once rather than after the rest of its backoff."""
+        # A checkpoint that failed in this tier makes it due soon, so the metrics say the
+        # tier is down within seconds, and its return is noticed as soon.
+        failing = any(p.failures for p in tier.pipeline.queue)
+        interval = RECHECK_FAILING_SECONDS if failing else tier.health.recheck_seconds
+        if now - tier.last_check < interval:
+            return
+        tier.last_check = now
+        was_ok = tier.health.ok
+        if await tier.health.check() and not was_ok:
+            tier.pipeline.retry_now()
 
     async def _poll_cluster(self) -> None:
         """Many nodes: look in the store every ``cluster.poll_interval_seconds``."""
@@ -560,6 +679,24 @@ class Service:
     def status(self) -> dict[str, Any]:
         body = self.pipeline.status()
         body["destination"] = self.destination.to_json()
+        body["tiers"] = {
+            t.name: {
+                "destination": t.health.to_json(),
+                "runs": {
+                    run: {
+                        "pending": entry["pending"],
+                        "uploading": entry["uploading"],
+                        "last_committed": entry["last_committed"],
+                        "failed": entry["failed"],
+                        "sync_lag_seconds": entry["sync_lag_seconds"],
+                    }
+                    for run, entry in (
+                        body["runs"] if t.pipeline is self.pipeline else t.pipeline.status()["runs"]
+                    ).items()
+                },
+            }
+            for t in self.tiers
+        }
         body["preemption"] = self.responder.preemption_json()
         body["advice"] = self.advisor.advice_json()["runs"]
         return body

@@ -1,7 +1,8 @@
 """``ckptd status`` for people: the ``/v1/status`` document as a rich table.
 
 One row per run: pending checkpoints, the upload in flight with its progress, the last
-committed checkpoint, and the sync lag; a line above for the destination, one per
+committed checkpoint, and the sync lag; a line above for the destination (and one per
+further tier: reachable, its backlog, its last commit), one per
 checkpoint waiting for other nodes (many nodes), one for the preemption notice below and
 one per run for the advised checkpoint cadence. Pure presentation: it takes the document,
 asks nothing.
@@ -140,6 +141,25 @@ def destination_text(destination: Mapping[str, Any] | None) -> Text:
     )
 
 
+def tiers_text(doc: Mapping[str, Any]) -> list[Text]:
+    """Several tiers: one line per further tier (the first is the destination line and
+    the table): reachable or not, its backlog, its newest committed step per run."""
+    tiers: Mapping[str, Any] = doc.get("tiers") or {}
+    lines = []
+    for name, tier in list(tiers.items())[1:]:
+        destination = tier.get("destination") or {}
+        text = Text.assemble((f"tier {name}: ", "bold"), str(destination.get("url") or "?"), "  ")
+        text.append(*(("ok", "green") if destination.get("ok") else ("UNREACHABLE", "bold red")))
+        for run_id, run in sorted((tier.get("runs") or {}).items()):
+            last = run.get("last_committed") or {}
+            backlog = len(run.get("pending") or [])
+            text.append(f"  {run_id}: last {last.get('checkpoint') or '-'}")
+            if backlog:
+                text.append(f", {backlog} behind", style="yellow")
+        lines.append(text)
+    return lines
+
+
 def waiting_text(doc: Mapping[str, Any]) -> list[Text]:
     """Many nodes: one line per checkpoint whose part is written, waiting for others'."""
     lines = []
@@ -184,6 +204,8 @@ def advice_text(doc: Mapping[str, Any]) -> list[Text]:
 def render_status(doc: Mapping[str, Any], console: Console) -> None:
     """Print a ``/v1/status`` document: destination, the per-run table, the notice."""
     console.print(destination_text(doc.get("destination")))
+    for line in tiers_text(doc):
+        console.print(line)
     if doc.get("runs"):
         console.print(status_table(doc))
     else:
@@ -205,5 +227,6 @@ __all__ = [
     "progress_text",
     "render_status",
     "status_table",
+    "tiers_text",
     "waiting_text",
 ]

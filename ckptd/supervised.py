@@ -1,8 +1,9 @@
 """``ckptd exec``: the daemon with the trainer as its supervised child.
 
     start-up   the daemon's own (SIGTERM, and here SIGINT too, are notices from now on)
-    restore    the run's newest committed checkpoint into the watch dir, unless a complete
-               local one is as new (a rerun on the same node restores nothing)
+    restore    the run's newest committed checkpoint (in any tier) into the watch dir,
+               unless a complete local one is as new (a rerun on the same node restores
+               nothing)
     run        the trainer (``ckptd.supervise``), the daemon's main loop beside it
     end        - the trainer finished by itself, or was given up on: ship what is
                  complete, exit with its code (``EXIT_GAVE_UP`` when given up on)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 from collections.abc import Sequence
@@ -31,13 +33,13 @@ from ckptd.errors import EXIT_FLUSH_FAILED, CkptdError
 from ckptd.manifest import ManifestError
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.sigterm import SigtermSource
-from ckptd.repository import Repository
 from ckptd.restarts import RestartPolicy
-from ckptd.restore import RestoreError, restore
+from ckptd.restore import RestoreError
 from ckptd.service import DRAIN_QUIET_SECONDS, Service
 from ckptd.storage import StorageError
 from ckptd.storage.base import NotFoundError
 from ckptd.supervise import TrainerSupervisor
+from ckptd.tiers import TierStore, newest_in_tiers, restore_from_tiers, tier_configs
 
 # After its emergency checkpoint is committed, the trainer gets this long to exit by
 # itself (it usually has already) before SIGTERM, then as long again before SIGKILL.
@@ -83,7 +85,7 @@ class SupervisedService(Service):
             match=settings.trainer.match,
             save_signal=settings.trainer.signal_number,
             # Ship what it left at once: file events can be missed (a watch set up late).
-            on_exit=lambda: self.pipeline.rescan(self.run_id),
+            on_exit=lambda: self.rescan(self.run_id),
             on_restart=lambda cause: self.advisor.record_interruption(
                 "restart", cause, self.run_id
             ),
@@ -155,9 +157,13 @@ class SupervisedService(Service):
         local one is as new. ExecError when the store cannot say what it holds: starting
         the trainer from scratch would train over the run's history."""
         local_path, local_step = await self.newest_complete(self.run_id)
-        repo = Repository(self.storage)
+        # Every tier, in order: the newest step in any, from the first holding it.
+        stores = [
+            TierStore(t.name, t.health.storage, c)
+            for t, c in zip(self.tiers, tier_configs(self.settings), strict=True)
+        ]
         try:
-            manifest = await asyncio.to_thread(repo.resolve, self.run_id, None)
+            manifest, _ = await asyncio.to_thread(newest_in_tiers, stores, self.run_id, self.log)
         except NotFoundError:
             self.log.info("exec_nothing_to_restore", run=self.run_id, local=str(local_path))
             return
@@ -178,20 +184,23 @@ class SupervisedService(Service):
             self.restored = {"checkpoint": manifest.checkpoint, "skipped": True, "seconds": 0.0}
             return
         try:
-            result = await asyncio.to_thread(
-                restore,
-                self.storage,
-                self.run_id,
-                manifest.checkpoint,
-                self.watch_dir,
-                if_missing=True,
-                concurrency=self.settings.destination.concurrency,
-                progress=False,
+            done = await asyncio.to_thread(
+                functools.partial(
+                    restore_from_tiers,
+                    stores,
+                    self.run_id,
+                    manifest.checkpoint,
+                    self.watch_dir,
+                    if_missing=True,
+                    concurrency=self.settings.destination.concurrency,
+                    progress=False,
+                )
             )
         except (RestoreError, StorageError, ManifestError) as exc:
             raise ExecError(
                 f"restore of {self.run_id}/{manifest.checkpoint} failed: {exc}"
             ) from exc
+        result = done.result
         self.restored = {
             "checkpoint": result.checkpoint,
             "skipped": result.skipped,

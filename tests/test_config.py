@@ -182,6 +182,38 @@ BAD_VALUES = [
     ("[retention]\nkeep_last = -1", "retention.keep_last"),
     ("[retention]\nkeep_every_steps = -1", "retention.keep_every_steps"),
     ("[retention]\nlocal_keep_last = -1", "retention.local_keep_last"),
+    ('[retention]\nkeep_within = "7 days"', "retention.keep_within"),
+    ('[retention]\nkeep_within = "-1d"', "retention.keep_within"),
+    ('[destination]\nname = "has space"', "destination.name"),
+    ('[destination]\nname = "1st"', "destination.name"),
+    ('[[tiers]]\nname = "s3"', "tiers[0].url"),
+    ('[[tiers]]\nurl = "file:///t"', "tiers[0].name"),
+    ('[[tiers]]\nname = "s3"\nurl = ""', "tiers[0].url"),
+    ('[[tiers]]\nname = "s3"\nurl = "ftp://h/p"', "tiers[0].url"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nendpoint_url = "ftp://h"', "tiers[0].endpoint_url"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nregion = 5', "tiers[0].region"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\npart_size_mib = 1', "tiers[0].part_size_mib"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nconcurrency = 0', "tiers[0].concurrency"),
+    (
+        '[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nmax_upload_mib_per_s = -1',
+        "tiers[0].max_upload_mib_per_s",
+    ),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nmax_attempts = 0', "tiers[0].max_attempts"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nretention = 5', "tiers[0].retention"),
+    (
+        '[[tiers]]\nname = "s3"\nurl = "s3://bkt"\n[tiers.retention]\nkeep_within = "x"',
+        "tiers[0].retention.keep_within",
+    ),
+    (
+        '[[tiers]]\nname = "s3"\nurl = "s3://bkt"\n[tiers.retention]\nlocal_keep_last = 1',
+        "tiers[0].retention.local_keep_last",
+    ),
+    ('[destination]\nname = "a"\n[[tiers]]\nname = "a"\nurl = "file:///t"', "tiers[0].name"),
+    (
+        '[destination]\nurl = "file:///t"\n[[tiers]]\nname = "b"\nurl = "file:///t"',
+        "tiers[0].url",
+    ),
+    ('[cluster]\nnodes = 2\nnode_rank = 0\n[[tiers]]\nname = "b"\nurl = "file:///t"', "tiers"),
     ('[preemption]\nprovider = "oracle"', "preemption.provider"),
     ('[preemption]\nendpoint = "169.254.169.254"', "preemption.endpoint"),
     ("[preemption]\npoll_interval_seconds = 0", "preemption.poll_interval_seconds"),
@@ -231,9 +263,13 @@ def test_bad_value_is_reported_under_its_key(tmp_path: Path, toml: str, key: str
 
 
 def test_every_key_has_a_bad_value_case() -> None:
-    covered = {key.split("].")[-1] if "]." in key else key for _, key in BAD_VALUES}
+    covered = {
+        key.replace("[0]", "") if key.startswith("tiers") else key.split("].")[-1]
+        for _, key in BAD_VALUES
+    }
+    lists = {"watch": config.WatchConfig, "tiers": config.TierConfig}
     for section, field in Settings.model_fields.items():
-        model = field.annotation if section != "watch" else config.WatchConfig
+        model = lists.get(section, field.annotation)
         assert isinstance(model, type)
         for name in model.model_fields:
             wanted = name if section == "watch" else f"{section}.{name}"
@@ -681,3 +717,53 @@ def test_one_node_ignores_a_stray_launcher_rank(tmp_path: Path) -> None:
     settings = load(tmp_path, "", environ={"NODE_RANK": "7"})
     assert settings.cluster.nodes == 1
     assert settings.cluster.rank == 0
+
+
+TIERS_TOML = """
+[destination]
+url = "file:///mnt/nfs"
+name = "nfs"
+
+[retention]
+keep_last = 3
+keep_within = "12h"
+local_keep_last = 2
+
+[[tiers]]
+name = "s3"
+url = "s3://my-bucket/ckpt"
+max_upload_mib_per_s = 200
+
+[tiers.retention]
+keep_last = 10
+keep_within = "7d"
+keep_every_steps = 5000
+
+[[tiers]]
+name = "dr"
+url = "s3://other-bucket"
+endpoint_url = "http://127.0.0.1:9000"
+"""
+
+
+def test_tiers_load_in_order_with_their_own_retention_and_render_back(tmp_path: Path) -> None:
+    settings = load(tmp_path, TIERS_TOML)
+    assert settings.destination.name == "nfs"
+    assert settings.retention.keep_within_seconds == 12 * 3600
+    assert [t.name for t in settings.tiers] == ["s3", "dr"]
+    s3, dr = settings.tiers
+    assert (s3.url, s3.max_upload_mib_per_s, s3.part_size_mib) == ("s3://my-bucket/ckpt", 200, 64)
+    assert (s3.retention.keep_last, s3.retention.keep_every_steps) == (10, 5000)
+    assert s3.retention.keep_within_seconds == 7 * 86400
+    assert (dr.retention.keep_last, dr.retention.keep_within) == (5, "0")  # the defaults
+    rendered = render_effective_config(settings)
+    assert "[[tiers]]" in rendered and "[tiers.retention]" in rendered
+    again = tmp_path / "again"
+    again.mkdir()
+    assert load(again, rendered) == settings
+
+
+def test_one_destination_is_unchanged_by_tiers(tmp_path: Path) -> None:
+    settings = load(tmp_path, '[destination]\nurl = "s3://bkt/p"\n')
+    assert settings.tiers == [] and settings.destination.name == "primary"
+    assert settings.retention.keep_within == "0"

@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("storage", ("ckptd.storage",)),
     ("repository", ("ckptd.repository",)),
-    ("operations", ("ckptd.retention", "ckptd.restore", "ckptd.verify")),
+    ("operations", ("ckptd.retention", "ckptd.restore", "ckptd.verify", "ckptd.tiers")),
     ("sync", ("ckptd.sync",)),
     (
         "daemon",

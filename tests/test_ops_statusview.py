@@ -175,3 +175,22 @@ def test_the_supervised_trainer_renders_under_exec_only() -> None:
     assert "resumed from step-40" in text
     gave_up = render({"trainer": {**trainer, "pid": None, "gave_up": "failed at start-up"}})
     assert "not running" in gave_up and "gave up: failed at start-up" in gave_up
+
+
+def test_each_further_tier_shows_reachability_backlog_and_last_commit() -> None:
+    def tier(url: str, ok: bool, pending: list[str], last: str | None) -> dict[str, Any]:
+        run = {"pending": pending, "last_committed": last and {"checkpoint": last}}
+        return {"destination": {"url": url, "ok": ok}, "runs": {"run1": run}}
+
+    doc = status_doc(
+        tiers={
+            "nfs": tier("file:///mnt/nfs", True, [], "checkpoint-20"),
+            "s3": tier("s3://b/p", False, ["checkpoint-20", "checkpoint-30"], "checkpoint-10"),
+        }
+    )
+    text = render(doc)
+    line = next(line for line in text.splitlines() if line.startswith("tier s3"))
+    assert "s3://b/p" in line and "UNREACHABLE" in line
+    assert "run1: last checkpoint-10, 2 behind" in line
+    assert not any(line.startswith("tier nfs") for line in text.splitlines())  # the first
+    assert "tier" not in render(status_doc())  # one destination: no tier lines

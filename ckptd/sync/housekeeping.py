@@ -40,6 +40,7 @@ async def after_commit(
             run,
             keep_last=policy.keep_last,
             keep_every_steps=policy.keep_every_steps,
+            keep_within=policy.keep_within_seconds,
             protected=protected,
             cluster_grace_seconds=cluster_grace_seconds,
         )

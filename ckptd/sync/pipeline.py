@@ -100,13 +100,28 @@ class SyncPipeline:
         metrics: Metrics,
         *,
         clock: Clock = SYSTEM_CLOCK,
+        tier: str = "primary",
+        tier_metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
         self.repo = Repository(storage)
+        # Several tiers: one pipeline each (``ckptd.service``). ``metrics`` is the first
+        # tier's (the unlabelled contract); every tier also counts under its ``tier``
+        # label in ``tier_metrics`` (the exported one).
+        self.tier = tier
+        self.tier_metrics = tier_metrics if tier_metrics is not None else metrics
+        # Further tiers start nothing new while the first is in emergency mode.
+        self.held: Callable[[], bool] = lambda: False
+        # Local checkpoints local retention may delete: committed here (overridden with
+        # several tiers: committed in every tier).
+        self.locally_deletable: Callable[[str], set[str]] = lambda run: set(
+            self.runs[run].committed
+        )
         self.journal = journal
         self.metrics = metrics
         self.clock = clock
-        self.log = get_logger()
+        # Several tiers: every line says which one (one tier: as before).
+        self.log = get_logger(tier=tier) if settings.tiers else get_logger()
         dest = settings.destination
         self.rate = RateMeter(clock=clock.monotonic)
         self.transfers = Transfers(
@@ -135,6 +150,7 @@ class SyncPipeline:
         }
         for run in self.runs:
             self.metrics.init_run(run)
+            self.tier_metrics.init_tier(run, tier)
         self._wake = asyncio.Event()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         # When the pending look at a checkpoint was first asked for (loop time).
@@ -398,6 +414,10 @@ class SyncPipeline:
         waiting = state.waiting.get(name)
         if role is not None and waiting is not None and waiting.save == role.save:
             return verdict  # its part is in the store: poll_cluster takes it from here
+        if name in state.committed:
+            # Committed by the worker while this look awaited the listing (a rescan
+            # racing a commit): queuing it again would ship and count it twice.
+            return verdict
         total = sum(f.size for f in verdict.files)
         pending = Pending(
             run_id,
@@ -556,7 +576,9 @@ class SyncPipeline:
             pending = self.queue.next(self.clock.monotonic())
             # The checkpoint written since a notice goes first, even before it is
             # complete: while its files are sent early, no older checkpoint starts.
-            held = pending is not None and not pending.emergency and self.early.emergency_active()
+            held = pending is not None and (
+                (not pending.emergency and self.early.emergency_active()) or self.held()
+            )
             if pending is None or held:
                 self._wake.clear()
                 waiters = [
@@ -595,6 +617,11 @@ class SyncPipeline:
             exc_info=exc,
         )
         self.update_gauges()
+
+    def retry_now(self) -> None:
+        """The store is back: end every backoff and ship the backlog now."""
+        self.queue.retry_now()
+        self._wake.set()
 
     async def drain_once(self) -> bool:
         """Ship everything pending now (``ckptd run --once``); True if all committed."""
@@ -697,7 +724,7 @@ class SyncPipeline:
                 state.run_id,
                 state.dir,
                 protected=protected,
-                committed_here=state.committed,
+                committed_here=self.locally_deletable(state.run_id),
                 log=log,
                 cluster_grace_seconds=None
                 if self.committer is None
@@ -883,6 +910,10 @@ class SyncPipeline:
             self.metrics.last_step.labels(run=run).set(state.last_step)
         self.metrics.committed.labels(run=run).inc()
         self.metrics.last_commit_ts.labels(run=run).set(self.clock.time())
+        self.tier_metrics.tier_committed.labels(run=run, tier=self.tier).inc()
+        self.tier_metrics.tier_last_commit_ts.labels(run=run, tier=self.tier).set(self.clock.time())
+        if state.last_step is not None:
+            self.tier_metrics.tier_last_step.labels(run=run, tier=self.tier).set(state.last_step)
         if already:
             log.info("checkpoint_already_committed", step=manifest.step)
         self.update_gauges()
@@ -906,6 +937,7 @@ class SyncPipeline:
         kind = storage_error_kind(exc) if isinstance(exc, StorageError) else None
         reason = "local" if kind is None else kind if kind in ("unusable", "verify") else "storage"
         self.metrics.failed.labels(run=state.run_id, reason=reason).inc()
+        self.tier_metrics.tier_failed.labels(run=state.run_id, tier=self.tier).inc()
         # Counted as a storage error only when the store said no; a local I/O error or
         # a manifest that would not build is a failed checkpoint, not a storage error.
         if isinstance(exc, StorageError) and kind is not None:
@@ -934,6 +966,9 @@ class SyncPipeline:
         now = self.clock.time()
         for state in self.runs.values():
             self.metrics.pending.labels(run=state.run_id).set(len(self.queue.of_run(state.run_id)))
+            self.tier_metrics.tier_pending.labels(run=state.run_id, tier=self.tier).set(
+                len(self.queue.of_run(state.run_id))
+            )
             self.metrics.sync_lag.labels(run=state.run_id).set(
                 self.queue.sync_lag(state.run_id, now)
             )

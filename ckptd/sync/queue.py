@@ -144,6 +144,11 @@ class ShipQueue:
         pending.not_before = now + delay
         return delay
 
+    def retry_now(self) -> None:
+        """End every backoff (the store came back): what failed is tried again now."""
+        for pending in self._pending.values():
+            pending.not_before = 0.0
+
     def sync_lag(self, run: str, wall: float) -> float:
         """Age of the run's oldest pending checkpoint (0 when none)."""
         oldest = min((p.completed_at for p in self.of_run(run)), default=None)
