@@ -276,6 +276,11 @@ class DestinationConfig(_Section):
     # Node-wide cap so training I/O is not starved; 0 = unlimited.
     max_upload_mib_per_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     max_attempts: int = Field(default=8, ge=1, le=100)
+    # S3 server-side encryption at rest: "" (the bucket's default), SSE-S3 ("AES256")
+    # or SSE-KMS ("aws:kms", with an optional key id; the account's default key when "").
+    # SSE-C is not offered: S3 blocks it on new buckets since April 2026.
+    sse: Literal["", "AES256", "aws:kms"] = ""
+    sse_kms_key_id: str = ""
 
     @field_validator("url")
     @classmethod
@@ -292,6 +297,22 @@ class DestinationConfig(_Section):
         if value:
             _check_http_url(value, allow_path=False)
         return value
+
+    @model_validator(mode="after")
+    def _encryption_fits(self) -> DestinationConfig:
+        if self.sse_kms_key_id and self.sse != "aws:kms":
+            raise _keyed_error(
+                ("sse_kms_key_id",),
+                f'is set, but sse is {self.sse!r}: a KMS key applies only with sse = "aws:kms"',
+            )
+        encrypted = bool(self.sse or self.sse_kms_key_id)
+        if encrypted and self.url and parse_destination(self.url).kind != "s3":
+            raise _keyed_error(
+                ("sse",),
+                f"server-side encryption applies to s3:// destinations, not {self.url!r}; "
+                "encrypt the filesystem itself, or remove sse",
+            )
+        return self
 
     def _parsed(self) -> DestinationURL:
         if not self.url:
