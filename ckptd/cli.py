@@ -384,7 +384,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     settings = _settings(args)
     storage = _storage(settings)
     manifest = Repository(storage).resolve(args.run_id, None if args.latest else args.checkpoint)
-    problems = verify_checkpoint(storage, manifest, concurrency=settings.destination.concurrency)
+    problems = verify_checkpoint(
+        storage,
+        manifest,
+        concurrency=settings.destination.concurrency,
+        keys=settings.authentication.key_ring(),
+    )
     if args.json:
         _print_json(
             {
@@ -422,6 +427,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_mib * 1024 * 1024,
         progress=False if args.no_progress else None,
         part=args.part,
+        keys=settings.authentication.key_ring(),
     )
     if not result.skipped:
         import time
@@ -578,6 +584,11 @@ def error_lines(exc: CkptdError, command: str) -> list[str]:
             return [f"restore failed: {exc}", *(f"  {p.path}: {p.problem}" for p in exc.problems)]
         if isinstance(exc, ManifestError):
             return [f"restore refused: {exc}"]
+    if command == "verify":
+        from ckptd.authentication import AuthenticationError
+
+        if isinstance(exc, AuthenticationError):
+            return [f"verify refused: {exc}"]
     return [str(exc)]
 
 

@@ -40,6 +40,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from ckptd.authentication import KeyFileError, KeyRing, load_key
 from ckptd.errors import EXIT_USAGE, CkptdError
 from ckptd.storage.url import DestinationKind, DestinationURL, parse_destination
 
@@ -532,6 +533,55 @@ class ResourcesConfig(_Section):
     drop_page_cache: bool = True
 
 
+class AuthenticationConfig(_Section):
+    """Authenticated checkpoints (``ckptd.authentication``): key files, never keys."""
+
+    # The HMAC key that signs every manifest (and verifies); "" = manifests unsigned.
+    key_file: str = ""
+    # Older keys still accepted for verification (rotation); each known by its id.
+    verify_key_files: list[str] = Field(default_factory=list)
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_is_usable(cls, value: str) -> str:
+        if value:
+            _check_key_file(value)
+        return value
+
+    @field_validator("verify_key_files")
+    @classmethod
+    def _keys_are_usable(cls, values: list[str]) -> list[str]:
+        for index, value in enumerate(values):
+            try:
+                _check_key_file(value)
+            except ValueError as exc:
+                raise _keyed_error((index,), str(exc)) from None
+        return values
+
+    @model_validator(mode="after")
+    def _verify_needs_a_key(self) -> AuthenticationConfig:
+        if self.verify_key_files and not self.key_file:
+            raise _keyed_error(
+                ("verify_key_files",), "is set without key_file: set key_file (the current key)"
+            )
+        return self
+
+    def key_ring(self) -> KeyRing | None:
+        """The keys, or None when authentication is off."""
+        if not self.key_file:
+            return None
+        return KeyRing.from_files(self.key_file, self.verify_key_files)
+
+
+def _check_key_file(value: str) -> None:
+    if not Path(value).is_absolute():
+        raise ValueError(f"must be an absolute path, got {value!r}")
+    try:
+        load_key(value)
+    except KeyFileError as exc:
+        raise ValueError(str(exc)) from None
+
+
 class Settings(BaseSettings):
     """The whole configuration; build it with ``load_settings``."""
 
@@ -555,6 +605,7 @@ class Settings(BaseSettings):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     cadence: CadenceConfig = Field(default_factory=CadenceConfig)
+    authentication: AuthenticationConfig = Field(default_factory=AuthenticationConfig)
 
     @field_validator("watch")
     @classmethod
@@ -1033,6 +1084,8 @@ def _toml_value(value: object) -> str:
         return _toml_string("***" if value.get_secret_value() else "")
     if isinstance(value, str | Path):
         return _toml_string(str(value))
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot render {type(value).__name__} as TOML")
 
 

@@ -182,6 +182,13 @@ BAD_VALUES = [
     ('[destination]\nsse = "SSE-C"', "destination.sse"),
     ('[destination]\nurl = "file:///mnt/c"\nsse = "AES256"', "destination.sse"),
     ('[destination]\nsse = "AES256"\nsse_kms_key_id = "k"', "destination.sse_kms_key_id"),
+    ('[authentication]\nkey_file = "relative.key"', "authentication.key_file"),
+    ('[authentication]\nkey_file = "/nonexistent/ckptd.key"', "authentication.key_file"),
+    ('[authentication]\nverify_key_files = "/etc/old.key"', "authentication.verify_key_files"),
+    (
+        '[authentication]\nverify_key_files = ["/nonexistent/old.key"]',
+        "authentication.verify_key_files[0]",
+    ),
     ("[retention]\nkeep_last = -1", "retention.keep_last"),
     ("[retention]\nkeep_every_steps = -1", "retention.keep_every_steps"),
     ("[retention]\nlocal_keep_last = -1", "retention.local_keep_last"),
