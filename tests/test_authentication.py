@@ -1,0 +1,350 @@
+"""Authenticated checkpoints, end to end: the real pipeline signs, the real CLI refuses.
+
+Checkpoints are shipped by the in-process pipeline to SeaweedFS (a 12 MiB file in three
+5 MiB parts, a small one, the marker); ``ckptd verify`` and ``ckptd restore`` run as
+their own processes with ``[authentication]`` in their config. Refusals must exit 1
+with one clear first line and leave nothing at ``DIR/NAME``. The forged object has the
+same size and the same CRC-32C as the original (``forge_crc32c``: CRC-32C is affine over
+GF(2), so four patched bytes restore any CRC), so only the digest can tell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd import checksum
+from ckptd.authentication import key_id_of, load_key
+from ckptd.config import load_settings
+from ckptd.locals3 import LocalS3
+from ckptd.metrics import Metrics
+from ckptd.storage import open_destination
+from ckptd.sync.journal import Journal
+from ckptd.sync.pipeline import SyncPipeline
+from tests.conftest import BUCKET
+from tests.daemon import Daemon, run_cli, wait_until
+
+MiB = 1024 * 1024
+RUN = "run"
+
+
+# -- forging --------------------------------------------------------------------------------
+
+
+def forge_crc32c(data: bytes, target: int) -> bytes:
+    """``data`` with its last 4 bytes replaced so that its CRC-32C is ``target``.
+
+    crc(prefix + x) is affine in the 32 bits of x: base ^ sum of x_i * column_i, so
+    solving one 32x32 system over GF(2) gives the x that reaches ``target``."""
+    prefix = data[:-4]
+    state = checksum.crc32c(prefix)
+    base = checksum.crc32c(b"\0\0\0\0", state)
+    columns = [checksum.crc32c((1 << i).to_bytes(4, "little"), state) ^ base for i in range(32)]
+    # Gaussian elimination: rows are (column value, the x bits that make it).
+    rows: list[tuple[int, int]] = [(columns[i], 1 << i) for i in range(32)]
+    want, solution = target ^ base, 0
+    basis: dict[int, tuple[int, int]] = {}
+    for value, bits in rows:
+        for pivot in sorted(basis, reverse=True):
+            if value >> pivot & 1:
+                value ^= basis[pivot][0]
+                bits ^= basis[pivot][1]
+        if value:
+            basis[value.bit_length() - 1] = (value, bits)
+    for pivot in sorted(basis, reverse=True):
+        if want >> pivot & 1:
+            want ^= basis[pivot][0]
+            solution ^= basis[pivot][1]
+    assert want == 0, "CRC-32C columns span every target"
+    forged = prefix + solution.to_bytes(4, "little")
+    assert checksum.crc32c(forged) == target and len(forged) == len(data)
+    return forged
+
+
+def test_forge_helper_keeps_size_and_crc_and_changes_the_bytes() -> None:
+    data = os.urandom(1 * MiB + 77)
+    evil = bytearray(data)
+    evil[100:120] = b"import os; os.system"
+    forged = forge_crc32c(bytes(evil), checksum.crc32c(data))
+    assert forged != data and len(forged) == len(data)
+    assert checksum.crc32c(forged) == checksum.crc32c(data)
+
+
+# -- a destination, keys, shipping ----------------------------------------------------------
+
+
+class Setup:
+    def __init__(self, tmp: Path, endpoint: str, prefix: str) -> None:
+        self.tmp, self.endpoint, self.prefix = tmp, endpoint, prefix
+        self.url = f"s3://{BUCKET}/{prefix}"
+        self.watch = tmp / "watch"
+        self.watch.mkdir()
+        self.shipped = 0
+
+    def key(self, name: str) -> Path:
+        path = self.tmp / f"{name}.key"
+        if not path.exists():
+            path.write_text(secrets.token_hex(32) + "\n")
+        return path
+
+    def auth(self, key: Path | None, verify: tuple[Path, ...] = ()) -> dict[str, Any]:
+        if key is None:
+            return {}
+        return {"key_file": str(key), "verify_key_files": [str(v) for v in verify]}
+
+    async def ship(self, name: str, key: Path | None, verify: tuple[Path, ...] = ()) -> None:
+        """Write checkpoint ``name`` and ship it with a fresh pipeline and journal."""
+        self.shipped += 1
+        state = self.tmp / f"state-{self.shipped}"
+        state.mkdir()
+        settings = load_settings(
+            overrides={
+                "watch": [
+                    {"dir": str(self.watch), "run_id": RUN, "layout": "marker", "ship_early": False}
+                ],
+                "destination": {
+                    "url": self.url,
+                    "endpoint_url": self.endpoint,
+                    "part_size_mib": 5,
+                    "concurrency": 2,
+                    "max_attempts": 2,
+                },
+                "state": {"dir": str(state)},
+                "retention": {"keep_last": 0},
+                "authentication": self.auth(key, verify),
+            },
+            environ={},
+        )
+        ckpt = self.watch / name
+        ckpt.mkdir()
+        (ckpt / "weights.bin").write_bytes(os.urandom(12 * MiB))
+        (ckpt / "config.json").write_bytes(b'{"layers": 2}')
+        (ckpt / "COMPLETE").write_text("")
+        journal = Journal(state)
+        pipeline = SyncPipeline(
+            settings, open_destination(settings.destination), journal, Metrics()
+        )
+        try:
+            await pipeline.evaluate(RUN, name)
+            assert await pipeline.drain_once()
+            assert name in pipeline.runs[RUN].committed
+        finally:
+            await pipeline.close()
+            journal.close()
+
+    def config(self, key: Path | None, verify: tuple[Path, ...] = ()) -> Path:
+        lines = [
+            "[destination]",
+            f"url = {json.dumps(self.url)}",
+            f"endpoint_url = {json.dumps(self.endpoint)}",
+        ]
+        if key is not None:
+            lines += ["[authentication]", f"key_file = {json.dumps(str(key))}"]
+            lines.append(f"verify_key_files = {json.dumps([str(v) for v in verify])}")
+        path = self.tmp / f"cli-{secrets.token_hex(4)}.toml"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def object(self, client: Any, name: str, path: str) -> bytes:
+        key = f"{self.prefix}/{RUN}/{name}/{path}"
+        return bytes(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+
+    def replace(self, client: Any, name: str, path: str, data: bytes) -> None:
+        client.put_object(Bucket=BUCKET, Key=f"{self.prefix}/{RUN}/{name}/{path}", Body=data)
+
+    def manifest(self, client: Any, name: str) -> dict[str, Any]:
+        return dict(json.loads(self.object(client, name, "ckptd.manifest.json")))
+
+    def verify(self, name: str, config: Path) -> Any:
+        return run_cli("verify", "--run", RUN, "--checkpoint", name, config=config)
+
+    def restore(self, name: str, config: Path, to: Path) -> Any:
+        return run_cli(
+            "restore",
+            "--run",
+            RUN,
+            "--checkpoint",
+            name,
+            "--to",
+            str(to),
+            "--no-progress",
+            config=config,
+        )
+
+
+@pytest.fixture
+def setup(tmp_path: Path, local_s3: LocalS3, s3_prefix: str) -> Setup:
+    return Setup(tmp_path, local_s3.endpoint_url, s3_prefix)
+
+
+def assert_refused(result: Any, *needles: str) -> None:
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    # stderr also carries the JSON log lines; the user's line is the one "ckptd: " line.
+    said = [line for line in result.stderr.splitlines() if line.startswith("ckptd: ")]
+    assert len(said) == 1, result.stderr
+    first = said[0]
+    for needle in needles:
+        assert needle in first, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def assert_restored(result: Any, to: Path, name: str, original: Path) -> None:
+    assert result.returncode == 0, result.stderr
+    for path in ("weights.bin", "config.json"):
+        assert (to / name / path).read_bytes() == (original / name / path).read_bytes()
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+
+async def test_signed_manifest_carries_digests_and_key_id_and_restores(
+    setup: Setup, s3_client: Any, tmp_path: Path
+) -> None:
+    k1 = setup.key("k1")
+    await setup.ship("ck-1", k1)
+    doc = setup.manifest(s3_client, "ck-1")
+    assert doc["key_id"] == key_id_of(load_key(k1))
+    assert doc["digest"] == "blake3-1mib-list" and len(doc["signature"]) == 64
+    assert {f["path"] for f in doc["files"]} == {"weights.bin", "config.json", "COMPLETE"}
+    assert all(len(f["digest"]) == 64 for f in doc["files"])
+    config = setup.config(k1)
+    assert setup.verify("ck-1", config).returncode == 0
+    assert_restored(
+        setup.restore("ck-1", config, tmp_path / "out"), tmp_path / "out", "ck-1", setup.watch
+    )
+    # Without a key configured, a signed checkpoint restores as any other.
+    plain = setup.config(None)
+    assert_restored(
+        setup.restore("ck-1", plain, tmp_path / "o2"), tmp_path / "o2", "ck-1", setup.watch
+    )
+
+
+@pytest.mark.parametrize("path", ["weights.bin", "config.json"])
+async def test_object_forged_with_same_size_and_crc32c_is_refused(
+    setup: Setup, s3_client: Any, tmp_path: Path, path: str
+) -> None:
+    k1 = setup.key("k1")
+    await setup.ship("ck-1", k1)
+    original = setup.object(s3_client, "ck-1", path)
+    evil = bytearray(original)
+    n = min(8, len(evil) - 4)  # the last 4 bytes are the forger's
+    evil[:n] = b"EVILCODE"[:n]
+    setup.replace(s3_client, "ck-1", path, forge_crc32c(bytes(evil), checksum.crc32c(original)))
+    config = setup.config(k1)
+
+    # Without the key, CRC-32C and size cannot tell: the forgery passes (why keys exist).
+    assert setup.verify("ck-1", setup.config(None)).returncode == 0
+
+    result = setup.verify("ck-1", config)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"BAD  {RUN}/ck-1/{path}: digest differs" in result.stdout
+    to = tmp_path / "out"
+    result = setup.restore("ck-1", config, to)
+    assert_refused(result, "restore failed")
+    assert "digest differs from the signed manifest" in result.stderr
+    assert not (to / "ck-1").exists()
+
+
+@pytest.mark.parametrize("edit", ["size", "digest", "crc32c", "extra-field"])
+async def test_edited_manifest_is_refused(
+    setup: Setup, s3_client: Any, tmp_path: Path, edit: str
+) -> None:
+    k1 = setup.key("k1")
+    await setup.ship("ck-1", k1)
+    doc = setup.manifest(s3_client, "ck-1")
+    entry = next(f for f in doc["files"] if f["path"] == "config.json")
+    if edit == "size":
+        # Consistent otherwise (total_bytes follows), and the object is made to match.
+        data = setup.object(s3_client, "ck-1", "config.json") + b" "
+        setup.replace(s3_client, "ck-1", "config.json", data)
+        entry["size"] += 1
+        entry["crc32c"] = checksum.to_hex(checksum.crc32c(data))
+        doc["total_bytes"] += 1
+    elif edit == "digest":
+        entry["digest"] = "0" * 64
+    elif edit == "crc32c":
+        entry["crc32c"] = "00000000"
+    else:
+        doc["note"] = "harmless?"
+    setup.replace(s3_client, "ck-1", "ckptd.manifest.json", json.dumps(doc).encode())
+    config = setup.config(k1)
+    assert_refused(setup.verify("ck-1", config), "signature does not match")
+    to = tmp_path / "out"
+    assert_refused(setup.restore("ck-1", config, to), "restore refused", "signature does not match")
+    assert not to.exists() or not any(to.iterdir())
+
+
+async def test_unsigned_manifest_is_refused_when_a_key_is_configured(
+    setup: Setup, tmp_path: Path
+) -> None:
+    await setup.ship("ck-1", None)
+    config = setup.config(setup.key("k1"))
+    assert_refused(setup.verify("ck-1", config), "not signed")
+    to = tmp_path / "out"
+    assert_refused(setup.restore("ck-1", config, to), "restore refused", "not signed")
+    assert not to.exists() or not any(to.iterdir())
+    # Without a key it is an ordinary checkpoint.
+    assert_restored(setup.restore("ck-1", setup.config(None), to), to, "ck-1", setup.watch)
+
+
+async def test_key_rotation(setup: Setup, s3_client: Any, tmp_path: Path) -> None:
+    k1, k2 = setup.key("k1"), setup.key("k2")
+    id1, id2 = key_id_of(load_key(k1)), key_id_of(load_key(k2))
+    await setup.ship("ck-1", k1)
+    # The daemon now signs with K2 and still accepts K1.
+    await setup.ship("ck-2", k2, (k1,))
+    assert setup.manifest(s3_client, "ck-1")["key_id"] == id1
+    assert setup.manifest(s3_client, "ck-2")["key_id"] == id2
+    both = setup.config(k2, (k1,))
+    for name in ("ck-1", "ck-2"):
+        assert setup.verify(name, both).returncode == 0
+        to = tmp_path / f"both-{name}"
+        assert_restored(setup.restore(name, both, to), to, name, setup.watch)
+    # K1 retired: old checkpoints are refused by its id, new ones still restore.
+    only2 = setup.config(k2)
+    to = tmp_path / "only2"
+    assert_refused(setup.restore("ck-1", only2, to), "unknown key id", id1)
+    assert not (to / "ck-1").exists()
+    assert_refused(setup.verify("ck-1", only2), "unknown key id", id1)
+    assert_restored(setup.restore("ck-2", only2, to), to, "ck-2", setup.watch)
+
+
+def test_key_never_appears_in_logs_status_or_config_output(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    key_text = secrets.token_hex(32)
+    key_file = tmp_path / "manifest.key"
+    key_file.write_text(key_text + "\n")
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    daemon = Daemon.configured(
+        tmp_path,
+        watch=[{"dir": watch, "run_id": RUN, "layout": "marker"}],
+        dest=s3_dest,
+        endpoint_url=local_s3.endpoint_url,
+        state_dir=tmp_path / "state",
+    )
+    with open(daemon.config, "a") as fh:
+        fh.write(f"[authentication]\nkey_file = {json.dumps(str(key_file))}\n")
+    daemon.extra_args = ["--log-level", "debug"]
+    with daemon:
+        daemon.start()
+        ckpt = watch / "ck-1"
+        ckpt.mkdir()
+        (ckpt / "weights.bin").write_bytes(os.urandom(MiB))
+        (ckpt / "COMPLETE").write_text("")
+        wait_until(lambda: daemon.events_named("checkpoint_committed"), 60, "ck-1 committed")
+        status = json.dumps(daemon.get_json("/v1/status"))
+    config_out = run_cli("config", "check", config=daemon.config)
+    assert config_out.returncode == 0, config_out.stderr
+    assert str(key_file) in config_out.stdout  # the path is shown...
+    log = daemon.log_text()
+    assert "checkpoint_committed" in log
+    for text in (log, status, config_out.stdout, config_out.stderr):
+        assert key_text not in text  # ...the key never
+        assert key_text.encode().hex() not in text
