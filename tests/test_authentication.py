@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 
 from ckptd import checksum
-from ckptd.authentication import key_id_of, load_key
-from ckptd.config import load_settings
+from ckptd.authentication import KeyRing, key_id_of, load_key
+from ckptd.config import AuthenticationConfig, load_settings
 from ckptd.locals3 import LocalS3
 from ckptd.metrics import Metrics
+from ckptd.repository import Repository, object_key
+from ckptd.restore import RestoreError, restore
 from ckptd.storage import open_destination
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
@@ -348,3 +350,55 @@ def test_key_never_appears_in_logs_status_or_config_output(
     for text in (log, status, config_out.stdout, config_out.stderr):
         assert key_text not in text  # ...the key never
         assert key_text.encode().hex() not in text
+
+
+# -- many nodes ------------------------------------------------------------------------------
+
+
+async def test_many_nodes_parts_carry_digests_and_the_union_is_signed(tmp_path: Path) -> None:
+    """Two nodes (pipelines) on a shared directory: each part lists its node's digests;
+    the union is signed by the node that commits it, restores whole and by part, and a
+    forged shard of node 1 is refused."""
+    from tests.test_cluster_sync import Node, age, dcp_save, drive, union
+
+    key = tmp_path / "k.key"
+    key.write_text(secrets.token_hex(32))
+    dest = (f"file://{tmp_path / 'shared'}", "")
+    nodes = [Node(tmp_path, 0, dest), Node(tmp_path, 1, dest)]
+    for node in nodes:
+        node.settings = node.settings.model_copy(
+            update={"authentication": AuthenticationConfig(key_file=str(key))}
+        )
+    repo = Repository(nodes[0].storage())
+    keys = KeyRing.from_files(key)
+    try:
+        dcp_save(nodes[0], nodes[1])
+        for node in nodes:
+            age(node.root)
+            await node.start()
+        await drive(nodes, lambda: repo.read_manifest(RUN, "step-10") is not None)
+    finally:
+        for node in nodes:
+            await node.stop()
+    manifest = repo.read_manifest(RUN, "step-10")
+    assert manifest is not None and manifest.nodes == 2
+    keys.check(manifest)  # signed, by the one key every node holds
+    for rank in (0, 1):
+        part = repo.read_part(RUN, "step-10", rank)
+        assert part is not None and part.files
+        assert all(f.digest and f.digest == manifest.file_map()[f.path].digest for f in part.files)
+    expected = union(nodes[0], nodes[1], "step-10")
+    whole = restore(repo.storage, RUN, None, tmp_path / "all", progress=False, keys=keys)
+    assert {
+        p.relative_to(whole.path).as_posix() for p in whole.path.rglob("*") if p.is_file()
+    } == set(expected)
+    restore(repo.storage, RUN, "step-10", tmp_path / "p1", progress=False, keys=keys, part=1)
+
+    shard = "__2_0.distcp"  # node 1's
+    data = repo.storage.get_bytes(object_key(RUN, "step-10", shard))
+    forged = forge_crc32c(b"\x80" + data[1:], checksum.crc32c(data))
+    (tmp_path / "shared" / RUN / "step-10" / shard).write_bytes(forged)
+    with pytest.raises(RestoreError) as caught:
+        restore(repo.storage, RUN, "step-10", tmp_path / "bad", progress=False, keys=keys)
+    assert [p.path for p in caught.value.problems] == [shard]
+    assert not (tmp_path / "bad" / "step-10").exists()
