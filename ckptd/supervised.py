@@ -187,6 +187,8 @@ class SupervisedService(Service):
                 if_missing=True,
                 concurrency=self.settings.destination.concurrency,
                 progress=False,
+                # Authenticated checkpoints: refused before the trainer can load a byte.
+                keys=self.settings.authentication.key_ring(),
             )
         except (RestoreError, StorageError, ManifestError) as exc:
             raise ExecError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -402,3 +403,44 @@ async def test_many_nodes_parts_carry_digests_and_the_union_is_signed(tmp_path: 
         restore(repo.storage, RUN, "step-10", tmp_path / "bad", progress=False, keys=keys)
     assert [p.path for p in caught.value.problems] == [shard]
     assert not (tmp_path / "bad" / "step-10").exists()
+
+
+# -- ckptd exec: the restore before the trainer starts ----------------------------------------
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+async def test_exec_restores_only_a_signed_checkpoint_before_the_trainer_starts(
+    setup: Setup, tmp_path: Path, signed: bool
+) -> None:
+    from tests.e2e.exec_harness import ExecNode
+    from tests.e2e.harness import RUN_ID, Env
+
+    assert RUN_ID == RUN
+    key = setup.key("k1")
+    await setup.ship("ck-1", key if signed else None)
+    started = tmp_path / "trainer-started"
+    node = ExecNode(
+        tmp_path / "node",
+        spec=None,  # type: ignore[arg-type] - command given: no trainer spec needed
+        env=Env(setup.url, setup.endpoint),
+        max_restarts=0,
+        command=[sys.executable, "-c", f"open({str(started)!r}, 'w').close()"],
+        extra_config=f"[authentication]\nkey_file = {json.dumps(str(key))}\n",
+    )
+    try:
+        node.start()
+        code = node.wait_exit(120)
+    finally:
+        node.close()
+    restored = node.ckpt / "ck-1"
+    if signed:
+        assert code == 0, node.log_tail()
+        assert started.exists()
+        assert (restored / "weights.bin").read_bytes() == (
+            setup.watch / "ck-1" / "weights.bin"
+        ).read_bytes()
+    else:
+        assert code == 1, node.log_tail()
+        assert "not signed" in node.log_tail()
+        assert not started.exists()  # the trainer never ran
+        assert not restored.exists()
