@@ -444,3 +444,65 @@ async def test_exec_restores_only_a_signed_checkpoint_before_the_trainer_starts(
         assert "not signed" in node.log_tail()
         assert not started.exists()  # the trainer never ran
         assert not restored.exists()
+
+
+# -- digests of parts sent before a restart -----------------------------------------------------
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["unchanged", "part-rewritten"])
+async def test_a_resumed_upload_reads_its_sent_parts_again_for_the_digest(
+    tmp_path: Path, changed: bool
+) -> None:
+    """Parts 1-2 of 3 are sent, then the upload pauses; a fresh Transfers (a restarted
+    daemon) resumes it with digests on: the digest is the whole file's, and a sent part
+    whose bytes changed since (size and mtime kept) stops the upload instead of being
+    signed as what was sent."""
+    from ckptd import digest
+    from ckptd.layouts.base import FileEntry
+    from ckptd.storage import open_storage
+    from ckptd.sync.transfer import (
+        CheckpointChangedError,
+        TransferContext,
+        TransferPausedError,
+        Transfers,
+    )
+
+    storage = open_storage(f"file://{tmp_path / 'store'}")
+    journal = Journal(tmp_path / "state")
+    local = tmp_path / "weights.bin"
+    local.write_bytes(os.urandom(12 * MiB))
+    st = local.stat()
+    entry = FileEntry("weights.bin", st.st_size, st.st_mtime_ns)
+    ctx = TransferContext(RUN, "ck-1")
+
+    sent: list[int] = []
+
+    def on_bytes(run: str, n: int) -> None:
+        sent.append(n)
+        if len(sent) == 2:
+            ctx.pause.set()  # one worker: parts 1 and 2 are sent and journalled
+
+    first = Transfers(
+        storage, journal, part_size=5 * MiB, concurrency=1, on_bytes=on_bytes, digests=True
+    )
+    try:
+        with pytest.raises(TransferPausedError):
+            await first.upload("k", local, entry, ctx)
+    finally:
+        first.close()
+    if changed:
+        with open(local, "r+b") as fh:  # part 1's bytes, same size, same mtime
+            fh.write(b"\xff" * 16)
+        os.utime(local, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = Transfers(storage, journal, part_size=5 * MiB, concurrency=2, digests=True)
+    try:
+        if changed:
+            with pytest.raises(CheckpointChangedError, match="changed since part 1"):
+                await second.upload("k", local, entry, TransferContext(RUN, "ck-1"))
+        else:
+            result = await second.upload("k", local, entry, TransferContext(RUN, "ck-1"))
+            assert result.how == "resumed" and result.bytes_sent == 2 * MiB
+            assert result.digest == digest.digest_of_bytes(local.read_bytes())
+    finally:
+        second.close()
+        journal.close()
