@@ -317,9 +317,12 @@ async def test_key_rotation(setup: Setup, s3_client: Any, tmp_path: Path) -> Non
     assert_restored(setup.restore("ck-2", only2, to), to, "ck-2", setup.watch)
 
 
-def test_key_never_appears_in_logs_status_or_config_output(
-    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+def test_daemon_signs_early_shipped_files_and_never_shows_the_key(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str, s3_prefix: str, s3_client: Any
 ) -> None:
+    """The real daemon, an hf checkpoint whose model goes early (before the trainer's
+    record): the committed manifest is signed and the early file's digest holds on
+    restore; the key is nowhere in the daemon's log (debug), /v1/status or config check."""
     key_text = secrets.token_hex(32)
     key_file = tmp_path / "manifest.key"
     key_file.write_text(key_text + "\n")
@@ -327,28 +330,60 @@ def test_key_never_appears_in_logs_status_or_config_output(
     watch.mkdir()
     daemon = Daemon.configured(
         tmp_path,
-        watch=[{"dir": watch, "run_id": RUN, "layout": "marker"}],
+        watch=[{"dir": watch, "run_id": RUN, "settle_seconds": 0.3}],
         dest=s3_dest,
         endpoint_url=local_s3.endpoint_url,
         state_dir=tmp_path / "state",
+        part_size_mib=5,
     )
     with open(daemon.config, "a") as fh:
         fh.write(f"[authentication]\nkey_file = {json.dumps(str(key_file))}\n")
     daemon.extra_args = ["--log-level", "debug"]
+    ckpt = watch / "checkpoint-5"
     with daemon:
-        daemon.start()
-        ckpt = watch / "ck-1"
         ckpt.mkdir()
-        (ckpt / "weights.bin").write_bytes(os.urandom(MiB))
-        (ckpt / "COMPLETE").write_text("")
-        wait_until(lambda: daemon.events_named("checkpoint_committed"), 60, "ck-1 committed")
+        (ckpt / "model.safetensors").write_bytes(os.urandom(7 * MiB))
+        (ckpt / "config.json").write_text('{"model_type": "gpt2"}')
+        wait_until(
+            lambda: daemon.events_named("early_upload_done", path="model.safetensors"),
+            60,
+            "the model's early upload",
+        )
+        (ckpt / "trainer_state.json").write_text('{"global_step": 5}')
+        (committed,) = wait_until(
+            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-5"),
+            60,
+            "commit",
+        )
         status = json.dumps(daemon.get_json("/v1/status"))
+    # The model went before the record: taken over in flight ("early") or, done by then,
+    # read again for its digest ("skipped"); either way its digest is in the manifest.
+    assert committed["early"] + committed["skipped"] >= 1
+    key = f"{s3_prefix}/{RUN}/checkpoint-5/ckptd.manifest.json"
+    doc = json.loads(s3_client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    assert doc["key_id"] == key_id_of(load_key(key_file))
+    assert all(f.get("digest") for f in doc["files"])
+    config = tmp_path / "cli.toml"
+    config.write_text(
+        f"[destination]\nurl = {json.dumps(s3_dest)}\n"
+        f"endpoint_url = {json.dumps(local_s3.endpoint_url)}\n"
+        f"[authentication]\nkey_file = {json.dumps(str(key_file))}\n"
+    )
+    to = tmp_path / "out"
+    result = run_cli(
+        "restore", "--run", RUN, "--latest", "--to", str(to), "--no-progress", config=config
+    )
+    assert result.returncode == 0, result.stderr
+    assert (to / "checkpoint-5" / "model.safetensors").read_bytes() == (
+        ckpt / "model.safetensors"
+    ).read_bytes()
+
     config_out = run_cli("config", "check", config=daemon.config)
     assert config_out.returncode == 0, config_out.stderr
     assert str(key_file) in config_out.stdout  # the path is shown...
     log = daemon.log_text()
     assert "checkpoint_committed" in log
-    for text in (log, status, config_out.stdout, config_out.stderr):
+    for text in (log, status, config_out.stdout, config_out.stderr, result.stderr):
         assert key_text not in text  # ...the key never
         assert key_text.encode().hex() not in text
 
