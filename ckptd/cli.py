@@ -456,7 +456,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ckptd.storage.base import NotFoundError
     from ckptd.verify import verify_checkpoint
 
-    tiers = _tiers(args, _settings(args))
+    settings = _settings(args)
+    tiers = _tiers(args, settings)
+    keys = settings.authentication.key_ring()
     many = len(tiers) > 1
     reports: list[dict[str, Any]] = []
     bad = False
@@ -471,7 +473,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             # A pinned checkpoint one tier never held (or has aged out) is no mismatch.
             reports.append({"tier": tier.name, "held": False})
             continue
-        problems = verify_checkpoint(tier.storage, manifest, concurrency=tier.config.concurrency)
+        problems = verify_checkpoint(
+            tier.storage, manifest, concurrency=tier.config.concurrency, keys=keys
+        )
         bad = bad or bool(problems)
         reports.append(
             {
@@ -527,6 +531,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_mib * 1024 * 1024,
         progress=False if args.no_progress else None,
         part=args.part,
+        keys=settings.authentication.key_ring(),
     )
     result = done.result
     storage = next(t.storage for t in tiers if t.name == done.tier)
@@ -688,6 +693,11 @@ def error_lines(exc: CkptdError, command: str) -> list[str]:
             return [f"restore failed: {exc}", *(f"  {p.path}: {p.problem}" for p in exc.problems)]
         if isinstance(exc, ManifestError):
             return [f"restore refused: {exc}"]
+    if command == "verify":
+        from ckptd.authentication import AuthenticationError
+
+        if isinstance(exc, AuthenticationError):
+            return [f"verify refused: {exc}"]
     return [str(exc)]
 
 

@@ -116,7 +116,11 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     def to_bytes(self) -> bytes:
-        return (json.dumps(self.model_dump(mode="json"), indent=2) + "\n").encode()
+        doc = self.model_dump(mode="json")
+        for entry in doc.get("files", []):  # a part's files: digest only when authenticated
+            if entry.get("digest", "") is None:
+                del entry["digest"]
+        return (json.dumps(doc, indent=2) + "\n").encode()
 
 
 class Announcement(_Model):
@@ -324,8 +328,14 @@ def missing_of(parts: Mapping[int, Part], save: str, nodes: int) -> list[int]:
     return [r for r in range(nodes) if r not in parts or parts[r].save != save]
 
 
-def part_files(files: Sequence[tuple[str, int, str]]) -> list[ManifestFile]:
-    return [ManifestFile(path=p, size=s, crc32c=c) for p, s, c in sorted(files)]
+def part_files(
+    files: Sequence[tuple[str, int, str]], digests: Mapping[str, str] | None = None
+) -> list[ManifestFile]:
+    """A part's file entries; ``digests`` (path -> hex) with authenticated checkpoints."""
+    found = digests or {}
+    return [
+        ManifestFile(path=p, size=s, crc32c=c, digest=found.get(p)) for p, s, c in sorted(files)
+    ]
 
 
 __all__ = [

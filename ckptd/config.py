@@ -40,6 +40,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from ckptd.authentication import KeyFileError, KeyRing, load_key
 from ckptd.errors import EXIT_USAGE, CkptdError
 from ckptd.storage.url import DestinationKind, DestinationURL, parse_destination
 
@@ -283,6 +284,11 @@ class DestinationConfig(_Section):
     # Node-wide cap so training I/O is not starved; 0 = unlimited.
     max_upload_mib_per_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     max_attempts: int = Field(default=8, ge=1, le=100)
+    # S3 server-side encryption at rest: "" (the bucket's default), SSE-S3 ("AES256")
+    # or SSE-KMS ("aws:kms", with an optional key id; the account's default key when "").
+    # SSE-C is not offered: S3 blocks it on new buckets since April 2026.
+    sse: Literal["", "AES256", "aws:kms"] = ""
+    sse_kms_key_id: str = ""
     # The tier's name in metrics, status, `ckptd list` and `restore --tier`.
     name: str = "primary"
 
@@ -311,6 +317,22 @@ class DestinationConfig(_Section):
         if value:
             _check_http_url(value, allow_path=False)
         return value
+
+    @model_validator(mode="after")
+    def _encryption_fits(self) -> DestinationConfig:
+        if self.sse_kms_key_id and self.sse != "aws:kms":
+            raise _keyed_error(
+                ("sse_kms_key_id",),
+                f'is set, but sse is {self.sse!r}: a KMS key applies only with sse = "aws:kms"',
+            )
+        encrypted = bool(self.sse or self.sse_kms_key_id)
+        if encrypted and self.url and parse_destination(self.url).kind != "s3":
+            raise _keyed_error(
+                ("sse",),
+                f"server-side encryption applies to s3:// destinations, not {self.url!r}; "
+                "encrypt the filesystem itself, or remove sse",
+            )
+        return self
 
     def _parsed(self) -> DestinationURL:
         if not self.url:
@@ -588,6 +610,55 @@ class ResourcesConfig(_Section):
     drop_page_cache: bool = True
 
 
+class AuthenticationConfig(_Section):
+    """Authenticated checkpoints (``ckptd.authentication``): key files, never keys."""
+
+    # The HMAC key that signs every manifest (and verifies); "" = manifests unsigned.
+    key_file: str = ""
+    # Older keys still accepted for verification (rotation); each known by its id.
+    verify_key_files: list[str] = Field(default_factory=list)
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_is_usable(cls, value: str) -> str:
+        if value:
+            _check_key_file(value)
+        return value
+
+    @field_validator("verify_key_files")
+    @classmethod
+    def _keys_are_usable(cls, values: list[str]) -> list[str]:
+        for index, value in enumerate(values):
+            try:
+                _check_key_file(value)
+            except ValueError as exc:
+                raise _keyed_error((index,), str(exc)) from None
+        return values
+
+    @model_validator(mode="after")
+    def _verify_needs_a_key(self) -> AuthenticationConfig:
+        if self.verify_key_files and not self.key_file:
+            raise _keyed_error(
+                ("verify_key_files",), "is set without key_file: set key_file (the current key)"
+            )
+        return self
+
+    def key_ring(self) -> KeyRing | None:
+        """The keys, or None when authentication is off."""
+        if not self.key_file:
+            return None
+        return KeyRing.from_files(self.key_file, self.verify_key_files)
+
+
+def _check_key_file(value: str) -> None:
+    if not Path(value).is_absolute():
+        raise ValueError(f"must be an absolute path, got {value!r}")
+    try:
+        load_key(value)
+    except KeyFileError as exc:
+        raise ValueError(str(exc)) from None
+
+
 class Settings(BaseSettings):
     """The whole configuration; build it with ``load_settings``."""
 
@@ -611,6 +682,7 @@ class Settings(BaseSettings):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     cadence: CadenceConfig = Field(default_factory=CadenceConfig)
+    authentication: AuthenticationConfig = Field(default_factory=AuthenticationConfig)
     tiers: list[TierConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -1123,6 +1195,8 @@ def _toml_value(value: object) -> str:
         return _toml_string("***" if value.get_secret_value() else "")
     if isinstance(value, str | Path):
         return _toml_string(str(value))
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot render {type(value).__name__} as TOML")
 
 

@@ -79,6 +79,9 @@ class ManifestFile(BaseModel):
     path: str
     size: int = Field(ge=0)
     crc32c: str
+    # The file's cryptographic digest (``ckptd.digest``), hex; only in an authenticated
+    # manifest (``[authentication]``), absent otherwise.
+    digest: str | None = None
 
     @field_validator("path")
     @classmethod
@@ -113,6 +116,11 @@ class Manifest(BaseModel):
     # manifest joins, and the save they all answered. Absent (None) on one node.
     nodes: int | None = Field(default=None, ge=1)
     save: str | None = None
+    # Authenticated checkpoints (``ckptd.authentication``): the files' digest algorithm,
+    # the id of the key that signed, and the HMAC-SHA-256 (hex) over ``signable_bytes``.
+    digest: str | None = None
+    key_id: str | None = None
+    signature: str | None = None
 
     @field_validator("format")
     @classmethod
@@ -146,11 +154,33 @@ class Manifest(BaseModel):
     def file_map(self) -> dict[str, ManifestFile]:
         return {f.path: f for f in self.files}
 
-    def to_bytes(self) -> bytes:
-        # The many-node fields are left out when unset: one node's manifest stays as it was.
-        unset = {k for k in ("nodes", "save") if getattr(self, k) is None}
+    def to_document(self) -> dict[str, object]:
+        """The JSON document. The optional fields (many nodes, authentication, a file's
+        digest) are left out when unset: a manifest without them stays as it was."""
+        unset = {k for k in _OPTIONAL if getattr(self, k) is None}
         doc = self.model_dump(mode="json", exclude=unset)
-        return (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode()
+        for entry in doc["files"]:
+            if entry.get("digest", "") is None:
+                del entry["digest"]
+        return doc
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(self.to_document(), indent=2, sort_keys=False) + "\n").encode()
+
+
+_OPTIONAL = ("nodes", "save", "digest", "key_id", "signature")
+SIGNATURE_DOMAIN = b"ckptd.manifest.signature/1\n"
+
+
+def signable_bytes(manifest: Manifest) -> bytes:
+    """What a manifest's signature covers: its document without ``signature``, as
+    canonical JSON (sorted keys, no spaces, ASCII), after a domain prefix. Built from the
+    parsed model, so every field the manifest holds (extra ones too) is covered, and a
+    re-serialisation that keeps the values keeps the signature."""
+    doc = manifest.to_document()
+    doc.pop("signature", None)
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return SIGNATURE_DOMAIN + canonical.encode()
 
 
 def parse_manifest(data: bytes) -> Manifest:
@@ -181,10 +211,15 @@ def build_manifest(
     environment: Mapping[str, str],
     nodes: int | None = None,
     save: str | None = None,
+    digests: Mapping[str, str] | None = None,
+    digest_algorithm: str | None = None,
 ) -> Manifest:
-    """A manifest from ``(path, size, crc32c hex)`` triples; times are epoch seconds."""
+    """A manifest from ``(path, size, crc32c hex)`` triples; times are epoch seconds.
+    ``digests`` (path -> hex, of ``digest_algorithm``) go with an authenticated one."""
     entries = sorted(files)
+    found = digests or {}
     return Manifest(
+        digest=digest_algorithm if digests is not None else None,
         nodes=nodes,
         save=save,
         run_id=run_id,
@@ -195,7 +230,7 @@ def build_manifest(
         created_at=utc_timestamp(created_at),
         committed_at=utc_timestamp(committed_at),
         total_bytes=sum(size for _, size, _ in entries),
-        files=[ManifestFile(path=p, size=s, crc32c=c) for p, s, c in entries],
+        files=[ManifestFile(path=p, size=s, crc32c=c, digest=found.get(p)) for p, s, c in entries],
         environment=dict(environment),
     )
 

@@ -47,6 +47,15 @@ read shards other ranks wrote). ``part=RANK`` restores only the files of that no
 (``ckptd.part-<rank>.json``), each of which must be in the global manifest with the same
 size and CRC-32C; the global manifest's entries are what is downloaded and verified.
 
+Authenticated checkpoints (``keys``, from ``[authentication]``): before anything is
+written the manifest's signature must hold (``KeyRing.check``: unsigned, unknown key id
+or altered is refused), and each file's bytes are held to its digest as they are
+written, from the same buffers as the CRC-32C, in 1 MiB blocks (ranges start on a
+block, so each range's digests fold into the file's: ``ckptd.digest``). A file whose
+digest differs is deleted like one whose CRC-32C does, so nothing unverified is ever
+renamed into place. Without ``keys`` the digests a manifest carries are not checked:
+without a key they prove nothing a CRC-32C does not (an attacker rewrites both).
+
 While it runs, a restore holds a lease (``ckptd.repository``) so retention on another
 node does not delete the checkpoint under it; taking it is best effort (a node with
 read-only credentials restores without one).
@@ -70,7 +79,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptd import checksum, writeback
+from ckptd import checksum, digest, writeback
+from ckptd.authentication import KeyRing
 from ckptd.errors import CkptdError
 from ckptd.manifest import Manifest, ManifestError, ManifestFile, check_relative_path
 from ckptd.repository import (
@@ -134,13 +144,17 @@ def staged_parts(manifest: Manifest, path: str) -> tuple[str, ...]:
     return (DATA_NAME, *check_relative_path(path).split("/"))
 
 
-def manifest_identity(manifest: Manifest) -> str:
-    """A short digest of what a staging dir holds: run, name and every (path, size, crc)."""
-    doc = [
+def manifest_identity(manifest: Manifest, *, digests: bool = False) -> str:
+    """A short digest of what a staging dir holds: run, name and every (path, size, crc);
+    with ``digests`` (files checked against them) every digest too, so files staged
+    without that check are never reused by a restore that demands it."""
+    doc: list[Any] = [
         manifest.run_id,
         manifest.checkpoint,
         [(f.path, f.size, f.crc32c) for f in manifest.files],
     ]
+    if digests:
+        doc.append([f.digest for f in manifest.files])
     return checksum.to_hex(checksum.crc32c(json.dumps(doc).encode()))
 
 
@@ -360,12 +374,15 @@ class _Job:
     ranges: list[tuple[int, int]]
     fd: int = -1
     crcs: list[tuple[int, int]] = field(default_factory=list)
+    check_digest: bool = False
+    blocks: list[list[bytes]] = field(default_factory=list)  # per range, with check_digest
     remaining: int = 0
     error: Exception | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.crcs = [(0, 0)] * len(self.ranges)
+        self.blocks = [[] for _ in self.ranges]
         self.remaining = len(self.ranges)
 
 
@@ -388,6 +405,7 @@ class _Downloader:
         try:
             if job.error is None and not self.stop.is_set():
                 crc = RangeCrc()
+                sums = digest.RangeDigest() if job.check_digest else None
 
                 def write(pos: int, piece: bytes) -> None:
                     if pos + len(piece) > length:
@@ -398,12 +416,16 @@ class _Downloader:
                     while done < len(piece):
                         done += os.pwrite(job.fd, view[done:], start + pos + done)
                     crc.update(pos, piece)
+                    if sums is not None:
+                        sums.update(pos, piece)
 
                 # Streamed a piece at a time: memory is concurrency x one piece, whatever
                 # the range size; each byte is CRC'd from the buffer it is written from.
                 self.storage.stream_range(job.key, start, length, write)
                 writeback.start(job.fd, start, length)
                 job.crcs[index] = (crc.value, length)
+                if sums is not None:
+                    job.blocks[index] = sums.finish()
                 self.events.put(("bytes", length))
             elif job.error is None:
                 raise RestoreError("restore stopped")
@@ -421,8 +443,17 @@ class _Downloader:
         try:
             if job.error is None:
                 crc = checksum.to_hex(checksum.combine_parts(job.crcs))
+                found = (
+                    digest.file_digest(job.entry.size, (b for r in job.blocks for b in r))
+                    if job.check_digest
+                    else None
+                )
                 if crc != job.entry.crc32c:
                     job.error = RestoreError(f"crc32c {crc}, manifest says {job.entry.crc32c}")
+                elif found != job.entry.digest and job.check_digest:
+                    job.error = RestoreError(
+                        "digest differs from the signed manifest's: the object was replaced"
+                    )
                 else:
                     os.fsync(job.fd)
         except OSError as exc:
@@ -604,6 +635,7 @@ def restore(
     environment: Mapping[str, str] | None = None,
     on_file: Callable[[str], None] | None = None,
     part: int | None = None,
+    keys: KeyRing | None = None,
 ) -> RestoreResult:
     """Restore ``checkpoint`` (None: the newest committed) of ``run_id`` as ``target_dir/NAME``.
 
@@ -613,6 +645,8 @@ def restore(
     a terminal. ``environment`` is this node's (default ``ckptd.environment.describe()``).
     ``on_file`` is called with each path once it is verified and recorded (tests).
     ``part`` restores only that node's part of a many-node checkpoint (module doc).
+    ``keys`` demands a signed manifest and checks every file's digest (module doc); an
+    AuthenticationError (a ManifestError) before anything is written if it fails.
     """
     from ckptd import logs
     from ckptd.environment import describe
@@ -623,6 +657,9 @@ def restore(
     repo = Repository(storage)
     manifest = repo.resolve(run_id, checkpoint)
     _check_manifest(manifest, run_id, checkpoint)
+    if keys is not None:
+        keys.check(manifest)  # the whole signed manifest, before a part narrows it
+        chunk_bytes = digest.aligned_chunk(chunk_bytes)
     if part is not None:
         manifest = part_manifest(repo, manifest, part)
     name = manifest.checkpoint
@@ -677,6 +714,7 @@ def restore(
                 progress,
                 log,
                 on_file,
+                check_digests=keys is not None,
             )
         except OSError as exc:
             log.error("restore_failed", error=str(exc))
@@ -750,10 +788,12 @@ def _restore_into(
     progress: bool | None,
     log: Any,
     on_file: Callable[[str], None] | None,
+    *,
+    check_digests: bool = False,
 ) -> tuple[int, int]:
     """Steps 3 and 4 of the module doc; returns (bytes downloaded, bytes reused)."""
     name = manifest.checkpoint
-    identity = manifest_identity(manifest)
+    identity = manifest_identity(manifest, digests=check_digests)
     staging_fd, records = _open_staging(target_fd, name, identity, log)
     tree = _Tree(staging_fd)
     # Belt and braces (the descriptors already refuse symlinks): every path must
@@ -799,6 +839,7 @@ def _restore_into(
                 reused,
                 log,
                 on_file,
+                check_digests,
             )
         finally:
             state.close()
@@ -823,6 +864,7 @@ def _download(
     reused: int,
     log: Any,
     on_file: Callable[[str], None] | None,
+    check_digests: bool = False,
 ) -> int:
     """Fetch and verify ``todo``; raise RestoreError naming every file that failed."""
     bar = _Progress(
@@ -850,6 +892,7 @@ def _download(
                     parts,
                     object_key(manifest.run_id, manifest.checkpoint, f.path),
                     chunk_ranges(f.size, chunk_bytes),
+                    check_digest=check_digests,
                 )
                 job.fd = tree.create(parts)
                 open_jobs += 1

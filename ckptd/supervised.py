@@ -194,6 +194,8 @@ class SupervisedService(Service):
                     if_missing=True,
                     concurrency=self.settings.destination.concurrency,
                     progress=False,
+                    # Authenticated checkpoints: refused before the trainer loads a byte.
+                    keys=self.settings.authentication.key_ring(),
                 )
             )
         except (RestoreError, StorageError, ManifestError) as exc:

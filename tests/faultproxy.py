@@ -86,6 +86,14 @@ class RequestRecord:
     status: int
     fault: str | None
     bytes_up: int
+    # The request's headers as sent (names lower-cased, in order), to check on the wire
+    # what a client asked of the store (server-side encryption, say).
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (any case), or None."""
+        name = name.lower()
+        return next((v for k, v in self.headers if k == name), None)
 
 
 @dataclass(frozen=True)
@@ -612,7 +620,7 @@ class FaultProxy:
         try:
             up_reader, up_writer = await upstream.open()
         except OSError:
-            self._record(RequestRecord(method, path, query, 0, fault, 0))
+            self._record(RequestRecord(method, path, query, 0, fault, 0, head.headers))
             raise
         up_writer.write(head.raw)
         await up_writer.drain()
@@ -644,14 +652,14 @@ class FaultProxy:
         if fault == "reset-after-upstream":
             # The request took effect upstream; the client never learns of it.
             await _relay_body(up_reader, None, resp_framing, lambda n: None)
-            self._record(RequestRecord(method, path, query, 0, fault, sent))
+            self._record(RequestRecord(method, path, query, 0, fault, sent, head.headers))
             _reset(writer)
             if resp_framing[0] == "eof" or _closes(response):
                 upstream.close()
             return False
         if fault == "reset-mid-response" and resp_framing[0] == "length" and resp_framing[1] > 1:
             # A server or network that dies half-way through a download.
-            self._record(RequestRecord(method, path, query, 0, fault, sent))
+            self._record(RequestRecord(method, path, query, 0, fault, sent, head.headers))
             writer.write(response.raw)
             await _relay_body(
                 up_reader, writer, resp_framing, self._count_down, limit=resp_framing[1] // 2
@@ -662,7 +670,7 @@ class FaultProxy:
             return False
         # Record before the client can see the response, so a client that has its answer
         # always finds the record (tests read counters right after a call returns).
-        self._record(RequestRecord(method, path, query, status, None, sent))
+        self._record(RequestRecord(method, path, query, status, None, sent, head.headers))
         writer.write(response.raw)
         await _relay_body(up_reader, writer, resp_framing, self._count_down)
         await writer.drain()
@@ -690,7 +698,7 @@ class FaultProxy:
             ("none", 0),
         )
         if fault == "timeout":
-            self._record(RequestRecord(method, path, query, 0, fault, 0))
+            self._record(RequestRecord(method, path, query, 0, fault, 0, head.headers))
             await asyncio.sleep(self.stall_seconds)
             _reset(writer)
             return False
@@ -702,7 +710,7 @@ class FaultProxy:
             part = min(framing[1] // 2, _CHUNK) if framing[0] == "length" else _CHUNK
             with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
                 await _relay_body(reader, None, framing, lambda n: None, limit=part)
-            self._record(RequestRecord(method, path, query, 0, fault, 0))
+            self._record(RequestRecord(method, path, query, 0, fault, 0, head.headers))
             _reset(writer)
             return False
         status, reason, code, message = ERROR_KINDS[fault]
@@ -724,7 +732,7 @@ class FaultProxy:
             f"x-amz-request-id: {request_id}",
             *(["Connection: close"] if close else []),
         ]
-        self._record(RequestRecord(method, path, query, status, fault, 0))
+        self._record(RequestRecord(method, path, query, status, fault, 0, head.headers))
         writer.write("\r\n".join(lines).encode() + b"\r\n\r\n")
         if method != "HEAD":
             writer.write(body)

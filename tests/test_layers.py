@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.sync.queue",
             "ckptd.restarts",
             "ckptd.cadence",
+            "ckptd.digest",
         ),
     ),
     (
@@ -47,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.metrics",
             "ckptd.writeback",
             "ckptd.yielding",
+            "ckptd.authentication",
         ),
     ),
     ("storage", ("ckptd.storage",)),

@@ -58,10 +58,16 @@ __all__ = [
 
 
 def open_backend(
-    url: str, *, endpoint_url: str = "", region: str = "", max_connections: int = 10
+    url: str,
+    *,
+    endpoint_url: str = "",
+    region: str = "",
+    max_connections: int = 10,
+    sse: str = "",
+    sse_kms_key_id: str = "",
 ) -> Storage:
     """The bare backend for ``s3://bucket/prefix`` or ``file:///path``; ValueError for
-    a URL that configuration would refuse."""
+    a URL that configuration would refuse (or server-side encryption asked of file://)."""
     try:
         parsed = parse_destination(url)
     except ValueError as exc:
@@ -69,6 +75,8 @@ def open_backend(
     if parsed.root is not None:
         from ckptd.storage.fs import FileStorage
 
+        if sse or sse_kms_key_id:
+            raise ValueError(f"server-side encryption applies to s3:// only, not {url!r}")
         return FileStorage(parsed.root)
     from ckptd.storage.s3 import S3Storage
 
@@ -78,6 +86,8 @@ def open_backend(
         endpoint_url=endpoint_url,
         region=region,
         max_connections=max_connections,
+        sse=sse,
+        sse_kms_key_id=sse_kms_key_id,
     )
 
 
@@ -92,11 +102,18 @@ def open_storage(
     on_retry: RetryHook | None = None,
     stop: threading.Event | None = None,
     limiter: RateLimiter | None = None,
+    sse: str = "",
+    sse_kms_key_id: str = "",
 ) -> RetryingStorage:
     """The backend with the node-wide bandwidth cap inside and retries outside, so a
     retried part pays for its bandwidth again."""
     backend = open_backend(
-        url, endpoint_url=endpoint_url, region=region, max_connections=concurrency + 4
+        url,
+        endpoint_url=endpoint_url,
+        region=region,
+        max_connections=concurrency + 4,
+        sse=sse,
+        sse_kms_key_id=sse_kms_key_id,
     )
     limited: Storage = LimitedStorage(backend, limiter or RateLimiter(max_upload_bytes_per_s))
     return RetryingStorage(limited, max_attempts=max_attempts, on_retry=on_retry, stop=stop)
@@ -122,4 +139,6 @@ def open_destination(
         max_attempts=dest.max_attempts,
         on_retry=on_retry,
         stop=stop,
+        sse=dest.sse,
+        sse_kms_key_id=dest.sse_kms_key_id,
     )

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ckptd import digest
+from ckptd.authentication import KeyRing
 from ckptd.cluster import (
     Announcement,
     Conflict,
@@ -40,7 +42,7 @@ from ckptd.cluster import (
     save_tail_seconds,
 )
 from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
-from ckptd.manifest import Manifest, build_manifest, utc_timestamp
+from ckptd.manifest import Manifest, ManifestError, build_manifest, utc_timestamp
 from ckptd.repository import Repository, announce_key, part_key
 from ckptd.sync.commit import CommitConflictError, CommitResult, commit
 from ckptd.sync.runs import RunState
@@ -175,9 +177,18 @@ def withdraw(repo: Repository, run: str, name: str, rank: int, save: str) -> boo
 
 
 def try_commit(
-    repo: Repository, run: str, name: str, committer: Committer, *, save: str | None, now: float
+    repo: Repository,
+    run: str,
+    name: str,
+    committer: Committer,
+    *,
+    save: str | None,
+    now: float,
+    keys: KeyRing | None = None,
 ) -> AssemblyResult:
     """Commit ``run/name`` if every part of the announced save is there (module doc).
+    With ``keys`` the union carries the parts' digests and is signed by this node (every
+    node holds the key; the parts are not signed, the manifest made of them is).
 
     ``save`` is the save this node's part answered (None: no opinion, as when a node
     only looks); an announcement of another save means this node's part is stale."""
@@ -234,6 +245,10 @@ def try_commit(
         environment=committer.environment,
         nodes=committer.nodes,
         save=announcement.save,
+        digests=(
+            {f.path: f.digest for f in verdict.files if f.digest} if keys is not None else None
+        ),
+        digest_algorithm=digest.ALGORITHM,
     )
     mismatches = repo.object_mismatches(manifest)
     if mismatches:
@@ -246,6 +261,11 @@ def try_commit(
             reason=f"{len(mismatches)} object(s) not as the parts list them, e.g. {first.path}",
             announcement=announcement,
         )
+    if keys is not None:
+        try:
+            manifest = keys.sign(manifest)
+        except ManifestError as exc:  # a part without digests: a node without the key
+            return AssemblyResult(Assembly.CONFLICT, reason=str(exc), announcement=announcement)
     try:
         result = commit(repo, manifest)
     except CommitConflictError as exc:

@@ -124,6 +124,8 @@ class SyncPipeline:
         self.log = get_logger(tier=tier) if settings.tiers else get_logger()
         dest = settings.destination
         self.rate = RateMeter(clock=clock.monotonic)
+        # Authenticated checkpoints: digests in the upload's read pass, manifests signed.
+        self.keys = settings.authentication.key_ring()
         self.transfers = Transfers(
             storage,
             journal,
@@ -132,6 +134,7 @@ class SyncPipeline:
             on_bytes=self._count_bytes,
             drop_page_cache=settings.resources.drop_page_cache,
             thread_setup=self._lower_worker,
+            digests=self.keys is not None,
         )
         self.shipper = Shipper(
             self.repo,
@@ -140,6 +143,7 @@ class SyncPipeline:
             clock,
             file_slots=max(4, dest.concurrency * 2),
             log=self.log,
+            keys=self.keys,
         )
         self.queue = ShipQueue()
         self.early = EarlyUploads(
@@ -826,6 +830,7 @@ class SyncPipeline:
                     committer,
                     save=entry.save,
                     now=self.clock.time(),
+                    keys=self.keys,
                 )
                 await self._after_assembly(state, name, entry, result)
 

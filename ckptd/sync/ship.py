@@ -35,7 +35,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ckptd import checksum
+from ckptd import checksum, digest
+from ckptd.authentication import KeyRing
 from ckptd.clock import Clock
 from ckptd.cluster import Part, part_files
 from ckptd.environment import describe
@@ -155,8 +156,11 @@ class Shipper:
         *,
         file_slots: int,
         log: Any,
+        keys: KeyRing | None = None,
     ) -> None:
         self.repo = repo
+        # Authenticated checkpoints: every manifest this node commits is signed.
+        self.keys = keys
         self.transfers = transfers
         self.journal = journal
         self.clock = clock
@@ -206,7 +210,10 @@ class Shipper:
                 committed_at=self.clock.time(),
                 files=[(r.path, r.size, checksum.to_hex(r.crc32c)) for r in files],
                 environment=self.environment,
+                **self._digests(files),
             )
+            if self.keys is not None:
+                manifest = self.keys.sign(manifest)
             log.info("checkpoint_verified", files=len(files), bytes=manifest.total_bytes)
             result = await asyncio.to_thread(commit, self.repo, manifest)
         except TransferPausedError as exc:
@@ -228,6 +235,15 @@ class Shipper:
             # checkpoint on a node whose cores the trainer wants.
             cpu_seconds=time.process_time() - cpu_started,
         )
+
+    def _digests(self, files: list[FileResult]) -> dict[str, Any]:
+        """build_manifest's digest arguments: the files' digests when signing."""
+        if self.keys is None:
+            return {}
+        return {
+            "digests": {r.path: r.digest for r in files if r.digest},
+            "digest_algorithm": digest.ALGORITHM,
+        }
 
     async def _part_and_commit(
         self,
@@ -253,13 +269,23 @@ class Shipper:
             created_at=utc_timestamp(request.listing.newest_mtime_ns / 1e9),
             verified_at=utc_timestamp(now),
             total_bytes=sum(r.size for r in files),
-            files=part_files([(r.path, r.size, checksum.to_hex(r.crc32c)) for r in files]),
+            files=part_files(
+                [(r.path, r.size, checksum.to_hex(r.crc32c)) for r in files],
+                {r.path: r.digest for r in files if r.digest},
+            ),
             environment=self.environment,
         )
         await asyncio.to_thread(write_part, self.repo, part)
         log.info("part_written", save=cluster.save, files=len(files), bytes=part.total_bytes)
         assembly = await asyncio.to_thread(
-            try_commit, self.repo, run, name, cluster.committer, save=cluster.save, now=now
+            try_commit,
+            self.repo,
+            run,
+            name,
+            cluster.committer,
+            save=cluster.save,
+            now=now,
+            keys=self.keys,
         )
         result = ShipResult(
             Outcome.WAITING,
@@ -327,12 +353,23 @@ class Shipper:
             if early is not None and sent == f:
                 record = (await asyncio.to_thread(self.journal.objects_for, run, name)).get(f.path)
                 if record is not None and await asyncio.to_thread(unchanged, local_path(f), record):
-                    return FileResult(f.path, f.size, early.crc32c, "early", early.bytes_sent)
+                    return FileResult(
+                        f.path, f.size, early.crc32c, "early", early.bytes_sent, digest=early.digest
+                    )
             return await upload(f)
 
-        results: list[FileResult] = [
-            FileResult(f.path, f.size, done_records[f.path].crc32c, "skipped") for f in plan.done
-        ]
+        async def skipped(f: FileEntry) -> FileResult:
+            crc = done_records[f.path].crc32c
+            if not self.transfers.digests:
+                return FileResult(f.path, f.size, crc, "skipped")
+            # Sent by an earlier run of the daemon: read it once more for its digest,
+            # and to prove it is still the bytes that were sent.
+            again, sums = await bounded(self.transfers.crc_of(local_path(f), f, ctx))
+            if again != crc:
+                raise CheckpointChangedError(f"{f.path} changed since it was sent")
+            return FileResult(f.path, f.size, crc, "skipped", digest=sums)
+
+        results: list[FileResult] = list(await asyncio.gather(*(skipped(f) for f in plan.done)))
         uploads = list(plan.upload)
         jobs: list[Awaitable[FileResult]] = []
         if plan.copy_candidates and previous is not None:
@@ -342,7 +379,8 @@ class Shipper:
                     for f in plan.copy_candidates
                 )
             )
-            crc_map = {f.path: c for f, c in zip(plan.copy_candidates, crcs, strict=True)}
+            crc_map = {f.path: c for f, (c, _) in zip(plan.copy_candidates, crcs, strict=True)}
+            digest_map = {f.path: d for f, (_, d) in zip(plan.copy_candidates, crcs, strict=True)}
             copies, more = resolve_copies(
                 plan.copy_candidates, {p: checksum.to_hex(c) for p, c in crc_map.items()}, previous
             )
@@ -351,7 +389,11 @@ class Shipper:
                 src = object_key(previous.run_id, previous.checkpoint, c.source_path)
                 dst = object_key(run, name, c.file.path)
                 jobs.append(
-                    bounded(self.transfers.copy(src, dst, c.file, crc_map[c.file.path], ctx))
+                    bounded(
+                        self.transfers.copy(
+                            src, dst, c.file, crc_map[c.file.path], ctx, digest_map[c.file.path]
+                        )
+                    )
                 )
         for f in uploads:
             if f.path in request.early:

@@ -17,6 +17,12 @@ shipping a checkpoint larger than memory leaves the trainer's dataset in the cac
 The pool's threads are the daemon's busiest; ``thread_setup`` (``yielding``) lowers
 their CPU and I/O priority as each starts.
 
+With ``digests`` (authenticated checkpoints) the same read pass also yields each 1 MiB
+block's BLAKE3 (``ckptd.digest``; the pread chunks are those blocks), so the file's
+digest costs no extra read. Parts finished before a restart are read again for theirs
+(their CRC-32C must still be the journal's); copy candidates get theirs in the pass
+that CRCs them, files the journal holds as sent in a pass of their own.
+
 File-level logic runs as coroutines; only leaf operations (read+send one part, one
 request) run in the thread pool, so a file never waits on a pool slot it holds.
 """
@@ -32,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from ckptd import checksum
+from ckptd import checksum, digest
 from ckptd.layouts.base import FileEntry
 from ckptd.storage.base import (
     FileRange,
@@ -54,7 +60,7 @@ from ckptd.yielding import drop_cached
 T = TypeVar("T")
 
 # Small enough that concurrency x this stays in a few MiB; large enough to be fast.
-_HASH_CHUNK = 1024 * 1024
+_HASH_CHUNK = digest.BLOCK  # one read, one digest block
 SINGLE_PUT_MAX = 8 * 1024 * 1024
 
 
@@ -76,6 +82,7 @@ class FileResult:
     how: str  # "uploaded" | "resumed" | "copied" | "skipped"
     bytes_sent: int = 0
     parts: list[PartInfo] = field(default_factory=list)
+    digest: str | None = None  # with ``Transfers.digests`` (``ckptd.digest``)
 
 
 @dataclass
@@ -118,8 +125,10 @@ class Transfers:
         on_bytes: Callable[[str, int], None] | None = None,
         drop_page_cache: bool = True,
         thread_setup: Callable[[], None] | None = None,
+        digests: bool = False,
     ) -> None:
         self.storage = storage
+        self.digests = digests
         self.drop_page_cache = drop_page_cache
         self.journal = journal
         self.part_size = part_size
@@ -148,24 +157,30 @@ class Transfers:
 
     # -- hashing (copy candidates) -------------------------------------------------
 
-    async def crc_of(self, local: Path, entry: FileEntry, ctx: TransferContext) -> int:
-        """CRC-32C of a local file, which must still match ``entry``."""
+    async def crc_of(
+        self, local: Path, entry: FileEntry, ctx: TransferContext
+    ) -> tuple[int, str | None]:
+        """CRC-32C of a local file, which must still match ``entry``, and its digest
+        (with ``digests``; else None) from the same read."""
 
-        def work() -> int:
+        def work() -> tuple[int, str | None]:
             with open(local, "rb", buffering=0) as fh:
                 if not _same_file(os.fstat(fh.fileno()), entry):
                     raise CheckpointChangedError(f"{entry.path} changed")
                 value, total = 0, 0
+                blocks: list[bytes] = []
                 buf = bytearray(_HASH_CHUNK)
                 view = memoryview(buf)
                 while n := fh.readinto(buf):
                     ctx.check()
                     value = checksum.crc32c(view[:n], value)
+                    if self.digests:
+                        blocks.append(digest.block_digest(view[:n]))
                     self._drop(fh.fileno(), total, n)
                     total += n
                 if total != entry.size:
                     raise CheckpointChangedError(f"{entry.path} changed size while read")
-                return value
+                return value, digest.file_digest(total, blocks) if self.digests else None
 
         try:
             return await self._in_pool(work)
@@ -175,7 +190,13 @@ class Transfers:
     # -- server-side copy ------------------------------------------------------------
 
     async def copy(
-        self, src_key: str, dst_key: str, entry: FileEntry, crc: int, ctx: TransferContext
+        self,
+        src_key: str,
+        dst_key: str,
+        entry: FileEntry,
+        crc: int,
+        ctx: TransferContext,
+        file_digest: str | None = None,
     ) -> FileResult:
         copier = require_capability(self.storage, ServerSideCopy, "copy server-side")
 
@@ -194,7 +215,7 @@ class Transfers:
                 ctx.checkpoint,
                 ObjectRecord(dst_key, entry.path, entry.size, entry.mtime_ns, crc),
             )
-            return FileResult(entry.path, entry.size, crc, "copied")
+            return FileResult(entry.path, entry.size, crc, "copied", digest=file_digest)
 
         return await self._in_pool(work)
 
@@ -231,7 +252,10 @@ class Transfers:
         self.on_bytes(ctx.run, len(data))
         self._verify(key, entry.size, [], crc, reported=stored)
         self.journal.record_object(ctx.run, ctx.checkpoint, _record(key, entry, crc, opened))
-        return FileResult(entry.path, entry.size, crc, "uploaded", bytes_sent=len(data))
+        sums = digest.digest_of_bytes(data) if self.digests else None
+        return FileResult(
+            entry.path, entry.size, crc, "uploaded", bytes_sent=len(data), digest=sums
+        )
 
     def _verify(
         self,
@@ -287,6 +311,29 @@ class Transfers:
             numbers = range(1, (entry.size + self.part_size - 1) // self.part_size + 1)
             todo = [n for n in numbers if n not in done]
             failed = threading.Event()
+            blocks: dict[int, list[bytes]] = {}  # part number -> its blocks' digests
+
+            def read_part(number: int, length: int) -> int:
+                """The part's CRC-32C (and its blocks' digests) in 1 MiB reads."""
+                offset = (number - 1) * self.part_size
+                crc, done_bytes, part_blocks = 0, 0, []
+                while done_bytes < length:
+                    chunk = os.pread(fd, min(_HASH_CHUNK, length - done_bytes), offset + done_bytes)
+                    if not chunk:
+                        raise CheckpointChangedError(f"{entry.path} shrank while read")
+                    crc = checksum.crc32c(chunk, crc)
+                    if self.digests:
+                        part_blocks.append(digest.block_digest(chunk))
+                    done_bytes += len(chunk)
+                blocks[number] = part_blocks
+                return crc
+
+            def reread(number: int) -> None:
+                """A part sent before a restart: its digest, and proof it is unchanged."""
+                ctx.check()
+                if read_part(number, done[number].size) != done[number].crc32c:
+                    raise CheckpointChangedError(f"{entry.path} changed since part {number}")
+                self._drop(fd, (number - 1) * self.part_size, done[number].size)
 
             def send(number: int) -> PartInfo:
                 ctx.check()
@@ -298,13 +345,7 @@ class Transfers:
                 # The store needs it in a header before the body, so the body is then
                 # streamed from the same range (the page cache) rather than held whole:
                 # memory stays at concurrency x one buffer, whatever the part size.
-                crc, done_bytes = 0, 0
-                while done_bytes < length:
-                    chunk = os.pread(fd, min(_HASH_CHUNK, length - done_bytes), offset + done_bytes)
-                    if not chunk:
-                        raise CheckpointChangedError(f"{entry.path} shrank while read")
-                    crc = checksum.crc32c(chunk, crc)
-                    done_bytes += len(chunk)
+                crc = read_part(number, length)
                 part = uploads.upload_part(
                     key, upload_id, number, offset, FileRange(fd, offset, length), crc32c=crc
                 )
@@ -314,11 +355,15 @@ class Transfers:
                 return part
 
             futures = [asyncio.wrap_future(self.pool.submit(send, n)) for n in todo]
+            rereads = [
+                asyncio.wrap_future(self.pool.submit(reread, n)) for n in done if self.digests
+            ]
             try:
                 sent = await asyncio.gather(*futures)
+                await asyncio.gather(*rereads)
             except BaseException:
                 failed.set()  # parts not yet started give up at once
-                await asyncio.gather(*futures, return_exceptions=True)
+                await asyncio.gather(*futures, *rereads, return_exceptions=True)
                 raise
             if not _same_file(os.fstat(fd), entry):
                 raise CheckpointChangedError(f"{entry.path} changed while uploaded")
@@ -335,8 +380,19 @@ class Transfers:
 
         await self._in_pool(finish)
         sent_bytes = sum(p.size for p in sent)
+        sums = (
+            digest.file_digest(entry.size, (b for p in parts for b in blocks[p.number]))
+            if self.digests
+            else None
+        )
         return FileResult(
-            entry.path, entry.size, whole, "resumed" if resumed else "uploaded", sent_bytes, parts
+            entry.path,
+            entry.size,
+            whole,
+            "resumed" if resumed else "uploaded",
+            sent_bytes,
+            parts,
+            digest=sums,
         )
 
     def _resume_or_start(
