@@ -209,6 +209,9 @@ BAD_VALUES = [
         "tiers[0].max_upload_mib_per_s",
     ),
     ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nmax_attempts = 0', "tiers[0].max_attempts"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nsse = "DES"', "tiers[0].sse"),
+    ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nsse_kms_key_id = "k"', "tiers[0].sse_kms_key_id"),
+    ('[[tiers]]\nname = "nfs"\nurl = "file:///t"\nsse = "AES256"', "tiers[0].sse"),
     ('[[tiers]]\nname = "s3"\nurl = "s3://bkt"\nretention = 5', "tiers[0].retention"),
     (
         '[[tiers]]\nname = "s3"\nurl = "s3://bkt"\n[tiers.retention]\nkeep_within = "x"',
