@@ -134,6 +134,7 @@ class TrainerProc:
         *,
         resume: Path | None,
         hang_at: int,
+        pause_at: int = 0,
         step_delay: float | None = None,
     ) -> None:
         self.seg = seg
@@ -164,6 +165,8 @@ class TrainerProc:
             str(spec.step_delay if step_delay is None else step_delay),
             "--hang-at",
             str(hang_at),
+            "--pause-at",
+            str(pause_at),
         ]
         if resume is not None:
             args += ["--resume", str(resume)]
@@ -348,8 +351,15 @@ def run_interrupted(
             assert target < spec.max_steps - every, "plan overruns the run"
             # Trainer and sidecar start together, as in a pod; the daemon finds the
             # trainer by its pidfile when it needs to signal it.
+            # A notice's trainer waits at the target for it: how late a loaded machine
+            # delivers it must not decide where the next segment starts.
             trainer = TrainerProc(
-                spec, seg, ckpt_dir, resume=resume, hang_at=target if kind == "kill" else 0
+                spec,
+                seg,
+                ckpt_dir,
+                resume=resume,
+                hang_at=target if kind == "kill" else 0,
+                pause_at=target if kind == "notice" else 0,
             )
             daemon = _daemon(seg, ckpt_dir, env, imds_url, seg / "trainer.pid")
             try:

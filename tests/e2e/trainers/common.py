@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
         help="a restored checkpoint (default: CKPTD_RESUME_FROM)",
     )
     p.add_argument("--hang-at", type=int, default=0, help="block after this step (kill -9 me)")
+    p.add_argument(
+        "--pause-at", type=int, default=0, help="after this step, wait for the notice (<= 60 s)"
+    )
     p.add_argument("--step-delay", type=float, default=0.0, help="stands in for real compute")
     return p
 
@@ -65,6 +68,14 @@ class Reporter:
             self.path,
             {"step": step, "first_step_at": self.first_step_at, "resumed_from": self.resumed_from},
         )
+
+
+def pause_until_noticed(timeout: float = 60.0) -> None:
+    """Hold still until ckptd's notice is seen, so a notice lands at a known step however
+    slow its delivery on a loaded machine; the trainer then saves and stops as ever."""
+    deadline = time.monotonic() + timeout
+    while not ckptd.trainer.preempted() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def hang_forever() -> None:

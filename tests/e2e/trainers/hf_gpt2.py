@@ -16,6 +16,7 @@ from tests.e2e.trainers.common import (
     deterministic,
     hang_forever,
     parser,
+    pause_until_noticed,
     write_json,
 )
 from tests.trainers.tiny_gpt2 import RandomTokens, cpu_training_args, tiny_gpt2
@@ -24,10 +25,11 @@ from tests.trainers.tiny_gpt2 import RandomTokens, cpu_training_args, tiny_gpt2
 class Steps(TrainerCallback):
     """Reports each finished step; simulates compute; blocks at ``--hang-at``."""
 
-    def __init__(self, reporter: Reporter, hang_at: int, delay: float) -> None:
+    def __init__(self, reporter: Reporter, hang_at: int, delay: float, pause_at: int) -> None:
         self.reporter = reporter
         self.hang_at = hang_at
         self.delay = delay
+        self.pause_at = pause_at
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.delay:
@@ -37,6 +39,8 @@ class Steps(TrainerCallback):
         # never hangs on a save step, so the last save is an earlier step's.
         if state.global_step == self.hang_at:
             hang_forever()
+        if state.global_step == self.pause_at:
+            pause_until_noticed()
 
 
 def main() -> None:
@@ -67,7 +71,12 @@ def main() -> None:
         # 16 steps per epoch
         train_dataset=RandomTokens(size=64, length=16, vocab=96, seed=1234),
         callbacks=[
-            Steps(Reporter(options.progress, resumed_from), options.hang_at, options.step_delay),
+            Steps(
+                Reporter(options.progress, resumed_from),
+                options.hang_at,
+                options.step_delay,
+                options.pause_at,
+            ),
             ckptd_callback,
         ],
     )

@@ -22,7 +22,14 @@ from torch.utils.data import DataLoader, TensorDataset
 from ckptd.layouts.base import step_of
 from ckptd.trainer.lightning import CkptdLightningCallback
 from ckptd.trainer.state import ResumableSampler, capture_rng_state, restore_rng_state
-from tests.e2e.trainers.common import Reporter, deterministic, hang_forever, parser, write_json
+from tests.e2e.trainers.common import (
+    Reporter,
+    deterministic,
+    hang_forever,
+    parser,
+    pause_until_noticed,
+    write_json,
+)
 
 SAMPLES = 200
 BATCH = 8  # 25 steps an epoch
@@ -87,10 +94,11 @@ class Regression(pl.LightningModule):
 
 
 class Steps(pl.Callback):
-    def __init__(self, reporter: Reporter, hang_at: int, delay: float) -> None:
+    def __init__(self, reporter: Reporter, hang_at: int, delay: float, pause_at: int) -> None:
         self.reporter = reporter
         self.hang_at = hang_at
         self.delay = delay
+        self.pause_at = pause_at
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.delay:
@@ -100,6 +108,8 @@ class Steps(pl.Callback):
         # hang step) has not happened yet.
         if trainer.global_step == self.hang_at:
             hang_forever()
+        if trainer.global_step == self.pause_at:
+            pause_until_noticed()
 
 
 def main() -> None:
@@ -120,7 +130,12 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[
-            Steps(Reporter(options.progress, resumed_from), options.hang_at, options.step_delay),
+            Steps(
+                Reporter(options.progress, resumed_from),
+                options.hang_at,
+                options.step_delay,
+                options.pause_at,
+            ),
             ckptd_callback,
             ModelCheckpoint(
                 dirpath=options.ckpt_dir,

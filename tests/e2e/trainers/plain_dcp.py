@@ -23,6 +23,7 @@ from tests.e2e.trainers.common import (
     deterministic,
     hang_forever,
     parser,
+    pause_until_noticed,
     write_json,
 )
 
@@ -101,6 +102,8 @@ def main() -> None:
             break
         if step == options.hang_at:
             hang_forever()
+        if step == options.pause_at:
+            pause_until_noticed()
 
     if step == options.max_steps:
         torch.save(model.state_dict(), options.final)
