@@ -721,3 +721,57 @@ async def test_an_upload_gone_from_the_store_starts_again_from_the_first_part(
     finally:
         journal.close()
     assert stack.get_bytes(key) == data
+
+
+def test_the_part_size_grows_only_where_10000_parts_would_not_hold_a_file() -> None:
+    from ckptd.sync.transfer import MAX_PARTS, part_size_for
+
+    assert MAX_PARTS == 10_000  # S3's limit (UploadPart: PartNumber 1..10,000)
+    assert part_size_for(5 * MiB, 64 * MiB) == 64 * MiB
+    assert part_size_for(10_000 * 64 * MiB, 64 * MiB) == 64 * MiB  # fits exactly
+    # A 700 GiB file (a 175B model's fp32 shard) at 64 MiB would need 11,200 parts.
+    size = 700 * 1024 * MiB
+    part = part_size_for(size, 64 * MiB)
+    assert part % MiB == 0 and -(-size // part) <= MAX_PARTS
+    assert part - MiB < -(-size // MAX_PARTS)  # the smallest whole MiB that fits
+
+
+async def test_a_file_beyond_max_parts_goes_in_fewer_larger_parts_and_resumes(
+    destination: Destination, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limit scaled down (4 parts) so a 30 MiB file stands for a file beyond 10,000
+    parts: it goes in 4 parts of 8 MiB, not 6 of 5 MiB, and a restart with its part
+    record resumes it with the same part size."""
+    import ckptd.sync.transfer as transfer
+
+    monkeypatch.setattr(transfer, "MAX_PARTS", 4)
+    stack = open_storage(destination.url, endpoint_url=destination.endpoint_url)
+    local = tmp_path / "big.bin"
+    data = os.urandom(30 * MiB)
+    local.write_bytes(data)
+    st = local.stat()
+    entry = FileEntry(local.name, st.st_size, st.st_mtime_ns)
+    journal = Journal(tmp_path / "state")
+    key = "run/ckpt/big.bin"
+    ctx = TransferContext("run", "ckpt")
+    sent: list[int] = []
+
+    def on_bytes(run: str, n: int) -> None:
+        sent.append(n)
+        if len(sent) == 2:
+            ctx.pause.set()  # one worker: parts go in order, so this lands after part 2
+
+    try:
+        first = Transfers(stack, journal, part_size=5 * MiB, concurrency=1, on_bytes=on_bytes)
+        try:
+            with pytest.raises(TransferPausedError):
+                await first.upload(key, local, entry, ctx)
+        finally:
+            first.close()
+        assert sent == [8 * MiB, 8 * MiB]
+        result = await _upload_again(stack, journal, local, key, entry)
+    finally:
+        journal.close()
+    assert [p.size for p in result.parts] == [8 * MiB, 8 * MiB, 8 * MiB, 6 * MiB]
+    assert (result.how, result.bytes_sent) == ("resumed", 14 * MiB)
+    assert stack.get_bytes(key) == data

@@ -62,6 +62,18 @@ T = TypeVar("T")
 # Small enough that concurrency x this stays in a few MiB; large enough to be fast.
 _HASH_CHUNK = digest.BLOCK  # one read, one digest block
 SINGLE_PUT_MAX = 8 * 1024 * 1024
+# S3 takes at most 10,000 parts per upload: a file larger than 10,000 x part_size (a
+# 175B model's single files run to hundreds of GiB) goes in parts as large as it needs.
+MAX_PARTS = 10_000
+_MiB = 1024 * 1024
+
+
+def part_size_for(size: int, configured: int) -> int:
+    """The part size for a file of ``size`` bytes: the configured one, or the smallest
+    whole number of MiB that keeps the upload within MAX_PARTS (whole MiB keep the
+    parts aligned with the 1 MiB read and digest blocks)."""
+    needed = -(-size // MAX_PARTS)
+    return max(configured, -(-needed // _MiB) * _MiB)
 
 
 class CheckpointChangedError(Exception):
@@ -303,19 +315,20 @@ class Transfers:
             lambda: self._resume_or_start(uploads, key, entry, ctx)
         )
         resumed = bool(done)
+        part_size = part_size_for(entry.size, self.part_size)
         fd = os.open(local, os.O_RDONLY)
         try:
             opened = os.fstat(fd)
             if not _same_file(opened, entry):
                 raise CheckpointChangedError(f"{entry.path} changed")
-            numbers = range(1, (entry.size + self.part_size - 1) // self.part_size + 1)
+            numbers = range(1, (entry.size + part_size - 1) // part_size + 1)
             todo = [n for n in numbers if n not in done]
             failed = threading.Event()
             blocks: dict[int, list[bytes]] = {}  # part number -> its blocks' digests
 
             def read_part(number: int, length: int) -> int:
                 """The part's CRC-32C (and its blocks' digests) in 1 MiB reads."""
-                offset = (number - 1) * self.part_size
+                offset = (number - 1) * part_size
                 crc, done_bytes, part_blocks = 0, 0, []
                 while done_bytes < length:
                     chunk = os.pread(fd, min(_HASH_CHUNK, length - done_bytes), offset + done_bytes)
@@ -333,14 +346,14 @@ class Transfers:
                 ctx.check()
                 if read_part(number, done[number].size) != done[number].crc32c:
                     raise CheckpointChangedError(f"{entry.path} changed since part {number}")
-                self._drop(fd, (number - 1) * self.part_size, done[number].size)
+                self._drop(fd, (number - 1) * part_size, done[number].size)
 
             def send(number: int) -> PartInfo:
                 ctx.check()
                 if failed.is_set():
                     raise CheckpointChangedError("cancelled")
-                offset = (number - 1) * self.part_size
-                length = min(self.part_size, entry.size - offset)
+                offset = (number - 1) * part_size
+                length = min(part_size, entry.size - offset)
                 # First pass: the CRC-32C, in small reads (this is the read from disk).
                 # The store needs it in a header before the body, so the body is then
                 # streamed from the same range (the page cache) rather than held whole:
@@ -399,12 +412,13 @@ class Transfers:
         self, uploads: MultipartUpload, key: str, entry: FileEntry, ctx: TransferContext
     ) -> tuple[str, dict[int, PartInfo]]:
         """The journalled upload of this very file with its finished parts, or a new one."""
+        part_size = part_size_for(entry.size, self.part_size)
         rec = self.journal.upload_for(key)
         if rec is not None and rec.upload_id is not None:
             if (rec.size, rec.mtime_ns, rec.part_size) == (
                 entry.size,
                 entry.mtime_ns,
-                self.part_size,
+                part_size,
             ):
                 done = self.journal.parts_for(rec.upload_id)
                 try:
@@ -432,7 +446,7 @@ class Transfers:
                 entry.path,
                 entry.size,
                 entry.mtime_ns,
-                self.part_size,
+                part_size,
             )
         )
         self.journal.touch(ctx.run, ctx.checkpoint)
