@@ -35,6 +35,12 @@ def _fake_systemctl(bin_dir: Path, state_file: Path) -> None:
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
 
 
+def _progress(root: Path) -> int | None:
+    """The toy trainer's step; None while it is rewriting the file (read mid-write)."""
+    text = (root / ".progress").read_text().strip()
+    return int(text) if text else None
+
+
 @pytest.mark.parametrize(
     ("mode", "environ", "state", "notice"),
     [
@@ -128,11 +134,9 @@ def test_under_systemd_a_restart_leaves_the_trainer_training_and_a_shutdown_save
             assert not daemon.events_named("trainer_signalled")
             assert not notice_file.exists()
             # Still training: its progress moves on after the daemon is gone.
-            before = int((root / ".progress").read_text())
+            before = wait_until(lambda: _progress(root), 10, "the trainer's progress")
             wait_until(
-                lambda: int((root / ".progress").read_text()) > before + 5,
-                10,
-                "the trainer still training",
+                lambda: (_progress(root) or 0) > before + 5, 10, "the trainer still training"
             )
             assert trainer.proc.poll() is None and trainer.saved() is None
     finally:
