@@ -699,6 +699,7 @@ def restore(
                     "nothing was written",
                     problems,
                 )
+            _check_free_space(target_real, manifest, name)
             if take_lease:
                 try:
                     lease = repo.take_lease(run_id, name, now=time.time())
@@ -716,11 +717,13 @@ def restore(
                 on_file,
                 check_digests=keys is not None,
             )
+        # Info, not error: whoever called says the failure (the CLI's one line, ckptd
+        # exec's error); an error here would say it twice.
         except OSError as exc:
-            log.error("restore_failed", error=str(exc))
+            log.info("restore_failed", error=str(exc))
             raise RestoreError(f"local I/O error under {target_real}: {exc}") from exc
         except (RestoreError, StorageError) as exc:
-            log.error("restore_failed", error=str(exc))
+            log.info("restore_failed", error=str(exc))
             raise
         finally:
             if lease is not None:
@@ -742,6 +745,37 @@ def restore(
         mib_per_s=round(downloaded / max(out.seconds, 1e-9) / 2**20, 1),
     )
     return out
+
+
+def _staged_bytes(staging: str) -> int:
+    """Bytes already under a staging dir (a rerun reuses what verifies); symlinks and
+    special files count nothing (they are discarded, never followed)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(staging):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+    return total
+
+
+def _check_free_space(target_real: str, manifest: Manifest, name: str) -> None:
+    """Refuse before the first byte when the target's filesystem cannot hold what is
+    left to fetch: otherwise a large restore fails after filling the disk."""
+    staging = os.path.join(target_real, f"{STAGING_PREFIX}{name}")
+    needed = manifest.total_bytes - (_staged_bytes(staging) if os.path.isdir(staging) else 0)
+    fs = os.statvfs(target_real)
+    free = fs.f_bavail * fs.f_frsize
+    if needed > free:
+        raise RestoreError(
+            f"{target_real} has {_mib(free)} free, and {manifest.run_id}/{name} needs "
+            f"{_mib(needed)} more: free space there or restore elsewhere (nothing was written)"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _result(
@@ -922,7 +956,7 @@ def _download(
             tree.unlink(done.parts)  # never keep bytes that did not verify
             if isinstance(done.error, RestoreError | StorageError):
                 failed.append(FileProblem(done.entry.path, str(done.error)))
-                log.warning("restore_file_failed", path=done.entry.path, error=str(done.error))
+                log.info("restore_file_failed", path=done.entry.path, error=str(done.error))
             elif fatal is None:
                 # A local failure (ENOSPC, EIO) will hit every file: stop, keep what verified.
                 fatal = done.error

@@ -1,7 +1,8 @@
-"""A full destination: a checkpoint that does not fit fails with ENOSPC, leaves nothing
-behind, and does not hold back a smaller one that fits.
+"""Full disks. A full destination: a checkpoint that does not fit fails with ENOSPC,
+leaves nothing behind, and does not hold back a smaller one that fits. A full restore
+target: refused before a byte is written.
 
-The destination is a real 60 MiB tmpfs (mounting needs root; skipped otherwise).
+The small filesystem is a real 60 MiB tmpfs (mounting needs root; skipped otherwise).
 """
 
 from __future__ import annotations
@@ -85,3 +86,30 @@ def test_a_checkpoint_too_large_leaves_no_debris_and_a_small_one_still_commits(
         assert (small_volume / "run" / "checkpoint-101" / "ckptd.manifest.json").is_file()
         assert not (small_volume / "run" / "checkpoint-100" / "ckptd.manifest.json").exists()
         assert daemon.metric("ckptd_checkpoints_failed_total", run="run", reason="storage") >= 1
+
+
+def test_a_restore_that_cannot_fit_is_refused_before_a_byte_is_written(
+    tmp_path: Path, small_volume: Path
+) -> None:
+    """80 MiB into a 60 MiB filesystem: one line with what is free and what is needed,
+    exit 1, and the target as it was (no staging dir filling the disk)."""
+    from ckptd.storage import open_storage
+    from tests.daemon import run_cli
+    from tests.test_restore import commit_files
+
+    dest = f"file://{tmp_path / 'store'}"
+    files = {"a.bin": os.urandom(40 * MiB), "b.bin": os.urandom(40 * MiB)}
+    commit_files(open_storage(dest), "run", "ck-9", files, step=9)
+    target = small_volume / "run"
+    target.mkdir()
+    done = run_cli("restore", "--dest", dest, "--run", "run", "--latest", "--to", str(target))
+    assert done.returncode == 1
+    assert done.stderr.startswith("ckptd: restore failed: ")
+    (line,) = done.stderr.splitlines()
+    assert "MiB free" in line and "80.0 MiB more" in line and "restore elsewhere" in line
+    assert os.listdir(target) == []
+    # With room, the same command restores it.
+    roomy = tmp_path / "roomy"
+    ok = run_cli("restore", "--dest", dest, "--run", "run", "--latest", "--to", str(roomy))
+    assert ok.returncode == 0, ok.stderr
+    assert (roomy / "ck-9" / "a.bin").read_bytes() == files["a.bin"]
