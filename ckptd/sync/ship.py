@@ -54,7 +54,7 @@ from ckptd.sync.assemble import (
     try_commit,
     write_part,
 )
-from ckptd.sync.commit import CommitConflictError, CommitResult, commit
+from ckptd.sync.commit import CommitConflictError, CommitResult, commit, move_latest
 from ckptd.sync.early import EarlyFile
 from ckptd.sync.journal import Journal, ObjectRecord
 from ckptd.sync.scanner import snapshot
@@ -177,6 +177,8 @@ class Shipper:
         try:
             existing = await asyncio.to_thread(self.repo.read_manifest, run, name)
             if existing is not None:
+                # Committed before a crash, perhaps with LATEST not yet moved (commit.py).
+                await asyncio.to_thread(move_latest, self.repo, existing)
                 return ShipResult(Outcome.COMMITTED, existing, already_committed=True)
             cluster = request.cluster
             if cluster is not None and cluster.announcement is not None:
