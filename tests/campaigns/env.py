@@ -37,12 +37,12 @@ class Stage:
 
 
 @contextmanager
-def stage(work: Path, s3: LocalS3 | None = None) -> Iterator[Stage]:
+def stage(work: Path, s3: LocalS3 | None = None, stall_seconds: float = 2.0) -> Iterator[Stage]:
     """A stage on ``s3`` (a SeaweedFS of its own under ``work`` when None)."""
     work.mkdir(parents=True, exist_ok=True)
     own = s3 is None
     server = s3 if s3 is not None else LocalS3(work / "seaweedfs", buckets=(BUCKET,)).start()
-    proxy = FaultProxy(server.endpoint_url, stall_seconds=2.0).start()
+    proxy = FaultProxy(server.endpoint_url, stall_seconds=stall_seconds).start()
     try:
         yield Stage(server, proxy, work)
     finally:
