@@ -130,12 +130,36 @@ def _resent(records: list[RequestRecord], parts: set[tuple[str, int]], objects: 
     return n
 
 
-def classify(events: list[dict[str, Any]], arrivals: list[tuple[str, str]], name: str) -> str:
+def _is_verify(method: str, query: str) -> bool:
+    """The store's report on a file: CompleteMultipartUpload (its answer carries the
+    checksum ckptd compares) or a HEAD."""
+    return method == "HEAD" or (method == "POST" and "uploadId=" in query)
+
+
+def in_flight(
+    arrivals: list[tuple[str, str]], answered: list[RequestRecord]
+) -> list[tuple[str, str]]:
+    """The requests that had arrived but not been answered: (method, target)."""
+    pending = Counter(arrivals)
+    pending.subtract(
+        Counter((r.method, f"{r.path}?{r.query}" if r.query else r.path) for r in answered)
+    )
+    return [a for a in arrivals if pending[a] > 0]
+
+
+def classify(
+    events: list[dict[str, Any]],
+    arrivals: list[tuple[str, str]],
+    unanswered: list[tuple[str, str]],
+    name: str,
+) -> str:
     """The phase a kill landed in, from the killed daemon's log lines about checkpoint
     ``name`` and the requests it had begun (``arrivals``, in order, as the proxy saw
-    their heads): between ``checkpoint_uploading`` and ``checkpoint_verified``, a HEAD or
-    CompleteMultipartUpload last means verifying; after ``checkpoint_verified``, any
-    request after LATEST's write means retention (it runs before the commit is logged)."""
+    their heads; ``unanswered``, those it was still waiting on). Between
+    ``checkpoint_uploading`` and ``checkpoint_verified``: waiting on a store's report
+    (see ``_is_verify``) means verifying, else uploading. After ``checkpoint_verified``:
+    a request after LATEST's write means retention (it runs before the commit is logged),
+    else committing."""
     seen = [e["event"] for e in events if e.get("checkpoint") == name]
     if "checkpoint_committed" in seen or "checkpoint_already_committed" in seen:
         return "idle"
@@ -147,14 +171,10 @@ def classify(events: list[dict[str, Any]], arrivals: list[tuple[str, str]], name
     if "checkpoint_uploading" in seen:
         mine = [
             (method, target.partition("?")[2])
-            for method, target in arrivals
+            for method, target in unanswered
             if f"/{RUN}/{name}/" in unquote(target.partition("?")[0])
         ]
-        if mine and (
-            mine[-1][0] == "HEAD" or (mine[-1][0] == "POST" and "uploadId=" in mine[-1][1])
-        ):
-            return "verifying"
-        return "uploading"
+        return "verifying" if any(_is_verify(m, q) for m, q in mine) else "uploading"
     return "scanning"
 
 
@@ -253,7 +273,7 @@ class KillCampaign:
         sizes = [s for s in self.sizes_mib if s > 8] if target == "verifying" else self.sizes_mib
         size = self.rng.choice(sizes or self.sizes_mib) * MiB
         verifies = sum(1 for b in (size, size // 2) if b > 8 * MiB)
-        first = len(proxy.arrivals)
+        first, first_answered = len(proxy.arrivals), len(proxy.requests)
         held = proxy.held
         killed = self._daemon(f"{i:03d}-killed").start()
         try:
@@ -279,13 +299,14 @@ class KillCampaign:
         finally:
             if killed.alive():
                 killed.kill9()
-        at_kill = len(proxy.arrivals)
+        at_kill, answered = len(proxy.arrivals), proxy.requests[first_answered:]
         proxy.hold(0)
         for _ in writer:  # the trainer carries on saving: only the daemon died
             pass
         committed_at_kill = self.checker.manifest(RUN, name) is not None
         parts, objects = _journal_done(self.state)
-        trial.phase = classify(killed.events(), proxy.arrivals[first:at_kill], name)
+        arrivals = proxy.arrivals[first:at_kill]
+        trial.phase = classify(killed.events(), arrivals, in_flight(arrivals, answered), name)
         self.local[name] = tree_crcs(self.root / name)
 
         restart = len(proxy.requests)
