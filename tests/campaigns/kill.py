@@ -393,6 +393,19 @@ class KillCampaign:
                 env={**os.environ, **self.stage.daemon_env()},
             )
 
+    def _first_get(self, name: str) -> float:
+        """When the first ranged GET of one of ``name``'s files arrives at the proxy (polled
+        from now; 60 s at most): the download has begun, the staging dir exists."""
+        seen = len(self.stage.proxy.arrivals)
+        _poll(
+            lambda: any(
+                m == "GET" and f"/{RUN}/{name}/" in t and "ckptd.manifest.json" not in t
+                for m, t in self.stage.proxy.arrivals[seen:]
+            ),
+            60,
+        )
+        return time.monotonic()
+
     def _restore_trial(self, i: int) -> Trial:
         trial = Trial("restore", phase="restore")
         names = sorted(self.checker.committed_names(RUN), key=lambda n: int(n.rsplit("-", 1)[1]))
@@ -409,14 +422,17 @@ class KillCampaign:
         # GETs held a little so a full restore lasts long enough to be cut anywhere.
         self.stage.proxy.hold(0.05, lambda m, p, q: m == "GET" and f"/{RUN}/{name}/" in p)
         try:
-            if not self.restore_seconds:  # calibrate once: how long a whole restore takes
+            if not self.restore_seconds:  # calibrate once: how long the restore's work takes
                 scratch = self.work / "restores" / "calibration"
                 scratch.mkdir(parents=True, exist_ok=True)
-                t0 = time.monotonic()
-                self._restore(name, scratch, log).wait(timeout=300)
-                self.restore_seconds = time.monotonic() - t0
+                calibration = self._restore(name, scratch, log)
+                begun = self._first_get(name)
+                calibration.wait(timeout=300)
+                self.restore_seconds = time.monotonic() - begun
             proc = self._restore(name, to, log)
-            time.sleep(self.rng.uniform(0, 0.9 * self.restore_seconds))
+            # A random instant of its download, from the first file GET to its end.
+            self._first_get(name)
+            time.sleep(self.rng.uniform(0, self.restore_seconds))
             finished = proc.poll() is not None
             if not finished:
                 proc.kill()
@@ -424,8 +440,10 @@ class KillCampaign:
         finally:
             self.stage.proxy.hold(0)
         target = to / name
+        # Whether it had begun: the staging dir (and its files) exist from the first GET.
+        staged = sum(1 for _ in (to / f".ckptd-restore-{name}").rglob("*"))
         if not target.exists():
-            state = "absent"
+            state = f"absent, {'staging begun' if staged else 'nothing staged'}"
         elif check_restored(target, manifest):
             state = "PARTIAL"
             trial.problems += check_restored(target, manifest)
