@@ -39,6 +39,8 @@ from xml.sax.saxutils import escape
 
 Match = Callable[[str, str], bool]
 """``match(method, path) -> bool``: whether a fault rule applies to a request."""
+HoldMatch = Callable[[str, str, str], bool]
+"""``match(method, path, query) -> bool``: whether ``hold`` delays a request."""
 
 # S3 error documents the proxy can answer with: kind -> (status, reason, Code, Message).
 ERROR_KINDS: dict[str, tuple[int, str, str, str]] = {
@@ -331,7 +333,10 @@ class FaultProxy:
         self._rng = random.Random(0)
         self._queued: list[_Rule] = []
         self._deny: _Rule | None = None
+        self._hold: tuple[float, HoldMatch] | None = None
+        self._held = 0
         # Counters.
+        self._arrivals: list[tuple[str, str]] = []
         self._bytes_up: Counter[str] = Counter()
         self._bytes_down = 0
         self._records: list[RequestRecord] = []
@@ -466,6 +471,34 @@ class FaultProxy:
         with self._lock:
             self._deny = _Rule(kind, _methods(methods), match)
 
+    def hold(self, seconds: float, match: HoldMatch | None = None) -> None:
+        """Delay each request ``match`` accepts (all when None) by ``seconds`` before it is
+        forwarded unchanged; ``hold(0)`` stops. Not a fault: it widens a window (a commit,
+        a deletion) so that a kill at a random instant can land inside it."""
+        with self._lock:
+            self._hold = (seconds, match or (lambda m, p, q: True)) if seconds > 0 else None
+
+    @property
+    def arrivals(self) -> list[tuple[str, str]]:
+        """(method, target) of every request, in the order their heads arrived: unlike
+        ``requests``, it holds a request still held, in flight or never answered."""
+        with self._lock:
+            return list(self._arrivals)
+
+    @property
+    def held(self) -> int:
+        """How many requests ``hold`` has delayed so far."""
+        with self._lock:
+            return self._held
+
+    def _hold_for(self, method: str, target: str) -> float:
+        path, _, query = target.partition("?")
+        with self._lock:
+            if self._hold is None or not self._hold[1](method, path, query):
+                return 0.0
+            self._held += 1
+            return self._hold[0]
+
     def clear_faults(self) -> None:
         """Forward everything again: drop the random plan, queued faults and ``deny``."""
         with self._lock:
@@ -538,6 +571,7 @@ class FaultProxy:
             self._bytes_up.clear()
             self._bytes_down = 0
             self._records.clear()
+            self._arrivals.clear()
             self._faults = 0
 
     def wait_for(
@@ -582,7 +616,11 @@ class FaultProxy:
                 head = await _read_head(reader)
                 if head is None:
                     break
+                with self._lock:
+                    self._arrivals.append((head.start[0], head.start[1]))
                 fault = self._choose_fault(head.start[0], head.start[1].partition("?")[0])
+                if fault is None and (delay := self._hold_for(head.start[0], head.start[1])):
+                    await asyncio.sleep(delay)
                 if fault is None or fault in _UPSTREAM_FAULTS:
                     keep_alive = await self._forward(head, reader, writer, upstream, fault)
                 else:
@@ -752,4 +790,4 @@ def _methods(methods: set[str] | None) -> frozenset[str] | None:
     return None if methods is None else frozenset(m.upper() for m in methods)
 
 
-__all__ = ["ERROR_KINDS", "FAULT_KINDS", "FaultProxy", "Match", "RequestRecord"]
+__all__ = ["ERROR_KINDS", "FAULT_KINDS", "FaultProxy", "HoldMatch", "Match", "RequestRecord"]

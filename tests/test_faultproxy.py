@@ -27,6 +27,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutError
 
 from ckptd.locals3 import LocalS3
+from tests.daemon import wait_until
 from tests.faultproxy import ERROR_KINDS, FaultProxy
 
 MiB = 1 << 20
@@ -406,3 +407,30 @@ def test_chunked_bodies_keep_alive_and_refused_expect_against_a_plain_server() -
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_hold_delays_matching_requests_which_arrivals_list_while_held(
+    proxy: FaultProxy, client: Any
+) -> None:
+    bucket = "ckpt"
+    proxy.hold(0.5, lambda method, path, query: method == "PUT" and path.endswith("/held"))
+    done = threading.Event()
+
+    def put() -> None:
+        client.put_object(Bucket=bucket, Key="held", Body=b"x")
+        done.set()
+
+    worker = threading.Thread(target=put)
+    worker.start()
+    # Listed on arrival, before its answer: the held request is in arrivals, not requests.
+    wait_until(lambda: any(t.endswith("/held") for _, t in proxy.arrivals), 5, "arrival")
+    assert proxy.held == 1
+    assert not done.is_set()
+    assert not any(r.path.endswith("/held") for r in proxy.requests)
+    worker.join(timeout=10)
+    assert done.is_set()
+    client.put_object(Bucket=bucket, Key="not-held", Body=b"y")  # no match: not delayed
+    assert proxy.held == 1
+    proxy.hold(0)
+    client.put_object(Bucket=bucket, Key="held", Body=b"z")
+    assert proxy.held == 1

@@ -129,6 +129,36 @@ async def test_a_checkpoint_already_committed_elsewhere_is_marked_committed_with
         journal2.close()
 
 
+async def test_a_restart_after_a_crash_between_manifest_and_latest_moves_latest(
+    tmp_path: Path,
+) -> None:
+    # Found by the kill -9 campaign (tests/campaigns): killed after ck-5's manifest was
+    # written but before LATEST moved, the restarted daemon saw "already committed" and
+    # left LATEST on ck-3, so `restore --latest` would resume two steps back.
+    first, journal, watch = make_pipeline(tmp_path, mib_per_s=0)
+    for name in ("ck-3", "ck-5"):
+        write_marked(watch, name, MiB)
+        await first.evaluate("run", name)
+        assert await first.drain_once()
+        if name == "ck-3":
+            behind = first.repo.read_latest("run")
+    await first.close()
+    journal.close()
+    assert behind is not None and behind.checkpoint == "ck-3"
+    first.repo.write_latest("run", behind)  # LATEST as the crash left it
+    second = SyncPipeline(
+        first.settings, first.repo.storage, Journal(tmp_path / "state"), Metrics()
+    )
+    try:
+        await second.evaluate("run", "ck-5")
+        await second.drain_once()
+        latest = second.repo.read_latest("run")
+        assert latest is not None and latest.checkpoint == "ck-5"
+    finally:
+        await second.close()
+        second.journal.close()
+
+
 async def test_a_failing_store_backs_off_and_counts_a_storage_error(tmp_path: Path) -> None:
     pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=0)
     # Before any failure every series an alert watches is there, at 0: a series born at

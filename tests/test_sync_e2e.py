@@ -312,6 +312,36 @@ def test_transient_s3_errors_are_retried_to_success(
         _assert_committed_identical(s3_client, s3_prefix, "run", d)
 
 
+def test_a_lost_answer_to_create_multipart_upload_leaves_no_orphaned_upload(
+    tmp_path: Path,
+    local_s3: LocalS3,
+    fault_proxy: FaultProxy,
+    s3_client: Any,
+    s3_prefix: str,
+    s3_dest: str,
+) -> None:
+    # Found by the proxy-fault campaign (tests/campaigns/faults.py): the store created the
+    # upload, the answer was lost, the retry created a second one; the first was left.
+    root = tmp_path / "run"
+    root.mkdir()
+    # The first POST is the first file's CreateMultipartUpload (the only other POSTs
+    # complete an upload, after it).
+    fault_proxy.fail_next(1, "reset-after-upstream", methods={"POST"})
+    watch = [{"dir": root, "settle_seconds": 0}]
+    with _daemon(
+        tmp_path, local_s3, s3_dest, watch, endpoint_url=fault_proxy.url, part_size_mib=5
+    ) as daemon:
+        ckpt = write_hf(root, 1, model_bytes=11 * MiB)
+        wait_until(
+            lambda: committed_manifest(s3_client, s3_prefix, "run", "checkpoint-1"), 60, "commit"
+        )
+        assert fault_proxy.faults_injected == 1
+        assert daemon.events_named("lost_uploads_aborted")
+    _assert_committed_identical(s3_client, s3_prefix, "run", ckpt)
+    uploads = s3_client.list_multipart_uploads(Bucket="ckpt", Prefix=s3_prefix).get("Uploads", [])
+    assert uploads == [], "an orphaned multipart upload was left behind"
+
+
 def test_missing_bucket_is_a_clear_error_in_logs_and_metrics_not_a_crash_loop(
     tmp_path: Path, local_s3: LocalS3
 ) -> None:

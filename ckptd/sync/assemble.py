@@ -44,7 +44,7 @@ from ckptd.cluster import (
 from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
 from ckptd.manifest import Manifest, ManifestError, build_manifest, utc_timestamp
 from ckptd.repository import Repository, announce_key, part_key
-from ckptd.sync.commit import CommitConflictError, CommitResult, commit
+from ckptd.sync.commit import CommitConflictError, CommitResult, commit, move_latest
 from ckptd.sync.runs import RunState
 
 
@@ -194,6 +194,7 @@ def try_commit(
     only looks); an announcement of another save means this node's part is stale."""
     existing = repo.read_manifest(run, name)
     if existing is not None:
+        move_latest(repo, existing)  # a crash between manifest and LATEST (commit.py)
         return AssemblyResult(Assembly.COMMITTED, existing, already_committed=True)
     announcement = repo.read_announcement(run, name)
     if announcement is None:

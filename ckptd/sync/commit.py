@@ -6,8 +6,9 @@
     3. LATEST    moved only forward in step
 
 A crash between any two steps leaves either unreferenced objects (collected later; a
-restart re-uses them) or a committed checkpoint that LATEST does not name yet (the
-next commit, or ``ckptd restore``'s fallback to the newest manifest, covers that).
+restart re-uses them) or a committed checkpoint that LATEST does not name yet: the
+restart that finds the manifest there runs step 3 for it (``move_latest``), since
+``restore --latest`` follows LATEST and would otherwise resume from an older step.
 It never leaves a manifest naming an object that is not there, nor a LATEST naming a
 checkpoint without a manifest. The conditional write makes a commit idempotent across
 restarts and safe when two nodes race: exactly one write wins.
@@ -63,12 +64,25 @@ def commit(storage: Storage | Repository, manifest: Manifest) -> CommitResult:
             ) from None
         crc = checksum.crc32c(stored)
         already = True
-    latest = repo.read_latest(manifest.run_id)
-    moved = False
-    if should_move_latest(latest, manifest.step):
-        pointer = Latest(
-            checkpoint=manifest.checkpoint, step=manifest.step, manifest_crc32c=checksum.to_hex(crc)
-        )
-        repo.write_latest(manifest.run_id, pointer)
-        moved = True
+    moved = move_latest(repo, manifest, crc)
     return CommitResult(checksum.to_hex(crc), moved, already)
+
+
+def move_latest(storage: Storage | Repository, manifest: Manifest, crc: int | None = None) -> bool:
+    """Step 3 alone: point LATEST at ``manifest`` if that moves it forward in step;
+    whether it moved. ``crc`` is the stored manifest's CRC-32C (read back when None).
+    Also for a checkpoint found committed already: a crash between steps 2 and 3 left
+    LATEST behind it."""
+    repo = storage if isinstance(storage, Repository) else Repository(storage)
+    if crc is None:
+        stored = repo.read_manifest_bytes(manifest.run_id, manifest.checkpoint)
+        if stored is None:
+            return False
+        crc = checksum.crc32c(stored)
+    if not should_move_latest(repo.read_latest(manifest.run_id), manifest.step):
+        return False
+    pointer = Latest(
+        checkpoint=manifest.checkpoint, step=manifest.step, manifest_crc32c=checksum.to_hex(crc)
+    )
+    repo.write_latest(manifest.run_id, pointer)
+    return True

@@ -44,7 +44,7 @@ from ckptd.errors import CkptdError
 from ckptd.layouts.base import CheckpointListing, Completion, FileEntry, step_of
 from ckptd.manifest import Manifest, ManifestError, build_manifest, utc_timestamp
 from ckptd.plan import plan_upload, resolve_copies
-from ckptd.repository import Repository, object_key
+from ckptd.repository import Repository, checkpoint_prefix, object_key
 from ckptd.storage.base import StorageError
 from ckptd.sync.assemble import (
     Assembly,
@@ -54,7 +54,7 @@ from ckptd.sync.assemble import (
     try_commit,
     write_part,
 )
-from ckptd.sync.commit import CommitConflictError, CommitResult, commit
+from ckptd.sync.commit import CommitConflictError, CommitResult, commit, move_latest
 from ckptd.sync.early import EarlyFile
 from ckptd.sync.journal import Journal, ObjectRecord
 from ckptd.sync.scanner import snapshot
@@ -65,6 +65,7 @@ from ckptd.sync.transfer import (
     TransferPausedError,
     Transfers,
     abort_journalled_upload,
+    abort_lost_uploads,
 )
 
 T = TypeVar("T")
@@ -177,6 +178,8 @@ class Shipper:
         try:
             existing = await asyncio.to_thread(self.repo.read_manifest, run, name)
             if existing is not None:
+                # Committed before a crash, perhaps with LATEST not yet moved (commit.py).
+                await asyncio.to_thread(move_latest, self.repo, existing)
                 return ShipResult(Outcome.COMMITTED, existing, already_committed=True)
             cluster = request.cluster
             if cluster is not None and cluster.announcement is not None:
@@ -198,6 +201,7 @@ class Shipper:
                 return ShipResult(
                     Outcome.CHANGED, error=CheckpointChangedError("files changed while uploading")
                 )
+            await self._abort_lost_uploads(run, name, files, log)
             if cluster is not None:
                 return await self._part_and_commit(request, cluster, files, started, log)
             manifest = build_manifest(
@@ -244,6 +248,23 @@ class Shipper:
             "digests": {r.path: r.digest for r in files if r.digest},
             "digest_algorithm": digest.ALGORITHM,
         }
+
+    async def _abort_lost_uploads(
+        self, run: str, name: str, files: list[FileResult], log: Any
+    ) -> None:
+        """Every file is in the store now: an upload still open for one of them was lost
+        to a dropped answer (``abort_lost_uploads``). Found by the proxy-fault campaign; a
+        failure here is logged and leaves it for the store's lifecycle rule."""
+        keys = [object_key(run, name, r.path) for r in files]
+        try:
+            aborted = await asyncio.to_thread(
+                abort_lost_uploads, self.repo.storage, checkpoint_prefix(run, name), keys
+            )
+        except StorageError as exc:
+            log.warning("lost_upload_check_failed", error=str(exc))
+            return
+        if aborted:
+            log.warning("lost_uploads_aborted", uploads=aborted)
 
     async def _part_and_commit(
         self,

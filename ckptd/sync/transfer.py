@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -476,6 +476,23 @@ def abort_unrecorded_uploads(storage: Storage, key: str, keep: set[str]) -> int:
     for found_key, upload_id in uploads.list_uploads(key):
         if found_key == key and upload_id not in keep:
             uploads.abort_upload(found_key, upload_id)
+            aborted += 1
+    return aborted
+
+
+def abort_lost_uploads(storage: Storage, prefix: str, keys: Collection[str]) -> int:
+    """Abort every multipart upload under ``prefix`` of one of ``keys``, whose files are
+    all complete: such an upload is one whose CreateMultipartUpload took effect while its
+    answer was lost (a reset, a timeout), so the retry made another and no one knows
+    its id. One listing per checkpoint; returns how many were aborted."""
+    uploads = capability(storage, MultipartUpload)
+    if uploads is None:
+        return 0
+    wanted = set(keys)
+    aborted = 0
+    for key, upload_id in uploads.list_uploads(prefix):
+        if key in wanted:
+            uploads.abort_upload(key, upload_id)
             aborted += 1
     return aborted
 

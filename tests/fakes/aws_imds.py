@@ -67,8 +67,19 @@ class FakeAwsImds(FakeServer):
         self._spot: dict[str, str] | None = None
         self._rebalance: dict[str, str] | None = None
         self._scheduled: list[dict[str, str]] = []
+        self._raw: dict[str, str] = {}
 
     # -- control API -------------------------------------------------------------------
+
+    def set_raw(self, item: str, body: str | None) -> None:
+        """Serve ``body`` verbatim (200) for ``item`` (e.g. ``spot/instance-action``),
+        whatever its shape; None goes back to the documented answer. For fuzzing."""
+        with self._lock:
+            if body is None:
+                self._raw.pop(item, None)
+            else:
+                self._raw[item] = body
+            self._version += 1
 
     def trigger_spot(self, action: str = "terminate", at: datetime | None = None) -> str:
         """Publish a spot instance-action; ``at`` defaults to two minutes from now.
@@ -207,7 +218,10 @@ class FakeAwsImds(FakeServer):
                 return _text(401, "Unauthorized")
             spot, rebalance = self._spot, self._rebalance
             scheduled = [dict(e) for e in self._scheduled]
+            raw = dict(self._raw)
         item = request.match_info["item"]
+        if item in raw:
+            return _text(200, raw[item], extra)
         if mode == "garbage":
             return _text(200, '<html>{"action": "termin', extra)
         if mode == "wrong-shape":

@@ -75,6 +75,7 @@ class FakeAzureMetadata(FakeServer):
         self.incarnation = 1
         self._acks: list[str] = []
         self._answered = False
+        self._raw: str | None = None
 
     # -- control API -------------------------------------------------------------------
 
@@ -138,6 +139,13 @@ class FakeAzureMetadata(FakeServer):
         with self._lock:
             return list(self._acks)
 
+    def set_raw(self, body: str | None) -> None:
+        """Serve ``body`` verbatim (200) as the Scheduled Events document, whatever its
+        shape; None goes back to the events added. For fuzzing."""
+        with self._lock:
+            self._raw = body
+            self._version += 1
+
     def document(self) -> dict[str, Any]:
         """The Scheduled Events document as served now."""
         with self._lock:
@@ -185,6 +193,10 @@ class FakeAzureMetadata(FakeServer):
         if (fault := await self._fault()) is not None:
             return fault
         mode = self.mode
+        with self._lock:
+            raw = self._raw
+        if raw is not None:
+            return web.Response(text=raw, content_type="application/json")
         if mode == "garbage":
             return web.Response(
                 text='{"DocumentIncarnation": 3, "Events": [', content_type="application/json"
