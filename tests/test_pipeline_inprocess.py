@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -230,3 +231,65 @@ async def test_an_unforeseen_error_in_one_checkpoint_never_stops_the_worker(
         await asyncio.wait_for(worker, 10)
         await pipeline.close()
         journal.close()
+
+
+async def test_on_a_notice_the_checkpoint_being_written_ships_its_files_first(
+    tmp_path: Path,
+) -> None:
+    """During a notice, the closed files of the checkpoint the trainer is writing go
+    before its commit record exists and before an older checkpoint's upload, which
+    makes way; an older incomplete checkpoint sends nothing early meanwhile."""
+    pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8)
+    store = tmp_path / "store"
+    order: list[tuple[str, bool]] = []
+
+    async def on_commit(run: str, name: str, nbytes: int, emergency: bool) -> None:
+        order.append((name, emergency))
+
+    pipeline.on_commit = on_commit
+    long_ago = time.time() - 60
+    older = write_marked(watch, "ck-1", 8 * PART)
+    stale = watch / "ck-0"  # an older save never finished: no COMPLETE
+    stale.mkdir()
+    (stale / "weights.bin").write_bytes(os.urandom(MiB))
+    for f in [*older.iterdir(), *stale.iterdir()]:
+        os.utime(f, (long_ago, long_ago))
+    stop = asyncio.Event()
+    worker = asyncio.create_task(pipeline.work(stop))
+    try:
+        await pipeline.evaluate("run", "ck-1")
+        state = pipeline.runs["run"]
+        await wait_until(
+            lambda: state.current is not None and state.current.sent_bytes >= PART,
+            timeout=30,
+            what="the older upload under way",
+        )
+        pipeline.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
+        # The notice came 10 s ago (shifted, not slept): the trainer has since written
+        # and closed its weights (quiet for 5 s), and not yet its commit record.
+        assert pipeline.emergency_since is not None
+        pipeline.emergency_since -= 10
+        being_written = watch / "ck-2"
+        being_written.mkdir()
+        (being_written / "weights.bin").write_bytes(os.urandom(2 * MiB))
+        quiet = time.time() - 5
+        os.utime(being_written / "weights.bin", (quiet, quiet))
+        await pipeline.evaluate("run", "ck-0")
+        await pipeline.evaluate("run", "ck-2")
+        await wait_until(
+            lambda: (store / "run" / "ck-2" / "weights.bin").is_file(),
+            timeout=30,
+            what="the emergency checkpoint's weights sent before its commit record",
+        )
+        assert order == []  # the older one has not committed ahead of it
+        assert not (store / "run" / "ck-0").exists()  # nothing early from an old save
+        (being_written / "COMPLETE").write_text("")
+        await pipeline.evaluate("run", "ck-2")
+        await wait_until(lambda: len(order) == 2, timeout=60, what="both committed")
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+        await pipeline.close()
+        journal.close()
+    assert order == [("ck-2", True), ("ck-1", False)]
+    assert not (store / "run" / "ck-0").exists()
