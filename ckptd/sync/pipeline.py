@@ -604,23 +604,14 @@ class SyncPipeline:
             except Exception as exc:  # noqa: BLE001 - one checkpoint never stops the worker
                 # A bug or an input nobody foresaw: this checkpoint backs off and is
                 # said to have failed; every other checkpoint still ships.
-                self._crashed(pending, exc)
+                await self._crashed(pending, exc)
 
-    def _crashed(self, pending: Pending, exc: Exception) -> None:
-        delay = self.queue.failed(pending, self.clock.monotonic())
-        self.metrics.failed.labels(run=pending.run, reason="local").inc()
-        self.log.error(
-            "checkpoint_failed",
-            run=pending.run,
-            checkpoint=pending.name,
-            error=repr(exc),
-            code=type(exc).__name__,
-            reason="local",
-            attempt=pending.failures,
-            retry_in=round(delay, 1),
-            exc_info=exc,
-        )
-        self.update_gauges()
+    async def _crashed(self, pending: Pending, exc: Exception) -> None:
+        """A bug or an input nobody foresaw: failed and backed off like any other
+        failure (reason "local"), with its traceback in the log."""
+        log = self.log.bind(run=pending.run, checkpoint=pending.name)
+        result = ShipResult(Outcome.FAILED, error=exc)
+        await self._failed(self.runs[pending.run], pending, result, log, traceback=True)
 
     def retry_now(self) -> None:
         """The store is back: end every backoff and ship the backlog now."""
@@ -634,7 +625,7 @@ class SyncPipeline:
             try:
                 ok = await self.ship(pending) and ok
             except Exception as exc:  # noqa: BLE001 - as in work(): said, then backed off
-                self._crashed(pending, exc)
+                await self._crashed(pending, exc)
                 ok = False
         # Failures left in backoff count as not done.
         return ok and not len(self.queue)
@@ -935,7 +926,13 @@ class SyncPipeline:
         self.hint(run, name, delay=max(1.0, state.rules.settle_seconds))
 
     async def _failed(
-        self, state: RunState, pending: Pending, result: ShipResult, log: Any
+        self,
+        state: RunState,
+        pending: Pending,
+        result: ShipResult,
+        log: Any,
+        *,
+        traceback: bool = False,
     ) -> None:
         exc, code = result.error, result.reason
         delay = self.queue.failed(pending, self.clock.monotonic())
@@ -957,6 +954,7 @@ class SyncPipeline:
             reason=reason,
             attempt=pending.failures,
             retry_in=round(delay, 1),
+            exc_info=exc if traceback else None,
         )
         if isinstance(exc, StorageError) and exc.code in NO_SPACE_CODES:
             # A full destination: what this attempt sent holds the space a smaller
