@@ -11,7 +11,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
+from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
 from ckptd.storage import RetryingStorage, open_storage
 from tests.faultproxy import FaultProxy
 
@@ -89,3 +89,26 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> RetryingStorage:
         dest: str = request.getfixturevalue("s3_dest")
         return open_storage(dest, endpoint_url=local_s3.endpoint_url, max_attempts=2)
     return open_storage(f"file://{tmp_path / 'shared'}")
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    """moto's S3 server on loopback with the bucket ``ckpt``: the second S3 (a case
+    SeaweedFS does not cover, e.g. SSE-KMS), one per test module."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=BUCKET)
+    try:
+        yield endpoint
+    finally:
+        server.stop()

@@ -37,6 +37,28 @@ def sent_bytes(pipeline: SyncPipeline) -> float:
     return value or 0.0
 
 
+def record_commits(pipeline: SyncPipeline) -> list[tuple[str, bool]]:
+    """(checkpoint, emergency) of each commit, in order, as the pipeline reports them."""
+    order: list[tuple[str, bool]] = []
+
+    async def on_commit(run: str, name: str, nbytes: int, emergency: bool) -> None:
+        order.append((name, emergency))
+
+    pipeline.on_commit = on_commit
+    return order
+
+
+async def ship_until_a_part_is_sent(pipeline: SyncPipeline, name: str) -> None:
+    """Queue ``name`` (complete) and return once its upload has sent a whole part."""
+    await pipeline.evaluate("run", name)
+    state = pipeline.runs["run"]
+    await wait_until(
+        lambda: state.current is not None and state.current.sent_bytes >= PART,
+        timeout=30,
+        what=f"{name}'s upload under way",
+    )
+
+
 def make_pipeline(tmp_path: Path, *, mib_per_s: float) -> tuple[SyncPipeline, Journal, Path]:
     watch, store, state = tmp_path / "watch", tmp_path / "store", tmp_path / "state"
     for d in (watch, store, state):
@@ -63,23 +85,12 @@ async def test_emergency_checkpoint_pauses_an_older_upload_commits_first_and_the
     # 8 MiB/s: the 40 MiB older checkpoint takes ~5 s, so it is mid-upload when the
     # notice comes, and with a 1 s deadline both cannot finish: it must make way.
     pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8)
-    order: list[tuple[str, bool]] = []
-
-    async def on_commit(run: str, name: str, nbytes: int, emergency: bool) -> None:
-        order.append((name, emergency))
-
-    pipeline.on_commit = on_commit
+    order = record_commits(pipeline)
     stop = asyncio.Event()
     worker = asyncio.create_task(pipeline.work(stop))
     try:
         older = write_marked(watch, "ck-1", 8 * PART)
-        await pipeline.evaluate("run", "ck-1")
-        state = pipeline.runs["run"]
-        await wait_until(
-            lambda: state.current is not None and state.current.sent_bytes >= PART,
-            timeout=30,
-            what="the older upload under way",
-        )
+        await ship_until_a_part_is_sent(pipeline, "ck-1")
         pipeline.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
         write_marked(watch, "ck-2", MiB)
         await pipeline.evaluate("run", "ck-2")
@@ -241,12 +252,7 @@ async def test_on_a_notice_the_checkpoint_being_written_ships_its_files_first(
     makes way; an older incomplete checkpoint sends nothing early meanwhile."""
     pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8)
     store = tmp_path / "store"
-    order: list[tuple[str, bool]] = []
-
-    async def on_commit(run: str, name: str, nbytes: int, emergency: bool) -> None:
-        order.append((name, emergency))
-
-    pipeline.on_commit = on_commit
+    order = record_commits(pipeline)
     long_ago = time.time() - 60
     older = write_marked(watch, "ck-1", 8 * PART)
     stale = watch / "ck-0"  # an older save never finished: no COMPLETE
@@ -257,13 +263,7 @@ async def test_on_a_notice_the_checkpoint_being_written_ships_its_files_first(
     stop = asyncio.Event()
     worker = asyncio.create_task(pipeline.work(stop))
     try:
-        await pipeline.evaluate("run", "ck-1")
-        state = pipeline.runs["run"]
-        await wait_until(
-            lambda: state.current is not None and state.current.sent_bytes >= PART,
-            timeout=30,
-            what="the older upload under way",
-        )
+        await ship_until_a_part_is_sent(pipeline, "ck-1")
         pipeline.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
         # The notice came 10 s ago (shifted, not slept): the trainer has since written
         # and closed its weights (quiet for 5 s), and not yet its commit record.

@@ -65,9 +65,16 @@ def ship_once(tmp_path: Path, root: Path | list[Path], dest: str, endpoint_url: 
 
 
 def commit_files(
-    storage: RetryingStorage, run: str, name: str, files: dict[str, bytes], step: int | None = None
+    storage: RetryingStorage,
+    run: str,
+    name: str,
+    files: dict[str, bytes],
+    step: int | None = None,
+    committed_at: float | None = None,
 ) -> None:
-    """Upload ``files`` and commit their manifest with ckptd's own commit()."""
+    """Upload ``files`` and commit their manifest with ckptd's own commit(), saved and
+    committed at ``committed_at`` (default now)."""
+    at = time.time() if committed_at is None else committed_at
     for path, data in files.items():
         storage.put_bytes(object_key(run, name, path), data, crc32c=checksum.crc32c(data))
     manifest = build_manifest(
@@ -76,8 +83,8 @@ def commit_files(
         step=step,
         layout="marker",
         host="test",
-        created_at=time.time(),
-        committed_at=time.time(),
+        created_at=at,
+        committed_at=at,
         files=[(p, len(d), checksum.to_hex(checksum.crc32c(d))) for p, d in files.items()],
         environment={},
     )

@@ -13,15 +13,13 @@ from typing import Any
 
 import pytest
 
-from ckptd import checksum
 from ckptd.config import TierRetentionConfig, parse_duration
 from ckptd.locals3 import LocalS3
-from ckptd.manifest import build_manifest
-from ckptd.repository import Repository, object_key
+from ckptd.repository import Repository
 from ckptd.retention import Entry, apply_retention, plan_retention
 from ckptd.storage import RetryingStorage, open_storage
-from ckptd.sync.commit import commit
 from ckptd.verify import verify_checkpoint
+from tests.test_restore import commit_files
 
 DAY = 86400.0
 T0 = 1_780_000_000.0  # a fixed "now" for the pure cases
@@ -123,21 +121,7 @@ def test_keep_within_agrees_with_a_reference_on_random_runs() -> None:
 def commit_aged(storage: RetryingStorage, run: str, step: int, committed_at: float) -> None:
     """One committed checkpoint (three objects and its manifest) committed at a given time."""
     files = {"model.bin": os.urandom(96), "sub/optim.bin": os.urandom(48), "meta.json": b"{}"}
-    name = f"checkpoint-{step}"
-    for path, data in files.items():
-        storage.put_bytes(object_key(run, name, path), data, crc32c=checksum.crc32c(data))
-    manifest = build_manifest(
-        run_id=run,
-        checkpoint=name,
-        step=step,
-        layout="marker",
-        host="test",
-        created_at=committed_at - 5,
-        committed_at=committed_at,
-        files=[(p, len(d), checksum.to_hex(checksum.crc32c(d))) for p, d in files.items()],
-        environment={},
-    )
-    commit(storage, manifest)
+    commit_files(storage, run, f"checkpoint-{step}", files, step=step, committed_at=committed_at)
 
 
 NOW = time.time()

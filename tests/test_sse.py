@@ -17,7 +17,6 @@ multipart report AES256); SSE-KMS fails there with InternalError (no KMS configu
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import boto3
 import pytest
 
 from ckptd.config import load_settings
-from ckptd.locals3 import LocalS3, free_port
+from ckptd.locals3 import LocalS3
 from ckptd.metrics import Metrics
 from ckptd.repository import Repository
 from ckptd.restore import restore
@@ -40,27 +39,6 @@ from tests.faultproxy import FaultProxy, RequestRecord
 MiB = 1024 * 1024
 SSE_HEADER = "x-amz-server-side-encryption"
 KMS_HEADER = "x-amz-server-side-encryption-aws-kms-key-id"
-
-
-@pytest.fixture
-def moto_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="x",
-        aws_secret_access_key="x",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=BUCKET)
-    try:
-        yield endpoint
-    finally:
-        server.stop()
 
 
 def write_checkpoint(root: Path, name: str, files: dict[str, bytes]) -> None:

@@ -11,20 +11,19 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import quote
 
-import boto3
 import pytest
 from pydantic import ValidationError
 
 from ckptd import checksum
 from ckptd.config import DestinationConfig
 from ckptd.layouts.base import FileEntry
-from ckptd.locals3 import LocalS3, free_port
+from ckptd.locals3 import LocalS3
 from ckptd.storage import (
     ConditionalWrite,
     LimitedStorage,
@@ -55,27 +54,6 @@ from tests.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
 T = TypeVar("T")
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="x",
-        aws_secret_access_key="x",
-        region_name="us-east-1",
-    ).create_bucket(Bucket="ckpt")
-    try:
-        yield endpoint
-    finally:
-        server.stop()
 
 
 @dataclass(frozen=True)
