@@ -311,11 +311,11 @@ class Transfers:
         uploads = require_capability(
             self.storage, MultipartUpload, f"upload files over {self.single_put_max} bytes"
         )
+        part_size = part_size_for(entry.size, self.part_size)
         upload_id, done = await self._in_pool(
-            lambda: self._resume_or_start(uploads, key, entry, ctx)
+            lambda: self._resume_or_start(uploads, key, entry, ctx, part_size)
         )
         resumed = bool(done)
-        part_size = part_size_for(entry.size, self.part_size)
         fd = os.open(local, os.O_RDONLY)
         try:
             opened = os.fstat(fd)
@@ -409,10 +409,15 @@ class Transfers:
         )
 
     def _resume_or_start(
-        self, uploads: MultipartUpload, key: str, entry: FileEntry, ctx: TransferContext
+        self,
+        uploads: MultipartUpload,
+        key: str,
+        entry: FileEntry,
+        ctx: TransferContext,
+        part_size: int,
     ) -> tuple[str, dict[int, PartInfo]]:
-        """The journalled upload of this very file with its finished parts, or a new one."""
-        part_size = part_size_for(entry.size, self.part_size)
+        """The journalled upload of this very file at ``part_size`` with its finished
+        parts, or a new one."""
         rec = self.journal.upload_for(key)
         if rec is not None and rec.upload_id is not None:
             if (rec.size, rec.mtime_ns, rec.part_size) == (
