@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptd import saves
 from ckptd.cadence import (
     Advice,
     Bounds,
@@ -51,9 +52,7 @@ from ckptd.storage.base import StorageError
 
 FLUSH_SECONDS = 60.0
 ADVICE_RELPATH = ".ckptd/advice.json"
-SAVES_RELPATH = ".ckptd/saves.jsonl"
-# The trainer's report is looked for in this many bytes at the end of saves.jsonl.
-SAVES_TAIL_BYTES = 64 * 1024
+SAVES_RELPATH = saves.RELPATH
 
 
 def policy_of(settings: Settings) -> CadencePolicy:
@@ -69,29 +68,7 @@ def policy_of(settings: Settings) -> CadencePolicy:
 def reported_save_seconds(watch_dir: Path, checkpoint: str) -> float | None:
     """The trainer's own save time for ``checkpoint`` from ``saves.jsonl`` (matched by
     name, else by step), or None."""
-    path = watch_dir / SAVES_RELPATH
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - SAVES_TAIL_BYTES))
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    step = step_of(checkpoint)
-    for line in reversed(lines):
-        try:
-            doc = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if not isinstance(doc, dict):
-            continue
-        seconds = doc.get("save_seconds")
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
-            continue
-        if doc.get("checkpoint") == checkpoint or (
-            step is not None and doc.get("checkpoint") is None and doc.get("step") == step
-        ):
-            return float(seconds)
-    return None
+    return saves.save_seconds(saves.read_reports(watch_dir), checkpoint, step_of(checkpoint))
 
 
 def write_advice_file(watch_dir: Path, body: dict[str, Any]) -> None:

@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.writeback",
             "ckptd.yielding",
             "ckptd.authentication",
+            "ckptd.saves",
         ),
     ),
     ("storage", ("ckptd.storage",)),

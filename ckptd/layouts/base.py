@@ -56,6 +56,9 @@ class CheckpointListing:
     # symlink to a directory (never followed: it may point at a whole dataset), a fifo.
     # (A symlink to a regular file is followed, as a copy would, and is among ``files``.)
     unshippable: tuple[str, ...] = ()
+    # When the trainer's ckptd helper reported this save finished on every local rank
+    # (``ckptd.saves.saved_at_ns``, ns since the epoch); None without such a report.
+    saved_at_ns: int | None = None
 
     def has(self, path: str) -> bool:
         return any(f.path == path for f in self.files)
@@ -161,6 +164,15 @@ def settled(
     if writers:
         return not_complete(
             layout, f"{len(writers)} file(s) being written, e.g. {writers[0]}", window_hint
+        )
+    if listing.saved_at_ns is not None and listing.newest_mtime_ns <= listing.saved_at_ns:
+        # The window guesses when the trainer is done; here it said so, after every
+        # file's last write (a file changed since then is a new save: wait as usual).
+        return Completion(
+            complete=True,
+            layout=layout,
+            reason="the trainer reported the save finished, no file changed since",
+            files=shippable(listing),
         )
     age = (now_ns - listing.newest_mtime_ns) / 1e9
     if age < 0:

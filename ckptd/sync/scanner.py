@@ -13,8 +13,9 @@ import os
 import stat
 from pathlib import Path
 
+from ckptd import saves
 from ckptd.layouts import TRACKER_FILES, is_checkpoint_candidate
-from ckptd.layouts.base import CheckpointListing, FileEntry
+from ckptd.layouts.base import CheckpointListing, FileEntry, step_of
 from ckptd.manifest import unstorable_name
 
 #: Tracker files are a step number or a tag; anything longer is not one.
@@ -81,6 +82,12 @@ def snapshot(watch_dir: Path, name: str) -> CheckpointListing | None:
         return None
     if vanished:
         writers = (writers or frozenset()) | frozenset(vanished)
+    saved_at = saves.saved_at_ns(
+        saves.read_reports(watch_dir),
+        name,
+        step_of(name),
+        min((f.mtime_ns for f in files), default=0),
+    )
     return CheckpointListing(
         name=name,
         is_dir=is_dir,
@@ -89,6 +96,7 @@ def snapshot(watch_dir: Path, name: str) -> CheckpointListing | None:
         siblings=_children(watch_dir),
         open_for_write=writers,
         unshippable=tuple(sorted(unshippable)),
+        saved_at_ns=saved_at,
     )
 
 

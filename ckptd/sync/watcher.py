@@ -14,6 +14,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from ckptd import saves
 from ckptd.layouts import is_checkpoint_candidate
 from ckptd.layouts.base import TRACKER_FILES
 
@@ -37,6 +38,10 @@ class _Handler(FileSystemEventHandler):
             return None
         return rel.parts[0] if rel.parts else None
 
+    def _is_save_report(self, path: str | bytes) -> bool:
+        text = path.decode() if isinstance(path, bytes) else path
+        return Path(text) == self.root / saves.RELPATH
+
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.event_type in ("opened", "closed_no_write"):
             return
@@ -46,8 +51,9 @@ class _Handler(FileSystemEventHandler):
             child = self._child(path)
             if child is None:
                 continue
-            if child in TRACKER_FILES:
-                # A tracker (DeepSpeed's `latest`, Megatron's iteration file) completes a sibling.
+            if child in TRACKER_FILES or self._is_save_report(path):
+                # A tracker (DeepSpeed's `latest`, Megatron's iteration file) completes a
+                # sibling; a trainer's save report (ckptd.saves) may complete one at once.
                 self.loop.call_soon_threadsafe(self.hint, self.run_id, None)
             elif is_checkpoint_candidate(child, True) or is_checkpoint_candidate(child, False):
                 self.loop.call_soon_threadsafe(self.hint, self.run_id, child)

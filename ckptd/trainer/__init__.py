@@ -9,7 +9,11 @@ A plain training loop::
         train_step(batch)
         if ckptd.trainer.preempted():
             save_checkpoint(f"/data/ckpt/run1/step-{step}")
+            ckptd.trainer.report_save("/data/ckpt/run1", checkpoint=f"step-{step}")
             break
+
+:func:`report_save` is optional: it tells the daemon the save has returned, so the
+checkpoint is taken as complete at once instead of after its layout's quiet window.
 
 With several ranks (``torch.distributed``) every rank must save the *same* step: call
 :func:`preempted_on_any_rank` on every rank at every step instead of :func:`preempted`
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptd.trainer.agree import agree_to_save
+from ckptd.trainer.cadence import report_save
 from ckptd.trainer.listener import (
     DEFAULT_SIGNAL,
     DEFAULT_URL,
@@ -67,6 +72,7 @@ __all__ = [
     "parse_signal",
     "preempted",
     "preempted_on_any_rank",
+    "report_save",
     "resume_from",
     "uninstall",
 ]

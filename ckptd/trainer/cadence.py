@@ -41,7 +41,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ADVICE_RELPATH", "SAVES_RELPATH", "AdvisedCadence", "advice_url", "parse_advice"]
+__all__ = [
+    "ADVICE_RELPATH",
+    "SAVES_RELPATH",
+    "AdvisedCadence",
+    "advice_url",
+    "parse_advice",
+    "report_save",
+]
 
 log = logging.getLogger("ckptd.trainer")
 
@@ -240,22 +247,52 @@ class AdvisedCadence:
     def report(
         self, seconds: float, *, checkpoint: str | None = None, step: int | None = None
     ) -> None:
-        """Append a save's blocking time to ``<watch dir>/.ckptd/saves.jsonl`` (one
-        ``write`` on an ``O_APPEND`` file: lines from several processes never interleave)."""
-        if self._watch_dir is None:
-            return
-        line: dict[str, Any] = {"save_seconds": round(seconds, 4), "at": time.time()}
-        if checkpoint is not None:
-            line["checkpoint"] = checkpoint
-        if step is not None:
-            line["step"] = step
-        path = self._watch_dir / SAVES_RELPATH
+        """Report a finished save and its blocking time to the daemon (:func:`report_save`)."""
+        if self._watch_dir is not None:
+            report_save(self._watch_dir, checkpoint=checkpoint, step=step, seconds=seconds)
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, ""))
+    except ValueError:
+        return default
+
+
+def report_save(
+    watch_dir: str | os.PathLike[str],
+    *,
+    checkpoint: str | None = None,
+    step: int | None = None,
+    seconds: float | None = None,
+) -> None:
+    """Tell the daemon this process's part of a save is written (call it after the save
+    returned, on every rank that writes to ``watch_dir``): one JSON line appended to
+    ``<watch dir>/.ckptd/saves.jsonl`` with one ``write`` on an ``O_APPEND`` file, so lines
+    from several processes never interleave.
+
+    The daemon times saves from these (the cadence advice), and once every local rank
+    (``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``, as torchrun and accelerate set them) has
+    reported a checkpoint it takes it as complete without waiting out its quiet window.
+    Never raises: a report that cannot be written costs only that wait."""
+    line: dict[str, Any] = {"at": time.time()}
+    if seconds is not None:
+        line["save_seconds"] = round(seconds, 4)
+    if checkpoint is not None:
+        line["checkpoint"] = checkpoint
+    if step is not None:
+        line["step"] = step
+    ranks = max(1, _env_int("LOCAL_WORLD_SIZE", 1))
+    if ranks > 1:
+        line["rank"] = _env_int("LOCAL_RANK", 0)
+        line["ranks"] = ranks
+    path = Path(watch_dir) / SAVES_RELPATH
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, (json.dumps(line) + "\n").encode())
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            log.debug("ckptd: cannot report the save time: %s", exc)
+            os.write(fd, (json.dumps(line) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        log.debug("ckptd: cannot report the save: %s", exc)
