@@ -1,6 +1,7 @@
 """A stand-in trainer for ``bench_preemption.py``: saves an HF-shaped checkpoint when told.
 
     python bench/_emergency_trainer.py --dir WATCH --pidfile PID --mib N --result FILE
+        [--report]
 
 Like ``tests/trainers/toy_preemptible.py``, but sized and timed:
 
@@ -10,7 +11,8 @@ Like ``tests/trainers/toy_preemptible.py``, but sized and timed:
 2. "trains" in 10 ms steps until ``ckptd.trainer.preempted()``;
 3. writes ``WATCH/checkpoint-<step>/`` as ``transformers.Trainer`` does (weights, config,
    optimizer, scheduler, RNG state, ``trainer_state.json`` last), each file fsynced, then
-   the directory;
+   the directory; with ``--report``, then ``ckptd.trainer.report_save`` (as the HF
+   callback's ``on_save`` does);
 4. writes ``FILE``: JSON with ``CLOCK_MONOTONIC`` nanoseconds at which it saw the notice,
    began and finished the save, the checkpoint's name and size; exits 0.
 """
@@ -67,6 +69,7 @@ def main() -> int:
     parser.add_argument("--pidfile", type=Path, required=True)
     parser.add_argument("--mib", type=float, required=True)
     parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--report", action="store_true", help="report the save to the daemon")
     options = parser.parse_args()
 
     total = max(1, int(options.mib * MIB))
@@ -103,6 +106,9 @@ def main() -> int:
     written += write_file(target / "trainer_state.json", [state])  # last, as the Trainer does
     fsync_dir(target)
     saved_ns = time.monotonic_ns()
+    if options.report:
+        seconds = (saved_ns - seen_ns) / 1e9
+        ckptd.trainer.report_save(options.dir, checkpoint=target.name, step=step, seconds=seconds)
 
     result = {
         "checkpoint": target.name,

@@ -4,7 +4,7 @@
         [--emergency-mib 1024] [--poll-interval S] [--settle-seconds S]
         [--providers aws,gcp,azure,gcp-maintenance] [--phases latency,commit]
         [--quick] [--json FILE] [--seed N] [--workdir DIR] [--keep] [--trace-stalls]
-        [--ship-early on,off]
+        [--modes late,early,reported] [--dest s3,file]
 
 Two measurements, each driving ``python -m ckptd run`` as a real process against the
 loopback fakes of the metadata services (``tests/fakes``, served from a thread of this
@@ -35,18 +35,24 @@ process):
    slow daemon from a busy machine; ``--trace-stalls`` also samples the daemon's threads'
    kernel stacks (root) and prints what they waited on in a slow trial.
 2. **notice -> committed**, on AWS's fake (a two-minute notice), against loopback
-   SeaweedFS (``ckptd.locals3``). The trainer, ``_emergency_trainer.py``, has its random
+   SeaweedFS (``ckptd.locals3``) and/or a ``file://`` destination on the same disk
+   (``--dest s3,file``: where the store keeps up with the save). The trainer, ``_emergency_trainer.py``, has its random
    bytes generated before the notice; when signalled it writes an HF-shaped checkpoint of
    ``--emergency-mib`` (fsynced, ``trainer_state.json`` last) and exits. The daemon's
    ``emergency_checkpoint_committed`` event gives noticed -> signalled -> complete ->
    committed; this process times trigger -> the manifest object being readable (boto3
-   ``head_object`` every 20 ms). A fresh daemon, trainer, fake and prefix per trial.
+   ``head_object``, or the manifest file's existence, every 20 ms). A fresh daemon, trainer, fake and prefix per trial.
 
 The daemon runs with its defaults (``poll_interval_seconds``, ``settle_seconds``) unless
-overridden, and the tables say which values were used. ``--ship-early on,off`` (the
-default) runs the commit trials once with ``[[watch]] ship_early`` on and once off,
-interleaved trial by trial, and gives one table each plus the daemon's whole-process CPU
-per GiB (``/proc/<pid>/stat`` at the end of the trial).
+overridden, and the tables say which values were used. ``--modes`` runs each commit
+trial once per mode, interleaved trial by trial, one table each plus the daemon's
+whole-process CPU per GiB (``/proc/<pid>/stat`` at the end of the trial):
+
+- ``late``: ``[[watch]] ship_early = false`` and the trainer reports nothing: the upload
+  starts once the completion rule holds, after its quiet window (ckptd before #18);
+- ``early``: ``ship_early = true``: closed, quiet files go while the trainer still saves;
+- ``reported``: ``ship_early = true`` and the trainer calls ``ckptd.trainer.report_save``
+  after its save, as the HF callback does: no quiet window after the commit record.
 """
 
 from __future__ import annotations
@@ -411,6 +417,15 @@ def requests_to(
 # --- options ------------------------------------------------------------------------------
 
 
+#: Commit-trial modes (module doc): mode -> (ship_early, the trainer reports its save).
+MODE_SETTINGS: dict[str, tuple[bool, bool]] = {
+    "late": (False, False),
+    "early": (True, False),
+    "reported": (True, True),
+}
+MODES = tuple(MODE_SETTINGS)
+
+
 @dataclass(frozen=True)
 class Options:
     trials: int
@@ -423,7 +438,8 @@ class Options:
     seed: int
     quick: bool
     trace_stalls: bool = False
-    ship_early: tuple[bool, ...] = (True, False)
+    modes: tuple[str, ...] = MODES
+    dests: tuple[str, ...] = ("s3",)
 
     @property
     def effective_poll(self) -> float:
@@ -819,7 +835,8 @@ def log_excerpt(
 @dataclass
 class CommitTrial:
     trial: int
-    ship_early: bool = True
+    mode: str = "reported"
+    dest: str = "s3"
     daemon_cpu_s: float | None = None  # the daemon process's user+system CPU, start to commit
     checkpoint: str | None = None
     bytes: int = 0
@@ -873,19 +890,23 @@ def run_commit_trial(
     local_s3: LocalS3,
     s3: Any,
     rng: random.Random,
-    ship_early: bool = True,
+    mode: str = "reported",
+    dest: str = "s3",
 ) -> CommitTrial:
-    work = workdir / f"commit-{i}-{'early' if ship_early else 'late'}"
+    ship_early, report = MODE_SETTINGS[mode]
+    work = workdir / f"commit-{i}-{mode}-{dest}"
     watch = work / "run"
     watch.mkdir(parents=True)
     pidfile = work / "trainer.pid"
     result_path = work / "trainer.json"
     prefix = f"bench-preemption-{uuid.uuid4().hex[:8]}-{i}"
-    out = CommitTrial(i, ship_early=ship_early)
+    out = CommitTrial(i, mode=mode, dest=dest)
+    store = work / "store"
     poll = options.effective_poll
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, watch, True)  # the data; the logs stay with --keep
         stack.callback(delete_prefix, s3, prefix + "/")
+        stack.callback(shutil.rmtree, store, True)
         trainer = subprocess.Popen(
             [
                 sys.executable,
@@ -898,6 +919,7 @@ def run_commit_trial(
                 str(options.emergency_mib),
                 "--result",
                 str(result_path),
+                *(["--report"] if report else []),
             ],
             stdin=subprocess.DEVNULL,
         )
@@ -916,8 +938,8 @@ def run_commit_trial(
             work,
             "daemon",
             watch_dir=watch,
-            dest=f"s3://{BUCKET}/{prefix}",
-            endpoint_url=local_s3.endpoint_url,
+            dest=f"s3://{BUCKET}/{prefix}" if dest == "s3" else f"file://{store}",
+            endpoint_url=local_s3.endpoint_url if dest == "s3" else "",
             provider="aws",
             metadata_url=harness.url,
             pidfile=pidfile,
@@ -944,7 +966,8 @@ def run_commit_trial(
             saved = json.loads(result_path.read_text())
             out.checkpoint, out.bytes = str(saved["checkpoint"]), int(saved["bytes"])
             key = f"{prefix}/run/{out.checkpoint}/ckptd.manifest.json"
-            while not object_exists(s3, key):
+            manifest = store / "run" / out.checkpoint / "ckptd.manifest.json"
+            while not (manifest.exists() if dest == "file" else object_exists(s3, key)):
                 if time.monotonic() > deadline:
                     raise AssertionError("timed out waiting for the manifest")
                 if not daemon.alive():
@@ -1115,12 +1138,14 @@ COMMIT_ROWS: tuple[tuple[str, str, Callable[[float | None], str]], ...] = (
 def commit_table(trials: list[CommitTrial], options: Options) -> list[str]:
     ok = [t for t in trials if t.error is None]
     size = options.emergency_mib
-    modes = {t.ship_early for t in trials}
-    mode = "" if len(modes) != 1 else f", ship_early = {str(modes.pop()).lower()}"
+    modes = {(t.mode, t.dest) for t in trials}
+    mode, dest = modes.pop() if len(modes) == 1 else ("", "")
+    where = "`file://` on the same disk" if dest == "file" else "loopback SeaweedFS"
     lines = [
         "",
         f"## Notice → committed: {size:g} MiB HF-shaped emergency checkpoint, AWS fake, "
-        f"loopback SeaweedFS{mode}",
+        f"{where}, mode {mode} (ship_early = {str(MODE_SETTINGS[mode][0]).lower()}, "
+        f"trainer reports its save: {'yes' if MODE_SETTINGS[mode][1] else 'no'})",
         "",
         "| step | " + " | ".join(f"trial {t.trial + 1}" for t in trials) + " | median |",
         "| --- | " + " | ".join("---" for _ in trials) + " | --- |",
@@ -1245,10 +1270,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, Path | None, Path |
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
-        "--ship-early",
-        default="on,off",
-        help="commit trials with [[watch]] ship_early on and/or off (on,off)",
+        "--modes",
+        default=",".join(MODES),
+        help=f"commit-trial modes, any of {','.join(MODES)} (module doc)",
     )
+    p.add_argument("--dest", default="s3", help="commit-trial destinations: s3 and/or file")
     p.add_argument("--workdir", type=Path, default=None, help="default: a fresh temp dir")
     p.add_argument("--keep", action="store_true", help="keep the work dir (daemon logs)")
     p.add_argument(
@@ -1264,11 +1290,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, Path | None, Path |
     phases = tuple(x for x in a.phases.split(",") if x)
     if set(phases) - {"latency", "commit"}:
         p.error("--phases takes latency and/or commit")
-    modes = tuple(x for x in a.ship_early.split(",") if x)
-    if not modes or set(modes) - {"on", "off"}:
-        p.error("--ship-early takes on and/or off")
+    modes = tuple(x for x in a.modes.split(",") if x)
+    if not modes or set(modes) - set(MODES):
+        p.error(f"--modes takes {', '.join(MODES)}")
+    dests = tuple(x for x in a.dest.split(",") if x)
+    if not dests or set(dests) - {"s3", "file"}:
+        p.error("--dest takes s3 and/or file")
     options = Options(
-        ship_early=tuple(m == "on" for m in modes),
+        modes=modes,
+        dests=dests,
         trials=a.trials if a.trials is not None else (5 if a.quick else 30),
         commit_trials=a.commit_trials if a.commit_trials is not None else (1 if a.quick else 3),
         emergency_mib=a.emergency_mib
@@ -1342,14 +1372,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             with LocalS3(workdir / "seaweedfs", buckets=(BUCKET,)) as local_s3:
                 s3 = s3_client(local_s3.endpoint_url)
                 for i in range(options.commit_trials):
-                    for early in options.ship_early:
+                    for dest, mode in itertools.product(options.dests, options.modes):
                         print(
                             f"[commit] trial {i + 1}/{options.commit_trials}, "
-                            f"{options.emergency_mib:g} MiB, ship_early={early}",
+                            f"{options.emergency_mib:g} MiB, {dest}, mode {mode}",
                             file=sys.stderr,
                         )
                         commit_trials.append(
-                            run_commit_trial(i, options, workdir, local_s3, s3, rng, early)
+                            run_commit_trial(
+                                i, options, workdir, local_s3, s3, rng, mode=mode, dest=dest
+                            )
                         )
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     info["bench_wall_s"] = round(time.monotonic() - started, 1)
@@ -1357,8 +1389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if summaries:
         lines += latency_table(summaries, options)
         lines += anomalies(per_provider, options)
-    for early in options.ship_early:
-        mine = [t for t in commit_trials if t.ship_early == early]
+    for dest, mode in itertools.product(options.dests, options.modes):
+        mine = [t for t in commit_trials if (t.mode, t.dest) == (mode, dest)]
         if mine:
             lines += commit_table(mine, options)
     lines += ["", f"Benchmark wall time: {info['bench_wall_s']:.0f} s."]
