@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd import saves
 from tests.trainers.procs import Script, script_env
 
 pytest.importorskip("transformers")
@@ -43,6 +44,10 @@ def test_sigusr1_makes_the_trainer_save_checkpoint_at_current_step_and_exit_0(
     state = json.loads((output_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())
     assert state["global_step"] == step
     assert not (output_dir / f"checkpoint-{step}" / "checkpoint-is-incomplete.txt").exists()
+    # The callback reported the save after it returned (ckptd.saves): complete at once.
+    oldest = min(p.stat().st_mtime_ns for p in (output_dir / f"checkpoint-{step}").iterdir())
+    reports = saves.read_reports(output_dir)
+    assert saves.saved_at_ns(reports, f"checkpoint-{step}", step, oldest) is not None
 
 
 def test_notice_file_in_output_dir_stops_the_trainer(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd import saves
 from tests.trainers.procs import Script, script_env
 
 torch = pytest.importorskip("torch")
@@ -43,6 +44,9 @@ def assert_preemption_checkpoint(script: Script, directory: Path) -> int:
     assert checkpoint["global_step"] == step
     assert "state_dict" in checkpoint and "optimizer_states" in checkpoint
     assert not [p for p in directory.iterdir() if p.name.startswith(".") or "tmp" in p.name]
+    # Reported to the daemon, which then takes it as complete without a quiet window.
+    reports = saves.read_reports(directory)
+    assert saves.saved_at_ns(reports, path.name, step, path.stat().st_mtime_ns) is not None
     return int(step)
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import ckptd.trainer
 from ckptd.trainer.agree import agree_to_save
-from ckptd.trainer.cadence import AdvisedCadence
+from ckptd.trainer.cadence import AdvisedCadence, report_save
 from ckptd.trainer.listener import PreemptionListener
 
 if TYPE_CHECKING:
@@ -118,7 +118,9 @@ class CkptdLightningCallback(Callback):
             self.listener.notice() or "(by signal)",
             path,
         )
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path)  # returns on every rank after a barrier
+        # The daemon takes it as complete now, not after its quiet window (ckptd.saves).
+        report_save(path.parent, checkpoint=path.name, step=trainer.global_step)
         self.saved_path = path
         trainer.should_stop = True
 
