@@ -60,6 +60,17 @@ HISTORY_FORMAT = "ckptd.cadence/1"
 # Records within this many seconds of a counted interruption are the same one.
 MERGE_SECONDS = 600.0
 # The prior counts as this many interruptions seen over this many of its MTBFs.
+# Half an interruption (the shape of Jeffreys' prior for a Poisson rate) is a vague
+# prior: a run's first interruption or two outweigh it. Its mean, 24 h, is the pessimistic
+# end of what clouds publish: GCP's preemptible VMs stop after at most 24 h (Spot VMs have
+# no limit; docs.cloud.google.com/compute/docs/instances/create-use-preemptible), while
+# AWS's Spot Instance Advisor puts each instance type in a band of the share of its
+# capacity reclaimed over the trailing month (<5 %, 5-10 %, 10-15 %, 15-20 %, >20 %),
+# months per node for most types, and a job of N nodes sees N times a node's rate. No
+# published figure tells one run's rate, so the prior errs toward saving too often, which
+# costs a new run less than erring the other way. (In bench/bench_cadence.py a prior at
+# the true rate gains under a point on the weekly Poisson trace, while a 168 h prior costs
+# the hourly ones two: README "Checkpoint cadence".)
 PRIOR_WEIGHT = 0.5
 DEFAULT_PRIOR_MTBF_SECONDS = 24 * 3600.0
 # The save cost and upload time are the median of this many recent saves.
