@@ -4,9 +4,9 @@
         [--days 60] [--save-seconds 30] [--upload-seconds 60] [--seed 0]
         [--tolerance 0.10] [--json FILE]
 
-A pure simulation (no daemon, no clock; about a minute on one core). Training alternates work and a
-blocking save of ``--save-seconds``; a checkpoint is durable ``--upload-seconds`` after its
-save ends; an interruption throws away the work since the newest durable checkpoint, and
+A pure simulation (no daemon, no clock; about 40 s on one core). Training alternates work
+and a blocking save of ``--save-seconds``; a checkpoint is durable ``--upload-seconds``
+after its save ends; an interruption throws away the work since the newest durable checkpoint, and
 training resumes from it. Waste = time in saves + work thrown away, in minutes per day.
 
 A trace is ``--runs`` runs of ``--days`` days, their interruptions Poisson or bursty
