@@ -6,8 +6,9 @@
 
 A pure simulation (no daemon, no clock; about 40 s on one core). Training alternates work
 and a blocking save of ``--save-seconds``; a checkpoint is durable ``--upload-seconds``
-after its save ends; an interruption throws away the work since the newest durable checkpoint, and
-training resumes from it. Waste = time in saves + work thrown away, in minutes per day.
+after its save ends; an interruption throws away the work since the newest durable
+checkpoint, and training resumes from it. Waste = time in saves + work thrown away, in
+minutes per day.
 
 A trace is ``--runs`` runs of ``--days`` days, their interruptions Poisson or bursty
 (bursts of a geometric number of interruptions, mean 4, twenty minutes apart on average:
