@@ -190,6 +190,7 @@ class CadenceAdvisor:
         body = {
             "run": state.run_id,
             "interval_seconds": round(advice.interval_seconds, 3),
+            "restart_interval_seconds": round(advice.restart_interval_seconds, 3),
             "save_seconds": round(advice.save_seconds, 3),
             "mtbf_seconds": round(advice.mtbf_seconds, 3),
             "basis": advice.basis,

@@ -30,6 +30,20 @@ node's own notice): records within ``MERGE_SECONDS`` of a counted one are the sa
 interruption. The estimate is the posterior mean of a Gamma prior worth ``PRIOR_WEIGHT``
 interruptions over ``prior_mtbf`` seconds: ``(observed + w * prior) / (count + w)``, so a
 new run starts at the prior and its own history takes over as it grows.
+
+After a restart (bursts). Where preemptions come in bursts (a zone out of capacity takes
+the replacement node too), the next interruption is likely soon after a restart, and the
+work since the restart is lost whatever the interval. The run's own history says how
+likely: of its ``n`` distinct interruptions, ``k`` were followed within one interval by
+another (quick repeats, mean gap ``g``). Taking a restart to be followed by such a repeat
+with probability ``p = k / n`` (each of the ``n - 1`` gaps an observation, plus one
+pseudo-observation of no repeat, so a run that has seen none never saves early), at an
+exponential gap of mean ``g``, a first save after ``tau`` seconds of work keeps ``tau``
+when the repeat comes after that save is durable: ``p tau exp(-(tau + C + U) / g)``,
+largest at ``tau = g``. It costs one save, ``C``. So the first save after a restart comes
+after ``g`` when ``p g exp(-1 - (C + U) / g) > C``, else after the usual interval; the
+interval counts from that save as from any other. Under Poisson interruptions quick
+repeats are rare (``p`` ~ T/M) and the rule stays off.
 """
 
 from __future__ import annotations
@@ -46,6 +60,17 @@ HISTORY_FORMAT = "ckptd.cadence/1"
 # Records within this many seconds of a counted interruption are the same one.
 MERGE_SECONDS = 600.0
 # The prior counts as this many interruptions seen over this many of its MTBFs.
+# Half an interruption (the shape of Jeffreys' prior for a Poisson rate) is a vague
+# prior: a run's first interruption or two outweigh it. Its mean, 24 h, is the pessimistic
+# end of what clouds publish: GCP's preemptible VMs stop after at most 24 h (Spot VMs have
+# no limit; docs.cloud.google.com/compute/docs/instances/create-use-preemptible), while
+# AWS's Spot Instance Advisor puts each instance type in a band of the share of its
+# capacity reclaimed over the trailing month (<5 %, 5-10 %, 10-15 %, 15-20 %, >20 %),
+# months per node for most types, and a job of N nodes sees N times a node's rate. No
+# published figure tells one run's rate, so the prior errs toward saving too often, which
+# costs a new run less than erring the other way. (In bench/bench_cadence.py a prior at
+# the true rate gains under a point on the weekly Poisson trace, while a 168 h prior costs
+# the hourly ones two: README "Checkpoint cadence".)
 PRIOR_WEIGHT = 0.5
 DEFAULT_PRIOR_MTBF_SECONDS = 24 * 3600.0
 # The save cost and upload time are the median of this many recent saves.
@@ -194,6 +219,33 @@ def learn_cadence(
     return interval, mtbf, count
 
 
+def quick_repeats(distinct: Sequence[float], interval: float) -> list[float]:
+    """The gaps between consecutive distinct interruptions no longer than ``interval``:
+    the next blows of bursts, which ``costly_interruptions`` leaves out."""
+    return [b - a for a, b in itertools.pairwise(distinct) if b - a <= interval]
+
+
+def restart_interval(
+    distinct: Sequence[float],
+    interval: float,
+    save_seconds: float,
+    upload_seconds: float,
+    bounds: Bounds = Bounds(),
+) -> float:
+    """The work time before the first save after a restart (module doc, "After a
+    restart"): the mean gap of the run's quick repeats when an early save is worth its
+    cost, else ``interval``; never longer than ``interval``."""
+    repeats = quick_repeats(distinct, interval)
+    if not repeats:
+        return interval
+    p = len(repeats) / len(distinct)
+    gap = statistics.fmean(repeats)
+    c, u = max(0.0, save_seconds), max(0.0, upload_seconds)
+    if p * gap * math.exp(-1.0 - (c + u) / gap) <= c:
+        return interval
+    return min(interval, max(bounds.min_interval, gap))
+
+
 def estimate_mtbf(
     observed_seconds: float,
     interruptions: int,
@@ -337,12 +389,14 @@ class CadencePolicy:
 class Advice:
     run_id: str
     interval_seconds: float
+    restart_interval_seconds: float  # before the first save after a restart
     save_seconds: float
     upload_seconds: float
     mtbf_seconds: float
     basis: dict[str, str]
     interruptions: int
     costly_interruptions: int
+    quick_repeats: int
     observed_seconds: float
     saves_measured: int
     advised: CadenceCost
@@ -351,12 +405,14 @@ class Advice:
     def to_json(self) -> dict[str, Any]:
         return {
             "interval_seconds": round(self.interval_seconds, 3),
+            "restart_interval_seconds": round(self.restart_interval_seconds, 3),
             "save_seconds": round(self.save_seconds, 3),
             "upload_seconds": round(self.upload_seconds, 3),
             "mtbf_seconds": round(self.mtbf_seconds, 3),
             "basis": self.basis,
             "interruptions": self.interruptions,
             "costly_interruptions": self.costly_interruptions,
+            "quick_repeats": self.quick_repeats,
             "observed_seconds": round(self.observed_seconds, 3),
             "saves_measured": self.saves_measured,
             "expected_cost": {
@@ -403,12 +459,14 @@ def advise(history: History, policy: CadencePolicy) -> Advice:
     return Advice(
         run_id=history.run_id,
         interval_seconds=interval,
+        restart_interval_seconds=restart_interval(distinct, interval, save, upload, policy.bounds),
         save_seconds=save,
         upload_seconds=upload,
         mtbf_seconds=mtbf,
         basis={"save": save_basis, "mtbf": mtbf_basis},
         interruptions=count,
         costly_interruptions=costly,
+        quick_repeats=len(quick_repeats(distinct, interval)),
         observed_seconds=history.observed_seconds,
         saves_measured=used,
         advised=expected_cost(interval, save, mtbf, upload),
@@ -439,6 +497,8 @@ __all__ = [
     "learn_cadence",
     "merge_history",
     "parse_history",
+    "quick_repeats",
     "recent_costs",
+    "restart_interval",
     "young_interval",
 ]

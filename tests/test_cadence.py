@@ -29,6 +29,8 @@ from ckptd.cadence import (
     learn_cadence,
     merge_history,
     parse_history,
+    quick_repeats,
+    restart_interval,
     young_interval,
 )
 from ckptd.repository import Repository
@@ -140,6 +142,71 @@ def test_a_bursts_later_blows_do_not_shorten_the_interval() -> None:
     assert mtbf == pytest.approx(estimate_mtbf(28 * 86400.0, 4))
     spread = [k * 7 * 86400.0 / 3 for k in range(12)]  # as many, evenly spread
     assert interval > learn_cadence(spread, 28 * 86400.0, 30.0, 0.0, policy)[0]
+
+
+# -- after a restart ----------------------------------------------------------------------
+
+
+def _bursts(gap: float) -> list[float]:
+    """Four bursts of three interruptions ``gap`` apart, a week apart."""
+    return [week * 7 * 86400.0 + k * gap for week in range(4) for k in range(3)]
+
+
+def test_after_a_restart_a_bursty_run_saves_first_after_its_quick_repeats_mean_gap() -> None:
+    bursts = _bursts(1200.0)
+    policy = CadencePolicy(merge_seconds=600.0)
+    interval, _, counted = learn_cadence(bursts, 28 * 86400.0, 30.0, 60.0, policy)
+    assert counted == 4 and interval > 1200.0
+    assert quick_repeats(bursts, interval) == [1200.0] * 8
+    # p = 8/12 of restarts followed by a repeat, g = 1200 s: an early save keeps
+    # p g exp(-1 - 90/g) = 273 s on average, for a save of 30 s.
+    assert restart_interval(bursts, interval, 30.0, 60.0) == pytest.approx(1200.0)
+    history = History(
+        "run",
+        28 * 86400.0,
+        tuple(SaveRecord(f"c-{k}", 3600.0 * k, 30.0, 60.0, "trainer") for k in range(4)),
+        tuple(Interruption(at, "notice", "aws") for at in bursts),
+    )
+    advice = advise(history, policy)
+    assert advice.interval_seconds == pytest.approx(interval)
+    assert advice.restart_interval_seconds == pytest.approx(1200.0)
+    assert advice.quick_repeats == 8 and advice.costly_interruptions == 4
+    assert advice.to_json()["restart_interval_seconds"] == pytest.approx(1200.0)
+
+
+def test_without_bursts_or_when_an_early_save_costs_more_it_keeps_the_interval() -> None:
+    interval = 6000.0
+    assert restart_interval([], interval, 30.0, 60.0) == interval
+    spread = [k * 86400.0 for k in range(20)]  # no gap within an interval
+    assert restart_interval(spread, interval, 30.0, 60.0) == interval
+    # One quick repeat in 21 interruptions: p g exp(-1 - 90/g) ~ 19 s < a 30 s save.
+    one = sorted([*spread, 5 * 86400.0 + 1200.0])
+    assert restart_interval(one, interval, 30.0, 60.0) == interval
+    assert restart_interval(one, interval, 10.0, 60.0) == pytest.approx(1200.0)
+    # Repeats every burst, but saves as slow as the gap: not worth it.
+    assert restart_interval(_bursts(1200.0), interval, 600.0, 60.0) == interval
+    # Never below the floor.
+    assert restart_interval(_bursts(100.0), interval, 1.0, 0.0, Bounds(300.0, 6000.0)) == 300.0
+
+
+@given(
+    gaps=st.lists(st.floats(min_value=1.0, max_value=1e6), min_size=0, max_size=30),
+    interval=st.floats(min_value=60.0, max_value=6 * 3600.0),
+    c=st.floats(min_value=0.0, max_value=3600.0),
+    u=st.floats(min_value=0.0, max_value=3600.0),
+    factor=st.floats(min_value=1.0, max_value=100.0),
+)
+def test_the_restart_interval_is_bounded_by_the_interval_and_grows_with_the_save_cost(
+    gaps: list[float], interval: float, c: float, u: float, factor: float
+) -> None:
+    distinct = [float(sum(gaps[:k])) for k in range(len(gaps) + 1)]
+    bounds = Bounds(60.0, 6 * 3600.0)
+    first = restart_interval(distinct, interval, c, u, bounds)
+    assert bounds.min_interval <= first <= interval
+    repeats = quick_repeats(distinct, interval)
+    assert first == interval or first == pytest.approx(max(60.0, sum(repeats) / len(repeats)))
+    assert restart_interval(distinct, interval, c * factor, u, bounds) >= first
+    assert restart_interval(distinct, interval, c, u * factor, bounds) >= first
 
 
 def test_with_much_history_the_mtbf_is_the_observed_rate() -> None:
@@ -254,6 +321,31 @@ def test_due_follows_the_advice_file_as_it_changes_and_never_during_a_save(tmp_p
     assert reported_save_seconds(tmp_path, "checkpoint-1") == pytest.approx(90.0)
 
 
+def test_the_first_save_follows_the_restart_interval_and_the_later_ones_the_interval(
+    tmp_path: Path,
+) -> None:
+    now = [0.0]
+    cadence = AdvisedCadence(tmp_path, refresh_seconds=0.0, clock=lambda: now[0])
+    advice = tmp_path / ".ckptd" / "advice.json"
+    advice.parent.mkdir()
+    advice.write_text(json.dumps({"interval_seconds": 100.0, "restart_interval_seconds": 20.0}))
+    now[0] = 19.0
+    assert not cadence.due()
+    now[0] = 20.0
+    assert cadence.restart_interval() == 20.0 and cadence.due()
+    with cadence.saving("checkpoint-1"):
+        now[0] = 21.0
+    now[0] = 41.0
+    assert not cadence.due()  # the restart interval is spent: the interval counts now
+    now[0] = 121.0
+    assert cadence.due()
+    # A restart interval longer than the interval (an old or odd advice) never delays a save.
+    later = AdvisedCadence(tmp_path, refresh_seconds=0.0, clock=lambda: now[0])
+    advice.write_text(json.dumps({"interval_seconds": 10.0, "restart_interval_seconds": 50.0}))
+    now[0] += 10.0
+    assert later.due()
+
+
 def test_advice_parsing_and_the_url() -> None:
     assert advice_url("http://127.0.0.1:9464/v1/preemption") == "http://127.0.0.1:9464/v1/advice"
     assert advice_url("http://h:1") == "http://h:1/v1/advice"
@@ -261,5 +353,10 @@ def test_advice_parsing_and_the_url() -> None:
     assert parse_advice(two, "b") == 7.0
     assert parse_advice(two) is None  # which run? the caller must say
     assert parse_advice(json.dumps({"runs": {"a": {"interval_seconds": 5}}})) == 5.0
+    both = json.dumps({"interval_seconds": 50, "restart_interval_seconds": 20})
+    assert parse_advice(both, key="restart_interval_seconds") == 20.0
+    assert (
+        parse_advice(json.dumps({"interval_seconds": 50}), key="restart_interval_seconds") is None
+    )
     for junk in ("", "[]", '{"interval_seconds": -1}', '{"interval_seconds": true}'):
         assert parse_advice(junk) is None

@@ -169,6 +169,11 @@ def test_trainer_saves_on_the_advised_interval_and_notices_shorten_it(
             after = daemon.get_json("/v1/advice")["runs"]["run"]
             assert after["basis"]["mtbf"] == "measured"
             assert after["interruptions"] == after["costly_interruptions"] == NOTICES
+            # Notices an interval or more apart are no burst: no early save after a restart.
+            assert after["quick_repeats"] == 0
+            assert after["restart_interval_seconds"] == after["interval_seconds"]
+            published = json.loads((out / ".ckptd" / "advice.json").read_text())
+            assert published["restart_interval_seconds"] == published["interval_seconds"] > 0
             busy = after["interval_seconds"]
             # The save time is measured afresh all along and wanders on a busy machine;
             # what the notices change is the MTBF, and the interval with it: shorter than

@@ -24,6 +24,11 @@ its future completes: until then ``due()`` is False, so a save never starts whil
 previous one is still being written. With several ranks, agree on the decision
 (``ckptd.trainer.agree_to_save(cadence.due())``): each rank's clock is its own.
 
+The first save of this object (the trainer started or restarted after an interruption)
+comes after the advice's ``restart_interval_seconds`` when it is shorter: where the run's
+interruptions come in bursts, the next one is likely soon after a restart
+(``ckptd.cadence``, "After a restart"). Saves after that follow ``interval_seconds``.
+
 Standard library only, as the rest of ``ckptd.trainer``.
 """
 
@@ -67,9 +72,12 @@ def advice_url(url: str) -> str:
     return f"{base}/v1/advice"
 
 
-def parse_advice(body: bytes | str, run: str | None = None) -> float | None:
-    """The advised interval (seconds) in an advice file or a ``/v1/advice`` answer, for
-    ``run`` (the only run when None); None when there is none or it is not one."""
+def parse_advice(
+    body: bytes | str, run: str | None = None, key: str = "interval_seconds"
+) -> float | None:
+    """The advised interval (seconds; ``key`` names which) in an advice file or a
+    ``/v1/advice`` answer, for ``run`` (the only run when None); None when there is none
+    or it is not one."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -86,7 +94,7 @@ def parse_advice(body: bytes | str, run: str | None = None) -> float | None:
             return None
         if not isinstance(doc, dict):
             return None
-    value = doc.get("interval_seconds")
+    value = doc.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         return None
     return float(value)
@@ -120,6 +128,7 @@ class AdvisedCadence:
         self.refresh_seconds = refresh_seconds
         self._clock = clock
         self._interval: float | None = None
+        self._restart_interval: float | None = None
         # The advice file as last read: (inode, mtime, size); the daemon replaces it by a
         # rename, so a new advice is a new inode even within one timestamp tick.
         self._file_mtime: tuple[int, int, int] | None = None
@@ -127,6 +136,8 @@ class AdvisedCadence:
         self._since = clock()
         self._started: float | None = None
         self._http_interval: float | None = None
+        self._http_restart_interval: float | None = None
+        self._saved = False  # a save has finished: the restart interval is spent
         self._http_thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -154,6 +165,13 @@ class AdvisedCadence:
             return self._http_interval
         return self._interval
 
+    def restart_interval(self) -> float | None:
+        """The advised seconds of training before the first save after a (re)start, from
+        the same advice as :meth:`interval`; None when the advice gives none."""
+        if self._file_mtime is None and self._http_interval is not None:
+            return self._http_restart_interval
+        return self._restart_interval
+
     def _read_file(self) -> None:
         if self._watch_dir is None:
             return
@@ -163,14 +181,16 @@ class AdvisedCadence:
             mtime = (st.st_ino, st.st_mtime_ns, st.st_size)
             if mtime == self._file_mtime:
                 return
-            value = parse_advice(path.read_bytes(), self.run)
+            body = path.read_bytes()
         except OSError:
             self._file_mtime = None
             return
+        value = parse_advice(body, self.run)
         if value is not None:
             if value != self._interval:
                 log.info("ckptd: advised checkpoint interval %.0f s", value)
             self._interval, self._file_mtime = value, mtime
+            self._restart_interval = parse_advice(body, self.run, "restart_interval_seconds")
 
     def _start_http(self) -> None:
         if self._http_thread is None:
@@ -188,8 +208,12 @@ class AdvisedCadence:
             try:
                 request = urllib.request.Request(self.url, headers=headers)
                 with urllib.request.urlopen(request, timeout=2.0) as response:
-                    value = parse_advice(response.read(256 * 1024), self.run)
+                    body = response.read(256 * 1024)
+                value = parse_advice(body, self.run)
                 if value is not None:
+                    self._http_restart_interval = parse_advice(
+                        body, self.run, "restart_interval_seconds"
+                    )
                     self._http_interval = value
             except (OSError, ValueError):
                 pass  # the daemon may not be up yet; the last advice stands
@@ -206,12 +230,17 @@ class AdvisedCadence:
         return self._started is not None
 
     def due(self) -> bool:
-        """True when the advised interval has passed since the last save ended and no
-        save is being written."""
+        """True when the advised interval has passed since the last save ended (before
+        the first save: the restart interval, when shorter) and no save is being written."""
         if self._started is not None:
             return False
         interval = self.interval()
-        return interval is not None and self._clock() - self._since >= interval
+        if interval is None:
+            return False
+        restart = self.restart_interval()
+        if not self._saved and restart is not None:
+            interval = min(interval, restart)
+        return self._clock() - self._since >= interval
 
     def reset(self) -> None:
         """Count the interval from now (training starts or resumes)."""
@@ -230,6 +259,7 @@ class AdvisedCadence:
             self.report(seconds, checkpoint=checkpoint, step=step)
         self._started = None
         self._since = now
+        self._saved = True
         return seconds
 
     @contextlib.contextmanager
