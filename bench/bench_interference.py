@@ -189,6 +189,10 @@ class Run:
     steps_during: int
     error: str | None = None
     tool_cpu_s: float = 0.0
+    # The trainer's time runnable but waiting for its CPU, per second of wall time (its
+    # /proc/<pid>/schedstat): what took its core, the tool or anything else.
+    trainer_wait_alone: float | None = None
+    trainer_wait_during: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -291,12 +295,28 @@ class Bench:
         subprocess.run(["sync"], check=False)
 
 
-def run_tool(bench: Bench, tool: str, rnd: int, steps_path: Path, alone_s: float) -> Run:
+def run_queue_wait_s(pid: int) -> float | None:
+    """Seconds process ``pid`` has spent runnable but waiting for a CPU (schedstat)."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def wait_rate(before: float | None, after: float | None, seconds: float) -> float | None:
+    return None if before is None or after is None or seconds <= 0 else (after - before) / seconds
+
+
+def run_tool(
+    bench: Bench, tool: str, rnd: int, steps_path: Path, alone_s: float, trainer_pid: int
+) -> Run:
     unique = f"{tool}-{rnd}-{uuid.uuid4().hex[:6]}"
     drop_from_cache(bench.ckpt)
     alone_start = time.time()
+    wait_0 = run_queue_wait_s(trainer_pid)
     time.sleep(alone_s)
     alone_end = time.time()
+    wait_1 = run_queue_wait_s(trainer_pid)
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.time()
     done = subprocess.run(
@@ -308,6 +328,7 @@ def run_tool(bench: Bench, tool: str, rnd: int, steps_path: Path, alone_s: float
         check=False,
     )
     ended = time.time()
+    wait_2 = run_queue_wait_s(trainer_pid)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     # Only the tool was reaped meanwhile (the trainer runs on): this is the tool's CPU.
     tool_cpu = (children.ru_utime - children_before.ru_utime) + (
@@ -321,6 +342,8 @@ def run_tool(bench: Bench, tool: str, rnd: int, steps_path: Path, alone_s: float
         error = error or "no complete trainer step while the tool ran"
         during = alone
     run = Run(
+        trainer_wait_alone=wait_rate(wait_0, wait_1, alone_end - alone_start),
+        trainer_wait_during=wait_rate(wait_1, wait_2, ended - started),
         tool=tool,
         round=rnd,
         wall_s=ended - started,
@@ -370,21 +393,26 @@ def write_dataset(path: Path, size: int) -> None:
         os.fsync(fh.fileno())
 
 
+def share(values: list[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    return f"{statistics.median(present):.1%}" if present else "n/a"
+
+
 def report(runs: list[Run], header: str) -> str:
     lines = [header, ""]
     lines.append(
         "| tool | wall s | tool CPU s | step alone ms | step while shipping ms | "
         "inflation (mean) | inflation (median) | trainer time lost s | "
-        "page-cache hit alone | hit while shipping |"
+        "page-cache hit alone | hit while shipping | trainer's CPU wait alone / shipping |"
     )
-    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     by_tool: dict[str, list[Run]] = {}
     for r in runs:
         by_tool.setdefault(r.tool, []).append(r)
     for tool, rs in by_tool.items():
         ok = [r for r in rs if r.error is None]
         if not ok:
-            lines.append(f"| {tool} | failed: {rs[0].error} | | | | | | | | |")
+            lines.append(f"| {tool} | failed: {rs[0].error} | | | | | | | | | |")
             continue
 
         def med(values: list[float]) -> float:
@@ -399,7 +427,9 @@ def report(runs: list[Run], header: str) -> str:
             f"| {med([r.median_inflation for r in ok]):+.1%} "
             f"| {med([r.lost_s for r in ok]):.1f} "
             f"| {med([r.hit_alone for r in ok]):.1%} "
-            f"| {med([r.hit_during for r in ok]):.1%} |"
+            f"| {med([r.hit_during for r in ok]):.1%} "
+            f"| {share([r.trainer_wait_alone for r in ok])} / "
+            f"{share([r.trainer_wait_during for r in ok])} |"
         )
     return "\n".join(lines)
 
@@ -476,17 +506,19 @@ def main() -> int:
             )
             print(header, flush=True)
             runs: list[Run] = []
-            with trainer(work, dataset, cgroup, args.work_ms) as (steps_path, _proc):
+            with trainer(work, dataset, cgroup, args.work_ms) as (steps_path, proc):
                 batches = dataset_bytes // (4 * MIB)
                 wait_warm(steps_path, batches, timeout=300)
                 for rnd in range(args.runs):
                     for tool in tools:
-                        run = run_tool(bench, tool, rnd, steps_path, args.alone_s)
+                        run = run_tool(bench, tool, rnd, steps_path, args.alone_s, proc.pid)
                         runs.append(run)
                         print(
                             f"  {tool} round {rnd}: {run.wall_s:.1f}s ({run.tool_cpu_s:.1f} CPU-s), inflation "
                             f"{run.inflation:+.1%} (median {run.median_inflation:+.1%}), hit "
-                            f"{run.hit_alone:.1%} -> {run.hit_during:.1%}"
+                            f"{run.hit_alone:.1%} -> {run.hit_during:.1%}, trainer's CPU wait "
+                            f"{share([run.trainer_wait_alone])} -> "
+                            f"{share([run.trainer_wait_during])}"
                             + (f" ERROR {run.error}" if run.error else ""),
                             flush=True,
                         )

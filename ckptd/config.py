@@ -600,6 +600,10 @@ class ResourcesConfig(_Section):
 
     # Niceness the daemon moves down to (never up); 0 leaves it as started.
     nice: int = Field(default=19, ge=0, le=19)
+    # The transfer threads' CPU scheduling: idle (SCHED_IDLE: they run only when their
+    # CPU has nothing else to run; an emergency's transfers run at `nice` instead) or
+    # normal (at `nice` always).
+    cpu_policy: Literal["idle", "normal"] = "idle"
     # I/O scheduling class: best-effort at io_priority, idle (only when the disk is
     # otherwise unused: may starve under a busy data loader), or none (leave as is).
     io_class: Literal["best-effort", "idle", "none"] = "best-effort"

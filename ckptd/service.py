@@ -431,6 +431,7 @@ class Service:
         await asyncio.wait([stop_wait, term_wait], return_when=asyncio.FIRST_COMPLETED)
         self.sd.stopping("stopping: shipping what is in flight")
         if self.sigterm.is_set() and not self.stop_event.is_set():
+            self.pipeline.flushing = True  # no transfer waits for an idle CPU now
             await self._drain_after_sigterm()
         stop_wait.cancel()
         term_wait.cancel()

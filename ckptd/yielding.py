@@ -6,7 +6,15 @@ value, a lower I/O class or level); where the kernel or a seccomp filter refuses
 systemd unit already sets ``Nice=``/``IOSchedulingClass=``, and its system-call filter
 forbids ``setpriority``/``ioprio_set``), it reports why and the daemon carries on.
 
-Linux keeps both values per thread, and a new thread inherits its creator's: called
+``idle_this_thread`` goes further for the transfer threads (``[resources] cpu_policy``):
+``SCHED_IDLE``, under which a thread runs only when its CPU has nothing else to run and
+gives way at once when anything else wakes. Nice 19 does not do that for a daemon: each
+of its threads is weighed on its own (1.4 % of a contended CPU each), so eight transfer
+threads took 5.5 % of the trainer's core in ``bench_interference.py``. An unprivileged
+thread cannot leave ``SCHED_IDLE``, so work that must not wait (an emergency checkpoint)
+runs on threads that never entered it (``ckptd.sync.transfer``'s urgent pool).
+
+Linux keeps these values per thread, and a new thread inherits its creator's: called
 first thing in ``ckptd run``, before any thread exists, it covers the whole daemon;
 ``ckptd exec`` must not hand its lowered priority to the trainer it starts, so there
 only the transfer workers lower themselves (the pool's initializer).
@@ -86,6 +94,16 @@ def lower_this_thread(priority: Priority) -> list[str]:
                 f"resources.io_class: could not set I/O class {priority.io_class}: {exc}"
             )
     return problems
+
+
+def idle_this_thread() -> list[str]:
+    """Move the calling thread to ``SCHED_IDLE`` (module doc); one line if refused."""
+    try:
+        if os.sched_getscheduler(0) != os.SCHED_IDLE:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as exc:
+        return [f"resources.cpu_policy: could not set SCHED_IDLE: {exc}"]
+    return []
 
 
 def drop_cached(fd: int, offset: int, length: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -283,6 +284,13 @@ async def test_on_a_notice_the_checkpoint_being_written_ships_its_files_first(
         )
         assert order == []  # the older one has not committed ahead of it
         assert not (store / "run" / "ck-0").exists()  # nothing early from an old save
+        # The emergency's bytes went on the urgent pool: threads that never idle.
+        policies = {
+            t.name.rsplit("_", 1)[0]: os.sched_getscheduler(t.native_id or 0)
+            for t in threading.enumerate()
+            if t.name.startswith("ckptd-io")
+        }
+        assert policies == {"ckptd-io": os.SCHED_IDLE, "ckptd-io-urgent": os.SCHED_OTHER}
         (being_written / "COMPLETE").write_text("")
         await pipeline.evaluate("run", "ck-2")
         await wait_until(lambda: len(order) == 2, timeout=60, what="both committed")

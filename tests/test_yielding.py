@@ -9,7 +9,9 @@ the assertion can fail.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +22,10 @@ import psutil
 import pytest
 
 from ckptd.locals3 import LocalS3
-from ckptd.yielding import Priority, lower_this_thread
+from ckptd.storage.fs import FileStorage
+from ckptd.sync.journal import Journal
+from ckptd.sync.transfer import Transfers
+from ckptd.yielding import Priority, idle_this_thread, lower_this_thread
 from tests.daemon import Daemon, wait_until
 from tests.ops_helpers import hf_daemon
 from tests.writers import write_hf
@@ -65,6 +70,46 @@ def test_lower_this_thread_moves_only_the_calling_thread_and_only_down() -> None
     assert int(_in_thread(idle)[0]) == psutil.IOPRIO_CLASS_IDLE  # type: ignore[index]
 
 
+def test_idle_this_thread_moves_only_the_calling_thread_to_sched_idle() -> None:
+    def idle() -> tuple[list[str], int]:
+        problems = idle_this_thread()
+        return problems, os.sched_getscheduler(0)
+
+    problems, policy = _in_thread(idle)  # type: ignore[misc]
+    assert problems == [] and policy == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def _idle_or_fail() -> None:
+    assert idle_this_thread() == []
+
+
+def test_transfers_run_on_idle_threads_except_while_urgent(tmp_path: Path) -> None:
+    """Routine leaf operations run on SCHED_IDLE threads; while urgent (a notice), on
+    threads of a second pool that never entered SCHED_IDLE (it cannot be left)."""
+    urgent = threading.Event()
+    transfers = Transfers(
+        FileStorage(tmp_path / "store"),
+        Journal(tmp_path / "state"),
+        part_size=8 * MIB,
+        concurrency=2,
+        thread_setup=_idle_or_fail,
+        is_urgent=urgent.is_set,
+    )
+
+    async def policy_now() -> int:
+        return await transfers._in_pool(lambda: os.sched_getscheduler(0))
+
+    try:
+        assert asyncio.run(policy_now()) == os.SCHED_IDLE
+        urgent.set()
+        assert asyncio.run(policy_now()) == os.SCHED_OTHER
+        urgent.clear()
+        assert asyncio.run(policy_now()) == os.SCHED_IDLE
+    finally:
+        transfers.close()
+
+
 def _thread_priorities(pid: int) -> list[tuple[int, int, int]]:
     """(nice, I/O class, I/O level) of every thread of ``pid``."""
     out = []
@@ -80,7 +125,11 @@ def _thread_priorities(pid: int) -> list[tuple[int, int, int]]:
     [
         ({}, (19, psutil.IOPRIO_CLASS_BE, 7)),
         (
-            {"CKPTD_RESOURCES__NICE": "0", "CKPTD_RESOURCES__IO_CLASS": "none"},
+            {
+                "CKPTD_RESOURCES__NICE": "0",
+                "CKPTD_RESOURCES__IO_CLASS": "none",
+                "CKPTD_RESOURCES__CPU_POLICY": "normal",
+            },
             None,  # as started: the test's own priority
         ),
     ],
@@ -105,6 +154,13 @@ def test_every_daemon_thread_runs_at_the_configured_priority(
         assert daemon.proc is not None
         threads = _thread_priorities(daemon.proc.pid)
         assert len(threads) > 3, threads  # the loop, the transfer pool, the watcher...
+        policies = {
+            t.id: os.sched_getscheduler(t.id) for t in psutil.Process(daemon.proc.pid).threads()
+        }
+        # The event loop never idles; the transfer threads do, by default only.
+        assert policies[daemon.proc.pid] == os.SCHED_OTHER
+        idle = [tid for tid, policy in policies.items() if policy == os.SCHED_IDLE]
+        assert bool(idle) == (expected is not None), policies
         if expected is None:
             cls, _level = mine.ionice()
             assert {t[0] for t in threads} == {mine.nice()}, threads

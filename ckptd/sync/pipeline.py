@@ -75,7 +75,7 @@ from ckptd.sync.ship import (
     fingerprint,
 )
 from ckptd.sync.transfer import TransferContext, Transfers
-from ckptd.yielding import lower_this_thread, priority_of
+from ckptd.yielding import idle_this_thread, lower_this_thread, priority_of
 
 # Coalesces the burst of events one save produces into one look at the checkpoint.
 EVENT_DEBOUNCE_SECONDS = 0.2
@@ -134,6 +134,8 @@ class SyncPipeline:
             on_bytes=self._count_bytes,
             drop_page_cache=settings.resources.drop_page_cache,
             thread_setup=self._lower_worker,
+            urgent_setup=self._lower_urgent_worker,
+            is_urgent=self.urgent,
             digests=self.keys is not None,
         )
         self.shipper = Shipper(
@@ -181,14 +183,32 @@ class SyncPipeline:
         # up (``cluster.superseded``), here and by retention's sweep.
         self.abandon_grace_seconds = ABANDON_GRACE_SECONDS
         self._priority_problems: set[str] = set()
+        # The daemon is going away (SIGTERM): what it ships until then is urgent.
+        self.flushing = False
 
     def _lower_worker(self) -> None:
-        """Each transfer thread moves itself down to [resources] as it starts; under
-        ``ckptd run`` it inherited that from the main thread already (nothing to do)."""
-        for problem in lower_this_thread(priority_of(self.settings.resources)):
+        """Each transfer thread moves itself down to [resources] as it starts (under
+        ``ckptd run`` it inherited the niceness from the main thread already), and to
+        SCHED_IDLE with ``cpu_policy = "idle"`` (``ckptd.yielding``)."""
+        problems = lower_this_thread(priority_of(self.settings.resources))
+        if self.settings.resources.cpu_policy == "idle":
+            problems += idle_this_thread()
+        self._report_priority(problems)
+
+    def _lower_urgent_worker(self) -> None:
+        """A thread of the urgent pool (``Transfers``): the niceness, never SCHED_IDLE."""
+        self._report_priority(lower_this_thread(priority_of(self.settings.resources)))
+
+    def _report_priority(self, problems: list[str]) -> None:
+        for problem in problems:
             if problem not in self._priority_problems:
                 self._priority_problems.add(problem)
                 self.log.warning("priority_not_lowered", problem=problem)
+
+    def urgent(self) -> bool:
+        """Whether what ships now must not wait for an idle CPU: a preemption notice is
+        being handled, or the daemon is flushing before it goes (``flushing``)."""
+        return self.emergency_since is not None or self.flushing
 
     def _count_bytes(self, run: str, n: int) -> None:
         self.metrics.upload_bytes.labels(run=run).inc(n)

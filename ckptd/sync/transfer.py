@@ -15,7 +15,11 @@ dropped from the cache (``posix_fadvise(DONTNEED)``) once it is sent or hashed, 
 most concurrency x one part of checkpoint data is cached on ckptd's behalf, and
 shipping a checkpoint larger than memory leaves the trainer's dataset in the cache.
 The pool's threads are the daemon's busiest; ``thread_setup`` (``yielding``) lowers
-their CPU and I/O priority as each starts.
+their CPU and I/O priority as each starts (to ``SCHED_IDLE`` by default, which no
+unprivileged thread can leave). While ``is_urgent()`` holds (a preemption notice), leaf
+operations go to a second pool, started on first use, whose threads ``urgent_setup``
+lowers no further than the daemon's niceness: an emergency checkpoint never waits for
+an idle CPU.
 
 With ``digests`` (authenticated checkpoints) the same read pass also yields each 1 MiB
 block's BLAKE3 (``ckptd.digest``; the pread chunks are those blocks), so the file's
@@ -137,6 +141,8 @@ class Transfers:
         on_bytes: Callable[[str, int], None] | None = None,
         drop_page_cache: bool = True,
         thread_setup: Callable[[], None] | None = None,
+        urgent_setup: Callable[[], None] | None = None,
+        is_urgent: Callable[[], bool] = lambda: False,
         digests: bool = False,
     ) -> None:
         self.storage = storage
@@ -151,6 +157,10 @@ class Transfers:
         self.pool = ThreadPoolExecutor(
             max_workers=concurrency, thread_name_prefix="ckptd-io", initializer=thread_setup
         )
+        self.concurrency = concurrency
+        self.is_urgent = is_urgent
+        self._urgent_setup = urgent_setup
+        self._urgent_pool: ThreadPoolExecutor | None = None
 
     def _drop(self, fd: int, offset: int, length: int) -> None:
         if self.drop_page_cache:
@@ -158,6 +168,20 @@ class Transfers:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self._urgent_pool is not None:
+            self._urgent_pool.shutdown(wait=True, cancel_futures=True)
+
+    def _pool_now(self) -> ThreadPoolExecutor:
+        """The pool a leaf operation starting now runs on (module doc)."""
+        if not self.is_urgent():
+            return self.pool
+        if self._urgent_pool is None:
+            self._urgent_pool = ThreadPoolExecutor(
+                max_workers=self.concurrency,
+                thread_name_prefix="ckptd-io-urgent",
+                initializer=self._urgent_setup,
+            )
+        return self._urgent_pool
 
     @property
     def can_copy(self) -> bool:
@@ -165,7 +189,7 @@ class Transfers:
         return capability(self.storage, ServerSideCopy) is not None
 
     async def _in_pool(self, fn: Callable[[], T]) -> T:
-        return await asyncio.wrap_future(self.pool.submit(fn))
+        return await asyncio.wrap_future(self._pool_now().submit(fn))
 
     # -- hashing (copy candidates) -------------------------------------------------
 
@@ -367,10 +391,9 @@ class Transfers:
                 self.on_bytes(ctx.run, length)
                 return part
 
-            futures = [asyncio.wrap_future(self.pool.submit(send, n)) for n in todo]
-            rereads = [
-                asyncio.wrap_future(self.pool.submit(reread, n)) for n in done if self.digests
-            ]
+            pool = self._pool_now()
+            futures = [asyncio.wrap_future(pool.submit(send, n)) for n in todo]
+            rereads = [asyncio.wrap_future(pool.submit(reread, n)) for n in done if self.digests]
             try:
                 sent = await asyncio.gather(*futures)
                 await asyncio.gather(*rereads)
