@@ -847,6 +847,7 @@ class CommitTrial:
     saved_to_complete_s: float | None = None  # trainer done -> daemon found it complete
     complete_to_committed_s: float | None = None  # daemon: upload, verify, manifest
     daemon_committed_s: float | None = None  # trigger -> committed (daemon's clock)
+    notice_to_committed_s: float | None = None  # daemon: notice_received -> committed
     manifest_visible_s: float | None = None  # trigger -> manifest readable (boto3, here)
     seconds_left_at_commit: float | None = None
     committed_before_deadline: bool | None = None
@@ -1003,6 +1004,7 @@ def run_commit_trial(
         out.seconds_left_at_commit = timings.get("seconds_left_at_commit")
         out.committed_before_deadline = timings.get("committed_before_deadline")
         complete, committed = timings.get("complete_after_s"), timings.get("committed_after_s")
+        out.notice_to_committed_s = committed
         if complete is not None and committed is not None:
             out.complete_to_committed_s = committed - complete
         if noticed:
@@ -1128,6 +1130,7 @@ COMMIT_ROWS: tuple[tuple[str, str, Callable[[float | None], str]], ...] = (
     ("save_s", "trainer save: write + fsync", sec),
     ("saved_to_complete_s", "save done → daemon found it complete", sec),
     ("complete_to_committed_s", "complete → committed (upload, verify, manifest)", sec),
+    ("notice_to_committed_s", "**notice → committed** (daemon: `notice_received` → commit)", sec),
     ("daemon_committed_s", "**trigger → committed** (daemon log)", sec),
     ("manifest_visible_s", "**trigger → manifest readable** (boto3 here)", sec),
     ("seconds_left_at_commit", "seconds left of the 2-min notice at commit", lambda v: sec(v, 1)),
