@@ -243,6 +243,7 @@ BAD_VALUES = [
     ('[resources]\nio_class = "realtime"', "resources.io_class"),
     ("[resources]\nio_priority = 8", "resources.io_priority"),
     ('[resources]\ndrop_page_cache = "sometimes"', "resources.drop_page_cache"),
+    ('[resources]\ncpu_policy = "fifo"', "resources.cpu_policy"),
     ('[metrics]\nlisten = "9464"', "metrics.listen"),
     ('[metrics]\nlisten = "127.0.0.1:65536"', "metrics.listen"),
     ('[metrics]\nlisten = "::1:9464"', "metrics.listen"),
@@ -256,6 +257,7 @@ BAD_VALUES = [
     ("[cluster]\npoll_interval_seconds = 0", "cluster.poll_interval_seconds"),
     ("[cadence]\nmtbf_hours = -1", "cadence.mtbf_hours"),
     ("[cadence]\nmerge_seconds = -1", "cadence.merge_seconds"),
+    ('[cadence]\nlearn_from_other_runs = "maybe"', "cadence.learn_from_other_runs"),
     ("[cadence]\nprior_mtbf_hours = 0", "cadence.prior_mtbf_hours"),
     ("[cadence]\nmin_interval_seconds = -5", "cadence.min_interval_seconds"),
     (

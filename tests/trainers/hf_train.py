@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,16 @@ def main() -> None:
             }
         ),
     )
+    # Under torch.distributed (the Trainer joined the group from the env): skip the
+    # interpreter's teardown. One with gloo's threads still up aborted once in a full
+    # run ("terminate called without an active exception", SIGABRT), and leaving the
+    # group first waits on the other node, which may have gone. The result is written.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
