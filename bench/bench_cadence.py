@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/bench_cadence.py [--runs 10] [--min-interruptions 6000]
         [--days 60] [--save-seconds 30] [--upload-seconds 60] [--seed 0]
-        [--tolerance 0.10] [--json FILE]
+        [--tolerance 0.10] [--own-history-only] [--json FILE]
 
-A pure simulation (no daemon, no clock; about 40 s on one core). Training alternates work
+A pure simulation (no daemon, no clock; about 70 s on one core). Training alternates work
 and a blocking save of ``--save-seconds``; a checkpoint is durable ``--upload-seconds``
 after its save ends; an interruption throws away the work since the newest durable
 checkpoint, and training resumes from it. Waste = time in saves + work thrown away, in
@@ -15,9 +15,13 @@ A trace is ``--runs`` runs of ``--days`` days, their interruptions Poisson or bu
 a zone running out of capacity; then quiet), from one an hour to one a week on average.
 
 - "advised": ``ckptd.cadence`` as the daemon runs it. Each run starts with no history
-  (the default prior, the same for every trace) and learns its rate as it goes: the
-  interval is recomputed every ten minutes of the run from the interruptions so far
-  (merged as the daemon merges them) and the time observed. After each interruption the
+  of its own (the default prior, the same for every trace) and learns its rate as it
+  goes: the interval is recomputed every ten minutes of the run from the interruptions so
+  far (merged as the daemon merges them) and the time observed. The runs of a trace are
+  one fleet's, one after another on the same store: each also counts the histories of
+  the runs before it (``learn_from_other_runs``, the default; the first run has none).
+  "own history only" is the same with ``learn_from_other_runs = false``
+  (``--own-history-only`` makes it the main column). After each interruption the
   first save comes after the advice's restart interval, as ``AdvisedCadence`` saves (the
   first save of a process), then every advised interval.
 - "every N min": a fixed interval, as ``save_steps`` gives.
@@ -52,8 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ckptd.cadence import (
     DEFAULT_PRIOR_MTBF_SECONDS,
     MERGE_SECONDS,
+    NO_OTHER_RUNS,
     PRIOR_WEIGHT,
     CadencePolicy,
+    History,
+    Interruption,
+    OtherRuns,
     distinct_interruptions,
     learn_cadence,
     restart_interval,
@@ -125,10 +133,16 @@ def fixed_waste(segments: Segments, t: float, c: float, u: float) -> float:
 
 
 def advised_waste(
-    run: Run, c: float, u: float, policy: CadencePolicy, after_restart: bool = True
+    run: Run,
+    c: float,
+    u: float,
+    policy: CadencePolicy,
+    after_restart: bool = True,
+    others: OtherRuns = NO_OTHER_RUNS,
 ) -> float:
     """Seconds wasted following the advice, learned online from the run's own history
-    (``after_restart=False``: the interval only, the restart interval ignored)."""
+    and ``others`` (``after_restart=False``: the interval only, the restart interval
+    ignored)."""
     wasted = 0.0
     start = 0.0
     distinct: list[float] = []
@@ -137,7 +151,7 @@ def advised_waste(
     def interval(now: float, first: bool) -> float:
         key = (len(distinct), int(now // ADVICE_REFRESH_SECONDS))
         if key not in cache:
-            every = learn_cadence(distinct, now, c, u, policy)[0]
+            every = learn_cadence(distinct, now, c, u, policy, others)[0]
             restart = restart_interval(distinct, every, c, u, policy.bounds)
             cache[key] = (every, restart if after_restart else every)
         return cache[key][1 if first else 0]
@@ -172,6 +186,20 @@ def advised_waste(
     return wasted
 
 
+def fleet_waste(
+    runs: list[Run], c: float, u: float, policy: CadencePolicy, after_restart: bool, pooled: bool
+) -> float:
+    """``advised_waste`` summed over a trace's runs, each counting the runs before it
+    (``pooled``) or its own history only."""
+    total, before = 0.0, []
+    for run in runs:
+        others = OtherRuns.of(before, policy.merge_seconds) if pooled else NO_OTHER_RUNS
+        total += advised_waste(run, c, u, policy, after_restart, others)
+        interruptions = tuple(Interruption(at, "notice") for at in run.times)
+        before.append(History("earlier", run.horizon, interruptions=interruptions))
+    return total
+
+
 def make_runs(kind: str, hours: float, runs: int, days: float, seed: int) -> list[Run]:
     make: Callable[[float, float, random.Random], list[float]] = (
         poisson_times if kind == "poisson" else bursty_times
@@ -196,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="follow the advised interval only, also after a restart (for comparison)",
     )
+    p.add_argument(
+        "--own-history-only",
+        action="store_true",
+        help="the main column without the earlier runs' histories (learn_from_other_runs off)",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     c, u = args.save_seconds, args.upload_seconds
@@ -219,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
 
             grid = [(per_day(fixed_waste(segments, t, c, u)), t) for t in GRID]
             best, best_t = min(grid)
-            advised = per_day(
-                sum(advised_waste(r, c, u, policy, not args.no_restart_interval) for r in runs)
-            )
+            restart = not args.no_restart_interval
+            pooled = per_day(fleet_waste(runs, c, u, policy, restart, pooled=True))
+            own = per_day(fleet_waste(runs, c, u, policy, restart, pooled=False))
+            advised, other = (own, pooled) if args.own_history_only else (pooled, own)
             fixed = {m: per_day(fixed_waste(segments, m * 60.0, c, u)) for m in FIXED_MINUTES}
             rows.append(
                 {
@@ -230,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                     "interruptions_per_day": sum(len(r.times) for r in runs) / total_days,
                     "advised": advised,
                     "advised_excess": advised / best - 1,
+                    "other_advised": other,
+                    "other_excess": other / best - 1,
                     "best_fixed_minutes": best_t / 60.0,
                     "best": best,
                     "fixed": fixed,
@@ -243,18 +279,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("waste = saving + lost work, minutes per day\n")
     fixed_head = " | ".join(f"every {m} min" for m in FIXED_MINUTES)
-    print(f"| trace | advised | vs best fixed | best fixed (hindsight) | {fixed_head} |")
-    print("|" + " --- |" * (4 + len(FIXED_MINUTES)))
+    other_head = "with earlier runs" if args.own_history_only else "own history only"
+    print(
+        f"| trace | advised | vs best fixed | {other_head} | best fixed (hindsight) | "
+        f"{fixed_head} |"
+    )
+    print("|" + " --- |" * (5 + len(FIXED_MINUTES)))
     for r in rows:
         cells = " | ".join(
             f"{v:.1f} ({100 * (v / r['best'] - 1):+.0f}%)" for v in r["fixed"].values()
         )
         print(
             f"| {r['trace']} | {r['advised']:.1f} | {100 * r['advised_excess']:+.1f}% | "
+            f"{r['other_advised']:.1f} ({100 * r['other_excess']:+.1f}%) | "
             f"{r['best']:.1f} (every {r['best_fixed_minutes']:.0f} min) | {cells} |"
         )
     worst = max(r["advised_excess"] for r in rows)
     print(f"\nadvised: at most {100 * worst:+.1f}% over the best fixed interval in hindsight")
+    other_worst = max(r["other_excess"] for r in rows)
+    print(f"advised, {other_head}: at most {100 * other_worst:+.1f}% over it")
     for m in FIXED_MINUTES:
         excess = max(r["fixed"][m] / r["best"] - 1 for r in rows)
         print(f"every {m} min: up to {100 * excess:+.0f}% over it")

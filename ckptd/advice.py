@@ -12,6 +12,10 @@ Measured here, per run:
   trainer under ``ckptd exec``, restores onto a fresh node;
 - the time observed: how long this daemon has watched the run.
 
+The other runs under the same destination count too (``cadence.OtherRuns``,
+``[cadence] learn_from_other_runs``): their ``<run>/CADENCE`` is read at start-up and
+every ``OTHER_RUNS_REFRESH_SECONDS``, never written.
+
 The store's ``<run>/CADENCE`` is the history a new node inherits. It is read at start-up
 and rewritten read-modify-write (``cadence.merge_history``) when there is something new,
 at most every ``FLUSH_SECONDS`` for the observed time alone. With many nodes only node 0
@@ -33,11 +37,13 @@ from typing import Any
 
 from ckptd import saves
 from ckptd.cadence import (
+    NO_OTHER_RUNS,
     Advice,
     Bounds,
     CadencePolicy,
     History,
     Interruption,
+    OtherRuns,
     SaveRecord,
     advise,
     merge_history,
@@ -51,6 +57,10 @@ from ckptd.repository import Repository
 from ckptd.storage.base import StorageError
 
 FLUSH_SECONDS = 60.0
+# The other runs' histories (cadence.OtherRuns) are read at start-up and this often.
+OTHER_RUNS_REFRESH_SECONDS = 3600.0
+# At most this many other runs are read (one GET each).
+OTHER_RUNS_MAX = 200
 ADVICE_RELPATH = ".ckptd/advice.json"
 SAVES_RELPATH = saves.RELPATH
 
@@ -127,6 +137,9 @@ class CadenceAdvisor:
         self.writer = settings.cluster.rank == 0
         self.host = socket.gethostname()
         self.runs = {r: RunCadence(r, d, History(r)) for r, d in watch_dirs.items()}
+        self.learn_from_others = settings.cadence.learn_from_other_runs
+        self.others: OtherRuns = NO_OTHER_RUNS
+        self._others_read_at: float | None = None
         self._last_tick = clock.monotonic()
         self._last_flush = self._last_tick
         self._lock = asyncio.Lock()
@@ -172,7 +185,7 @@ class CadenceAdvisor:
 
     def refresh(self, run: str) -> Advice:
         state = self.runs[run]
-        state.advice = advise(state.view(), self.policy)
+        state.advice = advise(state.view(), self.policy, self.others)
         self.metrics.advised_interval.labels(run=run).set(state.advice.interval_seconds)
         return state.advice
 
@@ -207,6 +220,7 @@ class CadenceAdvisor:
 
     async def load(self) -> None:
         """Read every run's history from the store (start-up); a failure leaves it empty."""
+        await self._read_others()
         for run, state in self.runs.items():
             try:
                 state.history = await asyncio.to_thread(self.repo.read_cadence, run)
@@ -223,6 +237,11 @@ class CadenceAdvisor:
                 state.observed += max(0.0, now - self._last_tick)
             self._last_tick = now
             due = force or now - self._last_flush >= FLUSH_SECONDS
+            if (
+                self._others_read_at is not None
+                and now - self._others_read_at >= OTHER_RUNS_REFRESH_SECONDS
+            ):
+                await self._read_others()
             for run, state in self.runs.items():
                 if self.writer and (state.unsaved or (due and state.observed > 0)):
                     await self._write(state)
@@ -230,6 +249,32 @@ class CadenceAdvisor:
                 await self._publish(state)
             if due:
                 self._last_flush = now
+
+    async def _read_others(self) -> None:
+        """The histories of the store's other runs (``cadence.OtherRuns``); on a failure
+        the ones read before stand."""
+        if not self.learn_from_others:
+            return
+        self._others_read_at = self.clock.monotonic()
+        mine = set(self.runs)
+
+        def read() -> list[History]:
+            names = [r for r in self.repo.list_runs() if r not in mine][:OTHER_RUNS_MAX]
+            return [self.repo.read_cadence(r) for r in names]
+
+        try:
+            histories = await asyncio.to_thread(read)
+        except StorageError as exc:
+            self.log.warning("cadence_other_runs_unreadable", error=str(exc))
+            return
+        self.others = OtherRuns.of(histories, self.policy.merge_seconds)
+        if self.others.observed_seconds > 0:
+            self.log.info(
+                "cadence_other_runs",
+                runs=sum(1 for h in histories if h.observed_seconds > 0),
+                observed_hours=round(self.others.observed_seconds / 3600, 1),
+                interruptions=self.others.runs_interrupted + len(self.others.gaps),
+            )
 
     async def _write(self, state: RunCadence) -> None:
         saves, interruptions, observed = (

@@ -31,6 +31,16 @@ interruption. The estimate is the posterior mean of a Gamma prior worth ``PRIOR_
 interruptions over ``prior_mtbf`` seconds: ``(observed + w * prior) / (count + w)``, so a
 new run starts at the prior and its own history takes over as it grows.
 
+Other runs. A run's own interruptions are few (a run preempted weekly sees eight in two
+months), and a new run has none, while the rate is mostly the fleet's: the same
+instance types in the same zones. So the estimate also counts the history the store
+keeps for the other runs under the same destination (their ``<run>/CADENCE``, read at
+start-up and hourly; ``[cadence] learn_from_other_runs``): their observed time and their
+costly interruptions join the run's own, ``(observed + others' + w * prior) / (count +
+others' + w)``. A run whose rate differs from the fleet's moves away from it as its own
+history grows; one that should not share sets ``learn_from_other_runs = false`` (or
+``mtbf_hours``).
+
 After a restart (bursts). Where preemptions come in bursts (a zone out of capacity takes
 the replacement node too), the next interruption is likely soon after a restart, and the
 work since the restart is lost whatever the interval. The run's own history says how
@@ -48,6 +58,7 @@ repeats are rare (``p`` ~ T/M) and the rule stays off.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -192,29 +203,71 @@ def costly_interruptions(distinct: Sequence[float], interval: float) -> int:
     return 1 + sum(1 for a, b in itertools.pairwise(distinct) if b - a > interval)
 
 
+@dataclass(frozen=True)
+class OtherRuns:
+    """The interruption history of other runs on the same store (module doc, "Other
+    runs"), reduced to what the estimate needs: their observed time and the gaps between
+    their consecutive distinct interruptions, sorted, so that counting their costly
+    interruptions at any interval is a bisection."""
+
+    observed_seconds: float = 0.0
+    runs_interrupted: int = 0  # runs with at least one interruption (its first is costly)
+    gaps: tuple[float, ...] = ()  # sorted
+
+    @classmethod
+    def of(cls, histories: Iterable[History], merge_seconds: float = MERGE_SECONDS) -> OtherRuns:
+        observed, interrupted, gaps = 0.0, 0, []
+        for history in histories:
+            observed += max(0.0, history.observed_seconds)
+            distinct = distinct_interruptions((i.at for i in history.interruptions), merge_seconds)
+            interrupted += bool(distinct)
+            gaps += [b - a for a, b in itertools.pairwise(distinct)]
+        return cls(observed, interrupted, tuple(sorted(gaps)))
+
+    def costly(self, interval: float) -> int:
+        """``costly_interruptions`` summed over the other runs, at ``interval``."""
+        return self.runs_interrupted + len(self.gaps) - bisect.bisect_right(self.gaps, interval)
+
+
+NO_OTHER_RUNS = OtherRuns()
+
+
 def learn_cadence(
     distinct: Sequence[float],
     observed_seconds: float,
     save_seconds: float,
     upload_seconds: float,
     policy: CadencePolicy,
+    others: OtherRuns = NO_OTHER_RUNS,
 ) -> tuple[float, float, int]:
-    """``(interval, mtbf, interruptions counted)`` from a run's distinct interruptions:
-    the MTBF that matters for the interval is that of the costly ones
+    """``(interval, mtbf, interruptions counted)`` from a run's distinct interruptions
+    (and ``others``'): the MTBF that matters for the interval is that of the costly ones
     (``costly_interruptions``), which depends on the interval; a few rounds of the fixed
-    point settle it (the interval only grows from round to round, and is bounded)."""
+    point settle it (the interval only grows from round to round, and is bounded). The
+    count returned is the run's own."""
     if policy.mtbf_override is not None:
         mtbf = policy.mtbf_override
         return advised_interval(save_seconds, mtbf, upload_seconds, policy.bounds), mtbf, 0
+    observed = observed_seconds + others.observed_seconds
+
+    def mtbf_at(own: int, interval: float | None) -> float:
+        other = (
+            others.runs_interrupted + len(others.gaps)
+            if interval is None
+            else others.costly(interval)
+        )
+        return estimate_mtbf(observed, own + other, policy.prior_mtbf, policy.prior_weight)
+
     count = len(distinct)
-    mtbf = estimate_mtbf(observed_seconds, count, policy.prior_mtbf, policy.prior_weight)
+    mtbf = mtbf_at(count, None)
     interval = advised_interval(save_seconds, mtbf, upload_seconds, policy.bounds)
     for _ in range(FIXED_POINT_ROUNDS):
         costly = costly_interruptions(distinct, interval)
-        if costly == count:
-            break
+        previous = mtbf
         count = costly
-        mtbf = estimate_mtbf(observed_seconds, count, policy.prior_mtbf, policy.prior_weight)
+        mtbf = mtbf_at(count, interval)
+        if mtbf == previous:
+            break
         interval = advised_interval(save_seconds, mtbf, upload_seconds, policy.bounds)
     return interval, mtbf, count
 
@@ -445,15 +498,19 @@ def current_interval(saves: Sequence[SaveRecord], save_seconds: float) -> float 
     return max(0.0, statistics.median(gaps) - save_seconds)
 
 
-def advise(history: History, policy: CadencePolicy) -> Advice:
-    """The advised cadence for a run with ``history``."""
+def advise(history: History, policy: CadencePolicy, others: OtherRuns = NO_OTHER_RUNS) -> Advice:
+    """The advised cadence for a run with ``history``, and ``others``' on the same store."""
     save, upload, save_basis, used = recent_costs(history.saves)
     distinct = distinct_interruptions((i.at for i in history.interruptions), policy.merge_seconds)
-    interval, mtbf, costly = learn_cadence(distinct, history.observed_seconds, save, upload, policy)
+    interval, mtbf, costly = learn_cadence(
+        distinct, history.observed_seconds, save, upload, policy, others
+    )
     if policy.mtbf_override is not None:
         mtbf_basis = "config"
+    elif distinct:
+        mtbf_basis = "measured"
     else:
-        mtbf_basis = "measured" if distinct else "prior"
+        mtbf_basis = "other runs" if others.observed_seconds > 0 else "prior"
     count = len(distinct)
     now_interval = current_interval(history.saves, save)
     return Advice(
@@ -477,6 +534,7 @@ def advise(history: History, policy: CadencePolicy) -> Advice:
 __all__ = [
     "HISTORY_FORMAT",
     "MERGE_SECONDS",
+    "NO_OTHER_RUNS",
     "PRIOR_WEIGHT",
     "Advice",
     "Bounds",
@@ -484,6 +542,7 @@ __all__ = [
     "CadencePolicy",
     "History",
     "Interruption",
+    "OtherRuns",
     "SaveRecord",
     "advise",
     "advised_interval",

@@ -444,6 +444,9 @@ class CadenceConfig(_Section):
     # Interruption records this close together are one interruption (a notice, the
     # restart it causes, the restore on the next node, every node's own notice).
     merge_seconds: float = Field(default=600.0, ge=0, allow_inf_nan=False)
+    # Count the interruptions recorded for the other runs under the same destination
+    # (their <run>/CADENCE) with the run's own: the rate is mostly the fleet's.
+    learn_from_other_runs: bool = True
     min_interval_seconds: float = Field(default=60.0, ge=0, allow_inf_nan=False)
     max_interval_seconds: float = Field(default=6 * 3600.0, gt=0, allow_inf_nan=False)
 
