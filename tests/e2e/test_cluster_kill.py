@@ -75,9 +75,13 @@ def test_kill9_at_random_instants_never_commits_a_checkpoint_missing_a_shard(
 
         checked: set[str] = set()
         victims_seen: set[str] = set()
+        # Every victim at least once (in a seeded order), then drawn: 12 free draws miss
+        # one of the three for about 1 seed in 130.
+        kinds = ["node 0", "node 1", "both"]
+        victims = rng.sample(kinds, len(kinds)) + [rng.choice(kinds) for _ in range(INSTANTS)]
         for i in range(1, INSTANTS + 1):
             name = f"step-{i}"
-            victim = rng.choice(["node 0", "node 1", "both"])
+            victim = victims[i - 1]
             delay = rng.uniform(0, window)
             ranks = {"node 0": (0,), "node 1": (1,), "both": (0, 1)}[victim]
             write_save(cluster, name, rng, size)
@@ -106,7 +110,7 @@ def test_kill9_at_random_instants_never_commits_a_checkpoint_missing_a_shard(
             check_committed(store, name, cluster.local_files(name), nodes=2)
         latest = store.latest()
         assert latest is not None and latest["checkpoint"] == f"step-{INSTANTS}"
-        if INSTANTS >= 12:
+        if INSTANTS >= 3:
             assert victims_seen == {"node 0", "node 1", "both"}
 
 
