@@ -16,9 +16,12 @@ The other runs under the same destination count too (``cadence.OtherRuns``,
 ``[cadence] learn_from_other_runs``): their ``<run>/CADENCE`` is read at start-up and
 every ``OTHER_RUNS_REFRESH_SECONDS``, never written.
 
-The store's ``<run>/CADENCE`` is the history a new node inherits. It is read at start-up
-and rewritten read-modify-write (``cadence.merge_history``) when there is something new,
-at most every ``FLUSH_SECONDS`` for the observed time alone. With many nodes only node 0
+The store's ``<run>/CADENCE`` is the history a new node inherits. It is read at start-up,
+beside the daemon's start and never holding it: until it is read, or when the store
+cannot be read, the advice rests on what this node saw and the prior (``history`` in the
+advice says which: ``reading``, ``read`` or ``unreadable``). It is rewritten
+read-modify-write (``cadence.merge_history``) when there is something new, at most every
+``FLUSH_SECONDS`` for the observed time alone. With many nodes only node 0
 writes it (every node's notice of one reclaim is the same interruption, and the nodes'
 observed times are one run's); every node reads it and advises. A write lost to a
 concurrent writer loses records, never the daemon: the advice only drifts toward its prior.
@@ -102,6 +105,7 @@ class RunCadence:
     observed: float = 0.0  # seconds watched since the last write
     advice: Advice | None = None
     published: dict[str, Any] | None = None
+    history_state: str = "reading"  # the store's history: reading | read | unreadable
 
     @property
     def unsaved(self) -> bool:
@@ -194,6 +198,7 @@ class CadenceAdvisor:
         return {
             "runs": {
                 run: (state.advice or self.refresh(run)).to_json()
+                | {"history": state.history_state}
                 for run, state in self.runs.items()
             }
         }
@@ -224,7 +229,9 @@ class CadenceAdvisor:
         for run, state in self.runs.items():
             try:
                 state.history = await asyncio.to_thread(self.repo.read_cadence, run)
+                state.history_state = "read"
             except StorageError as exc:
+                state.history_state = "unreadable"
                 self.log.warning("cadence_history_unreadable", run=run, error=str(exc))
             self.refresh(run)
             await self._publish(state)
@@ -295,6 +302,7 @@ class CadenceAdvisor:
 
         try:
             state.history = await asyncio.to_thread(read_merge_write)
+            state.history_state = "read"
         except StorageError as exc:
             self.log.warning("cadence_history_write_failed", run=state.run_id, error=str(exc))
             return

@@ -1,6 +1,7 @@
 """Whether the destination works, as the daemon last found it.
 
-``DestinationHealth.check`` asks the store (``Storage.check``) and keeps the answer for
+``DestinationHealth.check`` asks the store (``RetryingStorage.probe``: a few quick
+attempts, never an operation's long retries) and keeps the answer for
 ``/readyz``, ``/v1/status``, ``ckptd_destination_up`` and the SIGTERM flush (which does
 not wait on a destination that refuses it). The first failure, and the recovery, are
 logged once each, not at every check.
@@ -13,6 +14,7 @@ from typing import Any
 
 from ckptd.metrics import Metrics
 from ckptd.storage.base import Storage, StorageError
+from ckptd.storage.retrying import RetryingStorage
 
 # How often to ask again: soon while it fails (to notice the recovery), rarely when fine.
 RECHECK_FAILING_SECONDS = 5.0
@@ -47,7 +49,8 @@ class DestinationHealth:
     async def check(self) -> bool:
         """Ask the store now; returns whether it is usable."""
         try:
-            await asyncio.to_thread(self.storage.check)
+            s = self.storage
+            await asyncio.to_thread(s.probe if isinstance(s, RetryingStorage) else s.check)
         except StorageError as exc:
             if self.ok or not self.error:
                 self.log.error(

@@ -5,7 +5,9 @@
     start-up   SIGTERM handled as a notice from here on -> destination check ->
                recover the journal -> HTTP
     main loop  watcher + rescan, then worker (ships checkpoints), ticker (gauges,
-               rescans, destination check), notices (every source, SIGTERM included,
+               rescans, systemd's watchdog; it never waits on the store: the stores'
+               rechecks run beside it, and so do the cadence history's reads and
+               writes, one at a time), notices (every source, SIGTERM included,
                through one loop into the responder) and, with many nodes, the cluster
                poll (announcements, other nodes' parts) until a stop; with many nodes the
                other nodes' NOTICE is one more notice source, and our own are published
@@ -127,6 +129,9 @@ class Service:
         self.stop_event = asyncio.Event()
         self.sigterm = asyncio.Event()
         self._io_stop = threading.Event()
+        # The cadence history's store I/O (start-up read, periodic writes) in flight; a
+        # dead store holds it for the retries' ~25 s, so it never runs in the ticker.
+        self._advice_io: asyncio.Task[None] | None = None
         self.sd = SystemdNotifier.from_env()  # systemd Type=notify; inert elsewhere
         # First: a second daemon on this journal or these watch dirs stops here.
         self.locks = InstanceLocks()
@@ -309,7 +314,9 @@ class Service:
         for t in self.tiers:
             await t.pipeline.recover()
         if not self.once:
-            await self.advisor.load()
+            # Off the start-up path: with the store down, reading the history would hold
+            # READY, HTTP and the notice watch for its retries. The prior advises till then.
+            self._advice_io = asyncio.create_task(self.advisor.load(), name="advice-load")
             from ckptd.http import HttpServer  # aiohttp costs ~0.3 s of start-up; --once needs none
 
             self.http = HttpServer(
@@ -422,6 +429,7 @@ class Service:
             for t in self.tiers[1:]
         ]
         ticker = asyncio.create_task(self._tick(), name="ticker")
+        rechecks = asyncio.create_task(self._recheck_stores(), name="rechecks")
         notices = asyncio.create_task(self._watch_notices(), name="notices")
         cluster = asyncio.create_task(self._poll_cluster(), name="cluster")
         self.log.info("ckptd_ready", watching=self.watching)
@@ -439,6 +447,7 @@ class Service:
         self.log.info("ckptd_stopping")
         self.watcher.stop()
         ticker.cancel()
+        rechecks.cancel()
         notices.cancel()
         cluster.cancel()
         try:
@@ -458,6 +467,10 @@ class Service:
         if self.publisher is not None:
             await self.publisher.drain(PUBLISH_DRAIN_SECONDS)
         if not self.once:
+            if self._advice_io is not None:
+                # The store's retries end on _io_stop: this returns within a request.
+                with contextlib.suppress(Exception):
+                    await self._advice_io
             await self.advisor.flush(force=True)
         for t in self.tiers:
             await t.pipeline.close()
@@ -582,9 +595,12 @@ class Service:
         deadline = self.clock.monotonic() + self.shutdown_timeout
         quiet_since: float | None = None
         while self.clock.monotonic() < deadline and not self.stop_event.is_set():
-            if not self.destination.ok:
-                # Nothing can be flushed to a destination that refuses us; the journal
-                # keeps what was sent, and waiting out the grace period helps no one.
+            failure = self.destination.failure
+            if failure is not None and failure.destination_unusable:
+                # Nothing can be flushed to a destination that refuses us (credentials,
+                # no bucket); the journal keeps what was sent, and waiting out the grace
+                # period helps no one. A store that is merely unreachable may come back
+                # within it: that one is waited for.
                 self.log.error("sigterm_flush_impossible", error=self.destination.error)
                 return
             # With many nodes, this node's share of an emergency save is idle until the
@@ -606,15 +622,12 @@ class Service:
         pipeline = self.pipeline
         now = self.clock.monotonic()
         last_scan = {run_id: now for run_id in pipeline.runs}
-        last_check = now
         last_stats = now - JOURNAL_STATS_SECONDS  # the first tick exports them
         while True:
             await asyncio.sleep(TICK_SECONDS)
             self.sd.tick(summarize(self.status()))  # status() refreshes the gauges too
-            try:
-                await self.advisor.flush()  # observed time; the store every FLUSH_SECONDS
-            except Exception as exc:  # noqa: BLE001 - advice is never worth the ticker
-                self.log.error("cadence_flush_failed", error=repr(exc))
+            if self._advice_io is None or self._advice_io.done():
+                self._advice_io = asyncio.create_task(self._flush_advice(), name="advice-flush")
             now = self.clock.monotonic()
             if now - last_stats >= JOURNAL_STATS_SECONDS:
                 last_stats = now
@@ -630,15 +643,28 @@ class Service:
                     last_scan[run_id] = now
                     with contextlib.suppress(OSError):
                         await self.rescan(run_id)
-            if now - last_check >= self.destination.recheck_seconds:
-                last_check = now
-                await self.destination.check()
-            for t in self.tiers[1:]:
-                await self._check_tier(t, now)
+
+    async def _flush_advice(self) -> None:
+        """Observed time and new records to the store, every ``FLUSH_SECONDS`` at most."""
+        try:
+            await self.advisor.flush()
+        except Exception as exc:  # noqa: BLE001 - advice is never worth the daemon
+            self.log.error("cadence_flush_failed", error=repr(exc))
+
+    async def _recheck_stores(self) -> None:
+        """Each tier's store asked again when due, beside the ticker: a probe of a store
+        that is down waits for its connection timeout, which must never hold the ticker
+        (systemd's watchdog) nor the rescans."""
+        for t in self.tiers:
+            t.last_check = self.clock.monotonic()  # start-up has just asked
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            for t in self.tiers:
+                await self._check_tier(t, self.clock.monotonic())
 
     async def _check_tier(self, tier: Tier, now: float) -> None:
-        """Ask a further tier's store again when due; when it comes back, its backlog is
-        shipped at once rather than after the rest of its backoff."""
+        """Ask a tier's store again when due; when it comes back, its backlog is shipped
+        at once rather than after the rest of its backoff."""
         # A checkpoint that failed in this tier makes it due soon, so the metrics say the
         # tier is down within seconds, and its return is noticed as soon.
         failing = any(p.failures for p in tier.pipeline.queue)

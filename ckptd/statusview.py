@@ -188,6 +188,8 @@ def advice_text(doc: Mapping[str, Any]) -> list[Text]:
             f"  (save {float(a.get('save_seconds', 0)):.1f}s {basis.get('save', '?')}, "
             f"MTBF {human_seconds(float(a.get('mtbf_seconds', 0)))} {basis.get('mtbf', '?')})"
         )
+        if a.get("history") in ("reading", "unreadable"):  # the store's: prior till then
+            text.append(f"  store history {a['history']}", "yellow")
         cost = a.get("expected_cost") or {}
         advised, current = cost.get("advised") or {}, cost.get("current")
         text.append(f"  lost {100 * float(advised.get('total_fraction', 0)):.1f}%")

@@ -241,7 +241,8 @@ class SupervisedService(Service):
             if response is not None and response.done.is_set():
                 committed = True
                 break
-            if not self.destination.ok:
+            failure = self.destination.failure  # a refusal; an unreachable store may return
+            if failure is not None and failure.destination_unusable:
                 self.log.error("exec_flush_impossible", error=self.destination.error)
                 break
             # The trainer is gone and nothing is left to ship: no checkpoint is coming.

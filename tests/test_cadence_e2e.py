@@ -218,7 +218,13 @@ def test_trainer_saves_on_the_advised_interval_and_notices_shorten_it(
         fresh = tmp_path / "fresh"
         fresh.mkdir()
         with _daemon(tmp_path, local_s3, s3_dest, fresh, aws, "node-b") as other:
-            inherited = other.get_json("/v1/advice")["runs"]["run"]
+            inherited = wait_until(
+                lambda: (
+                    (a := other.get_json("/v1/advice")["runs"]["run"])["history"] == "read" and a
+                ),
+                30,
+                "the history read",
+            )
             assert inherited["interruptions"] == NOTICES + 1
             assert inherited["basis"] == {"save": "trainer", "mtbf": "measured"}
             assert inherited["mtbf_seconds"] < 0.25 * measured["mtbf_seconds"]

@@ -101,8 +101,15 @@ def test_the_daemon_learns_from_the_other_runs_in_its_store(tmp_path: Path, lear
     if not learn:
         daemon.env["CKPTD_CADENCE__LEARN_FROM_OTHER_RUNS"] = "false"
     with daemon:
+        # The store's histories are read beside the start-up (never holding READY).
         advice = wait_until(
-            lambda: daemon.get_json("/v1/advice")["runs"].get("today"), 30, "advice"
+            lambda: (
+                (a := daemon.get_json("/v1/advice")["runs"].get("today"))
+                and a["history"] == "read"
+                and a
+            ),
+            30,
+            "advice from the store's history",
         )
     assert advice["basis"]["mtbf"] == ("other runs" if learn else "prior")
     expected = estimate_mtbf(200 * HOUR, 4) if learn else 24 * HOUR

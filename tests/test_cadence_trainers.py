@@ -109,4 +109,11 @@ def test_status_shows_the_advice_and_the_cost_of_the_current_cadence() -> None:
     assert "run1 save every 53m00s" in text
     assert "save 60.0s trainer" in text and "MTBF 24h00m measured" in text
     assert "lost 3.9% vs 9.6% now (every 10m00s)" in text
+    assert "store history" not in text
     assert advice_text({}) == []
+    # Advice from the prior alone because the store could not be read says so.
+    doc["advice"]["run1"]["history"] = "unreadable"
+    console = Console(width=200, record=True)
+    for line in advice_text(doc):
+        console.print(line)
+    assert "store history unreadable" in console.export_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from ckptd.locals3 import LocalS3
 from ckptd.sdnotify import SystemdNotifier, socket_address, summarize, watchdog_seconds
 from tests.daemon import wait_until
+from tests.fakes import free_port
+from tests.fakes.aws_imds import FakeAwsImds
 from tests.ops_helpers import NotifySocket, hf_daemon
 from tests.writers import write_hf
 
@@ -143,3 +146,57 @@ def test_daemon_notifies_systemd_ready_watchdog_stopping(
         assert stopping, sd.messages
         statuses = [m["STATUS"] for m in sd.messages if "STATUS" in m]
         assert statuses and all("\n" not in s for s in statuses)
+
+
+def test_a_dead_store_holds_neither_ready_nor_the_watchdog_nor_the_stop(
+    tmp_path: Path, local_s3: LocalS3
+) -> None:
+    """The store down (a closed loopback port: every request is refused and retried for
+    ~25 s): READY and HTTP come at once, the cadence history's reads and writes (an AWS
+    notice gives it a record to write) never keep the ticker from pinging the watchdog,
+    and SIGTERM ends the daemon promptly. Before, reading the history held READY for
+    two rounds of retries (~50 s), and each write stalled the ticker past WatchdogSec."""
+    imds = FakeAwsImds()
+    imds_url = imds.start_in_thread()
+    with NotifySocket() as sd:
+        daemon, _root = hf_daemon(
+            tmp_path,
+            local_s3,
+            "s3://ckpt/dead",
+            endpoint_url=f"http://127.0.0.1:{free_port()}",
+            env={
+                "NOTIFY_SOCKET": sd.env_value,
+                "WATCHDOG_USEC": "2000000",
+                "CKPTD_PREEMPTION__PROVIDER": "aws",
+                "CKPTD_PREEMPTION__ENDPOINT": imds_url,
+                "CKPTD_PREEMPTION__POLL_INTERVAL_SECONDS": "0.2",
+            },
+        )
+        try:
+            started = time.monotonic()
+            with daemon:  # waits for HTTP, at most 30 s
+                wait_until(lambda: sd.with_field("READY", "1"), 10, "READY=1")
+                assert time.monotonic() - started < 15
+                advice = daemon.get_json("/v1/advice")["runs"]["run1"]
+                assert advice["history"] in ("reading", "unreadable")
+                assert advice["basis"]["mtbf"] == "prior"
+                imds.trigger_spot("terminate")
+                wait_until(
+                    lambda: daemon.get_json("/v1/advice")["runs"]["run1"]["interruptions"] == 1,
+                    15,
+                    "the notice counted",
+                )
+                noticed = time.monotonic()
+                # The writer now tries to store the record: ~25 s of retries, beside
+                # the ticker. Its pings go on every second (WATCHDOG_USEC/2).
+                wait_until(lambda: time.monotonic() - noticed > 8, 10, "8 s", 0.5)
+                pings = [float(m["_at"]) for m in sd.with_field("WATCHDOG", "1")]
+                late = [p for p in pings if p >= noticed]
+                gaps = [b - a for a, b in itertools.pairwise(late)]
+                assert len(late) >= 6 and max(gaps) < 2.0, gaps
+                assert daemon.log_text().count('"storage_retry"') > 0  # the writes do retry
+                stopping = time.monotonic()
+                daemon.stop(timeout=15)
+                assert time.monotonic() - stopping < 10
+        finally:
+            imds.stop_thread()

@@ -19,6 +19,7 @@ from tests.daemon import Daemon, committed_manifest, wait_until
 from tests.fakes.aws_imds import FakeAwsImds
 from tests.fakes.azure_metadata import FakeAzureMetadata
 from tests.fakes.gcp_metadata import FakeGcpMetadata
+from tests.faultproxy import FaultProxy
 from tests.writers import write_bytes
 
 MiB = 1024 * 1024
@@ -248,6 +249,40 @@ def test_sigterm_with_an_upload_in_flight_finishes_it_before_exit(
     )
     assert took < 30
     assert daemon.events_named("flushed_on_sigterm")
+
+
+def test_sigterm_waits_for_a_store_that_is_unreachable_and_commits_when_it_returns(
+    tmp_path: Path, fault_proxy: FaultProxy, s3_client: Any, s3_prefix: str, s3_dest: str
+) -> None:
+    """A store that is down but not refusing (connections reset) may come back within
+    the grace period: the SIGTERM flush keeps at it, and the checkpoint commits once the
+    store answers. (Only a refusal, such as denied credentials, ends the flush at once.)"""
+    root = tmp_path / "run"
+    root.mkdir()
+    daemon = Daemon.configured(
+        tmp_path,
+        watch=[{"dir": root, "settle_seconds": 0}],
+        dest=s3_dest,
+        endpoint_url=fault_proxy.url,
+        state_dir=tmp_path / "state",
+        max_attempts=2,
+    )
+    daemon.extra_args = ["--shutdown-timeout", "40"]
+    with daemon:
+        fault_proxy.set_faults(rate=1.0, kinds=("reset",))
+        ckpt = root / "checkpoint-9"
+        write_bytes(ckpt / "model.safetensors", 1 * MiB)
+        (ckpt / "trainer_state.json").write_text("{}")
+        # The checkpoint fails, so the store is asked again soon and found down.
+        wait_until(lambda: daemon.metric("ckptd_destination_up") == 0, 30, "destination down")
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: daemon.events_named("sigterm_received"), 10, "SIGTERM taken")
+        fault_proxy.clear_faults()
+        assert daemon.proc.wait(timeout=60) == 0
+    assert committed_manifest(s3_client, s3_prefix, "run", "checkpoint-9") is not None
+    assert daemon.events_named("flushed_on_sigterm")
+    assert not daemon.events_named("sigterm_flush_impossible")
 
 
 def test_trainer_is_found_by_cmdline_match_and_never_ckptd_itself(tmp_path: Path) -> None:

@@ -19,6 +19,12 @@ T = TypeVar("T")
 
 RetryHook = Callable[[str, StorageError, int, float], None]  # operation, error, attempt, delay
 
+# A health probe (``probe``) tries a few times, quickly: one dropped connection does not
+# mark a store down, yet a store that is down is known in about a second, not after the
+# ~25 s an operation's retries take (its caller asks again a few seconds later).
+PROBE_ATTEMPTS = 3
+PROBE_MAX_DELAY = 0.5
+
 
 class RetryingStorage(StorageWrapper):
     """Storage whose transient failures are retried up to ``max_attempts`` times."""
@@ -43,16 +49,29 @@ class RetryingStorage(StorageWrapper):
         self._rng = rng or random.Random()
 
     def _run(self, operation: str, fn: Callable[[], T], *, sends: int | None = None) -> T:
+        return self._retry(operation, fn, self.max_attempts, self.max_delay)
+
+    def probe(self) -> None:
+        """``check`` as a health probe (``PROBE_ATTEMPTS``, at most ``PROBE_MAX_DELAY``
+        between them)."""
+        self._retry(
+            "check",
+            self.inner.check,
+            min(self.max_attempts, PROBE_ATTEMPTS),
+            min(self.max_delay, PROBE_MAX_DELAY),
+        )
+
+    def _retry(self, operation: str, fn: Callable[[], T], max_attempts: int, max_delay: float) -> T:
         attempt = 1
         while True:
             try:
                 return fn()
             except StorageError as exc:
-                if not exc.transient or attempt >= self.max_attempts or self.stop.is_set():
+                if not exc.transient or attempt >= max_attempts or self.stop.is_set():
                     raise
                 # Full jitter (AWS Architecture Blog, "Exponential Backoff And Jitter"):
                 # spreads retries of many parts so they do not hit a throttled store together.
-                cap = min(self.max_delay, self.base_delay * (2 ** (attempt - 1)))
+                cap = min(max_delay, self.base_delay * (2 ** (attempt - 1)))
                 delay = self._rng.uniform(0, cap)
                 if self.on_retry is not None:
                     self.on_retry(operation, exc, attempt, delay)
