@@ -43,12 +43,16 @@ from tests.fakes.aws_imds import FakeAwsImds
 from tests.faultproxy import FaultProxy
 
 SEED = 20261203
-CRASHES = 10
+# Kills per trainer (6 in the default run; EXEC_CRASHES=30 for a longer one). Not CKPTD_*:
+# the daemon refuses an unknown CKPTD_ variable, and its trainer inherits this one.
+CRASHES = int(os.environ.get("EXEC_CRASHES", "6"))
+# Each crash advances at most 2 save intervals, then the last attempt runs to the end.
+MAX_STEPS = 10 * (2 * CRASHES + 3)
 
 PLAIN_EXEC = TrainerSpec(
     name="pytorch-dcp",
     module="tests.e2e.trainers.plain_dcp",
-    max_steps=230,  # 10 crashes advance <= 2 save intervals each, then the last attempt
+    max_steps=MAX_STEPS,
     save_every=10,
     step_delay=0.02,
     interruptions=CRASHES,
@@ -57,7 +61,7 @@ PLAIN_EXEC = TrainerSpec(
 HF_EXEC = TrainerSpec(
     name="hf-trainer",
     module="tests.e2e.trainers.hf_gpt2",
-    max_steps=230,
+    max_steps=MAX_STEPS,
     save_every=10,
     step_delay=0.0,  # a Trainer step already takes ~20 ms here
     interruptions=CRASHES,
