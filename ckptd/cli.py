@@ -34,6 +34,7 @@ from ckptd.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
 from ckptd.storage import open_destination
 from ckptd.storage.base import StorageError
 from ckptd.storage.retrying import RetryingStorage
+from ckptd.units import human_bytes
 from ckptd.yielding import lower_this_thread, priority_of
 
 if TYPE_CHECKING:
@@ -433,22 +434,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         step = "-" if r["step"] is None else str(r["step"])
         latest = "*" if r["latest"] else ""
         line = (
-            f"{r['run']:<16} {r['checkpoint']:<28} {step:>8} {_human(r['total_bytes']):>12} "
+            f"{r['run']:<16} {r['checkpoint']:<28} {step:>8} {human_bytes(r['total_bytes']):>12} "
             f"{r['committed_at']:<21} {latest}"
         )
         if many:
             line = f"{line:<98}  " + ",".join(n for n in names if n in r["tiers"])
         print(line.rstrip())
     return EXIT_OK
-
-
-def _human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -511,7 +503,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if r["problems"]:
             print(f"{where}{len(r['problems'])} of {r['files']} files do not match the manifest")
         else:
-            print(f"OK   {where}{name}: {r['files']} files, {_human(r['total_bytes'])}")
+            print(f"OK   {where}{name}: {r['files']} files, {human_bytes(r['total_bytes'])}")
     return EXIT_FAILED if bad else EXIT_OK
 
 
@@ -568,7 +560,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     else:
         print(
             f"restored {result.run_id}/{result.checkpoint} -> {result.path}: {result.files} files, "
-            f"{_human(result.total_bytes)} in {result.seconds:.1f}s"
+            f"{human_bytes(result.total_bytes)} in {result.seconds:.1f}s"
             + (f" from tier {done.tier}" if len(tiers) > 1 else "")
         )
     return EXIT_OK
@@ -620,7 +612,9 @@ def cmd_drill(args: argparse.Namespace) -> int:
     print(f"  {'noticed':<22} {0:8.3f} s")
     print(f"  {'trainer signalled':<22} {at('signalled_after_s')}")
     print(f"  {'checkpoint complete':<22} {at('complete_after_s')}   {doc.get('checkpoint') or ''}")
-    print(f"  {'committed':<22} {at('committed_after_s')}   {_human(int(doc.get('bytes') or 0))}")
+    print(
+        f"  {'committed':<22} {at('committed_after_s')}   {human_bytes(int(doc.get('bytes') or 0))}"
+    )
     if doc.get("notice_published") is not None:
         # Many nodes: the other nodes' daemons follow <run>/NOTICE; the timings above are
         # this node's own emergency checkpoint.

@@ -50,6 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.yielding",
             "ckptd.authentication",
             "ckptd.saves",
+            "ckptd.units",
         ),
     ),
     ("storage", ("ckptd.storage",)),
