@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 from ckptd.metrics import Metrics
-from ckptd.storage.base import Storage, StorageError
+from ckptd.storage.base import StorageError
 from ckptd.storage.retrying import RetryingStorage
 
 # How often to ask again: soon while it fails (to notice the recovery), rarely when fine.
@@ -26,7 +26,7 @@ class DestinationHealth:
 
     def __init__(
         self,
-        storage: Storage,
+        storage: RetryingStorage,
         metrics: Metrics,
         log: Any,
         *,
@@ -43,14 +43,21 @@ class DestinationHealth:
         self.failure: StorageError | None = None  # the last check's, while failing
 
     @property
+    def refusal(self) -> StorageError | None:
+        """The last check's error when the destination as configured can never work
+        (credentials, no bucket): waiting for it helps no one. ``None`` while it works or
+        is merely unreachable, which may pass."""
+        failure = self.failure
+        return failure if failure is not None and failure.destination_unusable else None
+
+    @property
     def recheck_seconds(self) -> float:
         return RECHECK_OK_SECONDS if self.ok else RECHECK_FAILING_SECONDS
 
     async def check(self) -> bool:
         """Ask the store now; returns whether it is usable."""
         try:
-            s = self.storage
-            await asyncio.to_thread(s.probe if isinstance(s, RetryingStorage) else s.check)
+            await asyncio.to_thread(self.storage.probe)
         except StorageError as exc:
             if self.ok or not self.error:
                 self.log.error(

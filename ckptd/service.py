@@ -375,9 +375,8 @@ class Service:
         # A store that refuses this node (no credentials, access denied, no such bucket)
         # ends --once at once with its one line, whether or not there is work: waiting
         # out the backoff would only hide it.
-        failure = self.destination.failure
-        if failure is not None and failure.destination_unusable:
-            raise failure
+        if (refusal := self.destination.refusal) is not None:
+            raise refusal
         for run_id in pipeline.runs:
             await self.rescan(run_id)
         ok = await self._drain_tiers()
@@ -595,8 +594,7 @@ class Service:
         deadline = self.clock.monotonic() + self.shutdown_timeout
         quiet_since: float | None = None
         while self.clock.monotonic() < deadline and not self.stop_event.is_set():
-            failure = self.destination.failure
-            if failure is not None and failure.destination_unusable:
+            if self.destination.refusal is not None:
                 # Nothing can be flushed to a destination that refuses us (credentials,
                 # no bucket); the journal keeps what was sent, and waiting out the grace
                 # period helps no one. A store that is merely unreachable may come back

@@ -241,8 +241,7 @@ class SupervisedService(Service):
             if response is not None and response.done.is_set():
                 committed = True
                 break
-            failure = self.destination.failure  # a refusal; an unreachable store may return
-            if failure is not None and failure.destination_unusable:
+            if self.destination.refusal is not None:  # an unreachable store may return
                 self.log.error("exec_flush_impossible", error=self.destination.error)
                 break
             # The trainer is gone and nothing is left to ship: no checkpoint is coming.
