@@ -204,8 +204,6 @@ def render_status(doc: Mapping[str, Any], console: Console) -> None:
 
 __all__ = [
     "advice_text",
-    "human_bytes",
-    "human_seconds",
     "progress_text",
     "render_status",
     "status_table",

@@ -10,7 +10,8 @@ from typing import Any
 from rich.console import Console
 
 from ckptd.locals3 import LocalS3
-from ckptd.statusview import human_bytes, human_seconds, progress_text, render_status
+from ckptd.statusview import progress_text, render_status
+from ckptd.units import human_bytes, human_seconds
 from tests.daemon import run_cli, wait_until
 from tests.ops_helpers import hf_daemon
 from tests.writers import write_hf
