@@ -22,7 +22,7 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/activate
 venv: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed-demo
-	$(BIN)/python -m ckptd.demo
+	$(BIN)/python -m ckptd.devtools.demo
 
 lint: venv
 	$(BIN)/ruff check ckptd tests bench

@@ -14,7 +14,7 @@ A trace is ``--runs`` runs of ``--days`` days, their interruptions Poisson or bu
 (bursts of a geometric number of interruptions, mean 4, twenty minutes apart on average:
 a zone running out of capacity; then quiet), from one an hour to one a week on average.
 
-- "advised": ``ckptd.cadence`` as the daemon runs it. Each run starts with no history
+- "advised": ``ckptd.cadence.model`` as the daemon runs it. Each run starts with no history
   of its own (the default prior, the same for every trace) and learns its rate as it
   goes: the interval is recomputed every ten minutes of the run from the interruptions so
   far (merged as the daemon merges them) and the time observed. The runs of a trace are
@@ -53,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ckptd.cadence import (
+from ckptd.cadence.model import (
     DEFAULT_PRIOR_MTBF_SECONDS,
     MERGE_SECONDS,
     NO_OTHER_RUNS,
@@ -176,7 +176,7 @@ def advised_waste(
             kept = max((w for at, w in durable if at <= end), default=0.0)
             wasted += saving + work - kept
             # The daemon records the interruption; one within MERGE_SECONDS of the last
-            # counted one is the same (ckptd.cadence.count_interruptions).
+            # counted one is the same (ckptd.cadence.model.count_interruptions).
             if not distinct or end - distinct[-1] > policy.merge_seconds:
                 distinct.append(end)
         else:

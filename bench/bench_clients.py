@@ -4,7 +4,7 @@
         [--files 256] [--part-size-mib-up 64] [--part-size-mib-down 16] [--concurrency 8]
         [--crt-target-gbps G] [--json FILE] [--workdir DIR] [--keep]
 
-One loopback SeaweedFS (``ckptd.locals3``); two shapes of random bytes (fsynced, in the
+One loopback SeaweedFS (``ckptd.devtools.locals3``); two shapes of random bytes (fsynced, in the
 page cache): ``single``, one file of ``--size-mib``, and ``dcp``, ``--files`` shards of
 4 MiB plus a ``.metadata`` (``--scale`` multiplies the size and the shard count). Each
 round uploads each shape with each client into a fresh prefix (listed, then deleted),
@@ -61,7 +61,7 @@ from common import (
     write_shape,
 )
 
-from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
+from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
 
 CLIENTS = ("classic", "crt")
 CHILD = BENCH_DIR / "_client_transfer.py"

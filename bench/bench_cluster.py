@@ -6,7 +6,7 @@
 .venv/bin/python bench/bench_cluster.py --json bench/results/cluster.json
 ```
 
-One loopback SeaweedFS (``ckptd.locals3``); for each node count N, N ``ckptd run``
+One loopback SeaweedFS (``ckptd.devtools.locals3``); for each node count N, N ``ckptd run``
 processes (``[cluster] nodes = N, node_rank = k``, each its own watch dir, state dir and
 port; N = 1 is a plain single-node daemon), default ``settle_seconds`` and
 ``poll_interval_seconds`` unless given. A trial writes one DCP-shaped checkpoint as
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: fin
 
 from common import BUCKET, MIB, event_time, log_events, machine_line
 
-from ckptd.locals3 import LocalS3, free_port
+from ckptd.devtools.locals3 import LocalS3, free_port
 
 SHARD = 4 * MIB
 

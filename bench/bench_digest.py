@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: fin
 from blake3 import blake3
 from common import GIB, MIB, machine_line
 
-from ckptd.authentication import KeyRing
 from ckptd.config import load_settings
-from ckptd.metrics import Metrics
-from ckptd.restore import restore
+from ckptd.core.signing import KeyRing
+from ckptd.runtime.metrics import Metrics
 from ckptd.storage import open_destination
+from ckptd.store.restore import restore
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 

@@ -12,7 +12,7 @@ next (resumed) step, against the <= 30 s that GPU clouds advertise for automatic
   start-up (to its first step). The trial then ends with ``kill -9`` of both, so the
   store keeps the same checkpoint for every trial.
 A trial succeeds when the trainer resumed from the expected checkpoint. Medians over the
-trials; one loopback SeaweedFS (``ckptd.locals3``) is the store. ``--short``: 3 trials.
+trials; one loopback SeaweedFS (``ckptd.devtools.locals3``) is the store. ``--short``: 3 trials.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "bench"))  # and common
 
 from common import BUCKET, use_local_s3_identity  # noqa: E402
 
-from ckptd.locals3 import LocalS3  # noqa: E402
+from ckptd.devtools.locals3 import LocalS3  # noqa: E402
 from tests.e2e.exec_harness import ExecNode, crash_repeatedly  # noqa: E402
 from tests.e2e.harness import Env, TrainerSpec  # noqa: E402
 

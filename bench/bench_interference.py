@@ -70,7 +70,7 @@ from common import (
     write_shape,
 )
 
-from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
+from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
 
 TRAINER = BENCH_DIR / "_interference_trainer.py"
 TOOLS = ("none", "ckptd", "aws", "rclone", "ckptd-file", "rsync")

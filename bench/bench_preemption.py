@@ -35,7 +35,7 @@ process):
    slow daemon from a busy machine; ``--trace-stalls`` also samples the daemon's threads'
    kernel stacks (root) and prints what they waited on in a slow trial.
 2. **notice -> committed**, on AWS's fake (a two-minute notice), against loopback
-   SeaweedFS (``ckptd.locals3``) and/or a ``file://`` destination on the same disk
+   SeaweedFS (``ckptd.devtools.locals3``) and/or a ``file://`` destination on the same disk
    (``--dest s3,file``: where the store keeps up with the save). The trainer, ``_emergency_trainer.py``, has its random
    bytes generated before the notice; when signalled it writes an HF-shaped checkpoint of
    ``--emergency-mib`` (fsynced, ``trainer_state.json`` last) and exits. The daemon's
@@ -93,7 +93,7 @@ from common import BUCKET, MIB, delete_prefix  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd.config import PreemptionConfig, WatchConfig  # noqa: E402
-from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port  # noqa: E402
+from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port  # noqa: E402
 from tests.daemon import Daemon, wait_until  # noqa: E402
 from tests.fakes import FakeServer, RecordedRequest  # noqa: E402
 from tests.fakes.aws_imds import FakeAwsImds, rfc3339  # noqa: E402

@@ -4,7 +4,7 @@
         [--tools ckptd,aws,rclone,s5cmd] [--shapes hf,dcp] [--concurrency 8] [--chunk-mib 16]
         [--sync-peers]
 
-One loopback SeaweedFS (``ckptd.locals3``) serves the whole run. Each shape (``common``:
+One loopback SeaweedFS (``ckptd.devtools.locals3``) serves the whole run. Each shape (``common``:
 ``hf`` = 1 GiB + 0.5 GiB + small files, ``dcp`` = 256 x 4 MiB + ``.metadata``; ``--scale``
 shrinks them) is committed once by the real daemon (``ckptd run --once``), then every
 tool downloads it ``--runs`` times, interleaved, each run a fresh process under
@@ -63,7 +63,7 @@ from common import (
     write_shape,
 )
 
-from ckptd.locals3 import LocalS3, free_port
+from ckptd.devtools.locals3 import LocalS3, free_port
 
 PREFIX = "bench"
 MANIFEST = "ckptd.manifest.json"

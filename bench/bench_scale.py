@@ -5,7 +5,7 @@
 .venv/bin/python bench/bench_scale.py --quick         # smaller sizes, fewer trials
 ```
 
-Against one loopback SeaweedFS (``ckptd.locals3``), three measurements:
+Against one loopback SeaweedFS (``ckptd.devtools.locals3``), three measurements:
 
 1. Many small files in one checkpoint (HF layout, ``trainer_state.json`` written last,
    ``settle_seconds = 0``): ``python -m ckptd run --once`` split into phases by its JSON
@@ -41,12 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: fin
 
 from common import BUCKET, event_time, fmt, log_events
 
-from ckptd import checksum, logs
-from ckptd.locals3 import LocalS3, free_port
-from ckptd.manifest import Latest, build_manifest
-from ckptd.repository import Repository, latest_key, manifest_key, object_key
-from ckptd.retention import apply_retention, plan_retention
+from ckptd.core import checksum
+from ckptd.core.manifest import Latest, build_manifest
+from ckptd.devtools.locals3 import LocalS3, free_port
+from ckptd.runtime import logs
 from ckptd.storage import open_storage
+from ckptd.store.repository import Repository, latest_key, manifest_key, object_key
+from ckptd.store.retention import apply_retention, plan_retention
 
 PY = sys.executable
 FILE_SIZE = 4096

@@ -4,7 +4,7 @@
         [--tools ckptd,aws,rclone,s5cmd,boto3,socket] [--shapes hf,dcp] [--profile DIR]
         [--saving on,off] [--save-mib-per-s 200]
 
-One loopback SeaweedFS (``ckptd.locals3``) is started for the whole run and stopped at
+One loopback SeaweedFS (``ckptd.devtools.locals3``) is started for the whole run and stopped at
 the end. Each tool uploads each checkpoint shape ``--runs`` times; every run is a fresh
 process under ``bench/_measure.py`` (wall time, CPU of its process tree, peak RSS), and
 the server's own CPU is read from /proc around it so the two are never mixed. After each
@@ -88,7 +88,7 @@ from common import (
     write_shape,
 )
 
-from ckptd.locals3 import LocalS3
+from ckptd.devtools.locals3 import LocalS3
 
 VENV_BIN = Path(sys.executable).parent
 ALL_TOOLS = ("ckptd", "aws", "rclone", "s5cmd", "boto3", "socket")

@@ -1,7 +1,7 @@
 """Helpers shared by the benchmarks: test data, measuring a command, the machine, the peer
 tools, the loopback limit, the store.
 
-Nothing here imports ckptd's internals beyond ``ckptd.locals3`` (the loopback server), so
+Nothing here imports ckptd's internals beyond ``ckptd.devtools.locals3`` (the loopback server), so
 the benchmarks measure ckptd as a user runs it: a separate process.
 """
 
@@ -30,7 +30,7 @@ MIB = 1024 * KIB
 GIB = 1024 * MIB
 
 BENCH_DIR = Path(__file__).resolve().parent
-BUCKET = "ckpt"  # the bucket ckptd.locals3 creates
+BUCKET = "ckpt"  # the bucket ckptd.devtools.locals3 creates
 MEASURE = BENCH_DIR / "_measure.py"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -585,9 +585,9 @@ def ckptd_command(src: Path | None) -> list[str]:
 
 
 def use_local_s3_identity() -> None:
-    """Give this process and its children ``ckptd.locals3``'s credentials and nothing else:
+    """Give this process and its children ``ckptd.devtools.locals3``'s credentials and nothing else:
     no profile, no session token, no instance metadata, no CA bundle meant for real AWS."""
-    from ckptd.locals3 import ACCESS_KEY, SECRET_KEY
+    from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY
 
     os.environ.update(
         AWS_ACCESS_KEY_ID=ACCESS_KEY,

@@ -1,3 +1,3 @@
-from ckptd.cli import main
+from ckptd.cli.main import main
 
 raise SystemExit(main())

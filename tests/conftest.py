@@ -11,7 +11,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from ckptd.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
+from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
 from ckptd.storage import RetryingStorage, open_storage
 from tests.faultproxy import FaultProxy
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckptd.locals3 import free_port
+from ckptd.devtools.locals3 import free_port
 
 
 def wait_until(

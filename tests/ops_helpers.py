@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ckptd.locals3 import LocalS3
+from ckptd.devtools.locals3 import LocalS3
 from tests.daemon import Daemon
 
 REPO = Path(__file__).resolve().parent.parent

@@ -57,7 +57,7 @@ class CheckpointListing:
     # (A symlink to a regular file is followed, as a copy would, and is among ``files``.)
     unshippable: tuple[str, ...] = ()
     # When the trainer's ckptd helper reported this save finished on every local rank
-    # (``ckptd.saves.saved_at_ns``, ns since the epoch); None without such a report.
+    # (``ckptd.core.saves.saved_at_ns``, ns since the epoch); None without such a report.
     saved_at_ns: int | None = None
 
     def has(self, path: str) -> bool:

@@ -31,7 +31,6 @@ from typing import Any
 
 import structlog
 
-from ckptd.metrics import Metrics
 from ckptd.notices.model import (
     Clock,
     Notice,
@@ -41,7 +40,8 @@ from ckptd.notices.model import (
     parse_time,
     utc_now,
 )
-from ckptd.repository import Repository
+from ckptd.runtime.metrics import Metrics
+from ckptd.store.repository import Repository
 
 log = structlog.get_logger("ckptd.notices.cluster")
 

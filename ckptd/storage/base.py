@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, runtime_checkable
 
-from ckptd.errors import CkptdError
+from ckptd.core.errors import CkptdError
 
 
 class StorageError(CkptdError):

@@ -24,7 +24,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from ckptd import checksum
+from ckptd.core import checksum
+from ckptd.runtime.yielding import drop_cached
 from ckptd.storage.base import (
     STREAM_PIECE,
     FileRange,
@@ -37,7 +38,6 @@ from ckptd.storage.base import (
     ShortObjectError,
     StorageError,
 )
-from ckptd.yielding import drop_cached
 
 _TMP_MARK = ".ckptd-"
 _TMP_SUFFIX = ".tmp"

@@ -40,7 +40,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from ckptd import checksum
+from ckptd.core import checksum
 from ckptd.storage.base import (
     STREAM_PIECE,
     FileRange,

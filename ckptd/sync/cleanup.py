@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ckptd.repository import Repository
 from ckptd.storage.base import StorageError
+from ckptd.store.repository import Repository
 from ckptd.sync.journal import Journal, UploadRecord
 from ckptd.sync.transfer import abort_journalled_upload
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptd import checksum
-from ckptd.errors import CkptdError
-from ckptd.manifest import Latest, Manifest, parse_manifest, should_move_latest
-from ckptd.repository import Repository
+from ckptd.core import checksum
+from ckptd.core.errors import CkptdError
+from ckptd.core.manifest import Latest, Manifest, parse_manifest, should_move_latest
 from ckptd.storage.base import PreconditionFailedError, Storage, StorageError
+from ckptd.store.repository import Repository
 
 
 class CommitConflictError(CkptdError):

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.layouts.base import CheckpointListing, FileEntry, shippable
-from ckptd.repository import object_key
 from ckptd.storage.base import StorageError
+from ckptd.store.repository import object_key
 from ckptd.sync.journal import Journal
 from ckptd.sync.queue import InFlight
 from ckptd.sync.transfer import (

@@ -2,7 +2,7 @@
 
 A failure here is logged and never fails the commit that came before it. Checkpoints
 this node has pending or in flight are protected from remote retention; locally, only
-checkpoints committed by this daemon are ever deleted (``ckptd.retention`` says which).
+checkpoints committed by this daemon are ever deleted (``ckptd.store.retention`` says which).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.config import RetentionConfig
+from ckptd.core.manifest import ManifestError
 from ckptd.layouts.base import step_of
-from ckptd.manifest import ManifestError
-from ckptd.repository import Repository
-from ckptd.retention import apply_local_cleanup, apply_retention
 from ckptd.storage.base import StorageError
+from ckptd.store.repository import Repository
+from ckptd.store.retention import apply_local_cleanup, apply_retention
 from ckptd.sync.scanner import list_candidates
 
 

@@ -12,7 +12,7 @@ All time is read from one injected ``Clock``.
 With many nodes (``cluster.nodes > 1``) the verdict has two sources (``_judge``): a node
 whose own rule holds on a commit record announces the save and ships; any other node
 waits until ``poll_cluster`` finds the checkpoint announced, then ships once its own
-files are quiet and closed (``ckptd.cluster`` says why that is enough, per framework).
+files are quiet and closed (``ckptd.cluster.protocol`` says why that is enough, per framework).
 A part written but not yet joined by every node's is "waiting": ``poll_cluster`` tries
 the global commit again every ``cluster.poll_interval_seconds``.
 
@@ -31,19 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import layouts
-from ckptd.clock import SYSTEM_CLOCK, Clock
-from ckptd.cluster import ABANDON_GRACE_SECONDS, save_id, superseded
-from ckptd.config import Settings
-from ckptd.deadline import plan_flush
-from ckptd.environment import describe
-from ckptd.layouts.base import CheckpointListing, Completion, step_of
-from ckptd.logs import get_logger
-from ckptd.manifest import Manifest, ManifestError
-from ckptd.metrics import Metrics
-from ckptd.repository import Repository
-from ckptd.storage.base import NO_SPACE_CODES, Storage, StorageError, storage_error_kind
-from ckptd.sync import cleanup
-from ckptd.sync.assemble import (
+from ckptd.cluster.assemble import (
     Assembly,
     AssemblyResult,
     ClusterShip,
@@ -52,6 +40,19 @@ from ckptd.sync.assemble import (
     try_commit,
     withdraw,
 )
+from ckptd.cluster.protocol import ABANDON_GRACE_SECONDS, save_id, superseded
+from ckptd.config import Settings
+from ckptd.core.manifest import Manifest, ManifestError
+from ckptd.layouts.base import CheckpointListing, Completion, step_of
+from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
+from ckptd.runtime.environment import describe
+from ckptd.runtime.logs import get_logger
+from ckptd.runtime.metrics import Metrics
+from ckptd.runtime.yielding import idle_this_thread, lower_this_thread, priority_of
+from ckptd.storage.base import NO_SPACE_CODES, Storage, StorageError, storage_error_kind
+from ckptd.store.repository import Repository
+from ckptd.sync import cleanup
+from ckptd.sync.deadline import plan_flush
 from ckptd.sync.early import EarlyUploads
 from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
@@ -75,7 +76,6 @@ from ckptd.sync.ship import (
     fingerprint,
 )
 from ckptd.sync.transfer import TransferContext, Transfers
-from ckptd.yielding import idle_this_thread, lower_this_thread, priority_of
 
 # Coalesces the burst of events one save produces into one look at the checkpoint.
 EVENT_DEBOUNCE_SECONDS = 0.2
@@ -105,7 +105,7 @@ class SyncPipeline:
     ) -> None:
         self.settings = settings
         self.repo = Repository(storage)
-        # Several tiers: one pipeline each (``ckptd.service``). ``metrics`` is the first
+        # Several tiers: one pipeline each (``ckptd.daemon.service``). ``metrics`` is the first
         # tier's (the unlabelled contract); every tier also counts under its ``tier``
         # label in ``tier_metrics`` (the exported one).
         self.tier = tier
@@ -189,7 +189,7 @@ class SyncPipeline:
     def _lower_worker(self) -> None:
         """Each transfer thread moves itself down to [resources] as it starts (under
         ``ckptd run`` it inherited the niceness from the main thread already), and to
-        SCHED_IDLE with ``cpu_policy = "idle"`` (``ckptd.yielding``)."""
+        SCHED_IDLE with ``cpu_policy = "idle"`` (``ckptd.runtime.yielding``)."""
         problems = lower_this_thread(priority_of(self.settings.resources))
         if self.settings.resources.cpu_policy == "idle":
             problems += idle_this_thread()
@@ -683,7 +683,7 @@ class SyncPipeline:
         )
         state.current_files, state.current_ctx = fingerprint(listing.files), ctx
         # The save as the files tell it: first file written -> last (a trainer that
-        # reports its own save time is believed first, ``ckptd.advice``).
+        # reports its own save time is believed first, ``ckptd.cadence.advisor``).
         mtimes = [f.mtime_ns for f in listing.files]
         write_span = (max(mtimes) - min(mtimes)) / 1e9 if mtimes else 0.0
         try:

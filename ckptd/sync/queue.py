@@ -7,7 +7,7 @@ The order is the one a preemption needs: an emergency checkpoint (completed afte
 notice) before all others; then the highest step; then the most recently completed.
 A checkpoint that failed waits ``min(cap, base * 2**(failures-1))`` seconds before it
 is offered again. During an emergency an older upload in flight is paused unless it and
-the emergency checkpoint can both finish before the deadline (``ckptd.deadline``).
+the emergency checkpoint can both finish before the deadline (``ckptd.sync.deadline``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ckptd.deadline import may_finish_first
+from ckptd.sync.deadline import may_finish_first
 
 # A failed checkpoint is tried again after this backoff (doubling, capped), in seconds.
 FAILURE_BACKOFF = (2.0, 300.0)

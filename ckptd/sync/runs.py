@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptd.cluster import Announcement
+from ckptd.cluster.protocol import Announcement
 from ckptd.config import WatchConfig
+from ckptd.core.manifest import Manifest, utc_timestamp
 from ckptd.layouts.base import RuleSettings
-from ckptd.manifest import Manifest, utc_timestamp
 from ckptd.sync.queue import ShipQueue
 from ckptd.sync.transfer import TransferContext
 

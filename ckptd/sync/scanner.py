@@ -13,10 +13,10 @@ import os
 import stat
 from pathlib import Path
 
-from ckptd import saves
+from ckptd.core import saves
+from ckptd.core.manifest import unstorable_name
 from ckptd.layouts import TRACKER_FILES, is_checkpoint_candidate
 from ckptd.layouts.base import CheckpointListing, FileEntry, step_of
-from ckptd.manifest import unstorable_name
 
 #: Tracker files are a step number or a tag; anything longer is not one.
 TRACKER_MAX_BYTES = 4096

@@ -20,7 +20,7 @@ the commit, so the committed prefix holds what the manifest names.
 
 With many nodes (``ShipRequest.cluster``) the node holding the commit record announces
 first, every node writes its part once its files are verified, and the commit is of the
-union of every node's part (``ckptd.sync.assemble``).
+union of every node's part (``ckptd.cluster.assemble``).
 """
 
 from __future__ import annotations
@@ -35,18 +35,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ckptd import checksum, digest
-from ckptd.authentication import KeyRing
-from ckptd.clock import Clock
-from ckptd.cluster import Part, part_files
-from ckptd.environment import describe
-from ckptd.errors import CkptdError
-from ckptd.layouts.base import CheckpointListing, Completion, FileEntry, step_of
-from ckptd.manifest import Manifest, ManifestError, build_manifest, utc_timestamp
-from ckptd.plan import plan_upload, resolve_copies
-from ckptd.repository import Repository, checkpoint_prefix, object_key
-from ckptd.storage.base import StorageError
-from ckptd.sync.assemble import (
+from ckptd.cluster.assemble import (
     Assembly,
     AssemblyResult,
     ClusterShip,
@@ -54,9 +43,20 @@ from ckptd.sync.assemble import (
     try_commit,
     write_part,
 )
+from ckptd.cluster.protocol import Part, part_files
+from ckptd.core import checksum, digest
+from ckptd.core.errors import CkptdError
+from ckptd.core.manifest import Manifest, ManifestError, build_manifest, utc_timestamp
+from ckptd.core.signing import KeyRing
+from ckptd.layouts.base import CheckpointListing, Completion, FileEntry, step_of
+from ckptd.runtime.clock import Clock
+from ckptd.runtime.environment import describe
+from ckptd.storage.base import StorageError
+from ckptd.store.repository import Repository, checkpoint_prefix, object_key
 from ckptd.sync.commit import CommitConflictError, CommitResult, commit, move_latest
 from ckptd.sync.early import EarlyFile
 from ckptd.sync.journal import Journal, ObjectRecord
+from ckptd.sync.plan import plan_upload, resolve_copies
 from ckptd.sync.scanner import snapshot
 from ckptd.sync.transfer import (
     CheckpointChangedError,
@@ -275,7 +275,7 @@ class Shipper:
         log: Any,
     ) -> ShipResult:
         """Write this node's part of ``cluster.save``, then commit the union if every
-        node's part is there (``ckptd.sync.assemble``)."""
+        node's part is there (``ckptd.cluster.assemble``)."""
         run, name = request.run, request.name
         now = self.clock.time()
         part = Part(

@@ -22,7 +22,7 @@ lowers no further than the daemon's niceness: an emergency checkpoint never wait
 an idle CPU.
 
 With ``digests`` (authenticated checkpoints) the same read pass also yields each 1 MiB
-block's BLAKE3 (``ckptd.digest``; the pread chunks are those blocks), so the file's
+block's BLAKE3 (``ckptd.core.digest``; the pread chunks are those blocks), so the file's
 digest costs no extra read. Parts finished before a restart are read again for theirs
 (their CRC-32C must still be the journal's); copy candidates get theirs in the pass
 that CRCs them, files the journal holds as sent in a pass of their own.
@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from ckptd import checksum, digest
+from ckptd.core import checksum, digest
 from ckptd.layouts.base import FileEntry
+from ckptd.runtime.yielding import drop_cached
 from ckptd.storage.base import (
     FileRange,
     MultipartUpload,
@@ -59,7 +60,6 @@ from ckptd.storage.base import (
     require_capability,
 )
 from ckptd.sync.journal import Journal, ObjectRecord, UploadRecord
-from ckptd.yielding import drop_cached
 
 T = TypeVar("T")
 
@@ -98,7 +98,7 @@ class FileResult:
     how: str  # "uploaded" | "resumed" | "copied" | "skipped"
     bytes_sent: int = 0
     parts: list[PartInfo] = field(default_factory=list)
-    digest: str | None = None  # with ``Transfers.digests`` (``ckptd.digest``)
+    digest: str | None = None  # with ``Transfers.digests`` (``ckptd.core.digest``)
 
 
 @dataclass

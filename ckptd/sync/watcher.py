@@ -14,7 +14,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from ckptd import saves
+from ckptd.core import saves
 from ckptd.layouts import is_checkpoint_candidate
 from ckptd.layouts.base import TRACKER_FILES
 
@@ -53,7 +53,7 @@ class _Handler(FileSystemEventHandler):
                 continue
             if child in TRACKER_FILES or self._is_save_report(path):
                 # A tracker (DeepSpeed's `latest`, Megatron's iteration file) completes a
-                # sibling; a trainer's save report (ckptd.saves) may complete one at once.
+                # sibling; a trainer's save report (ckptd.core.saves) may complete one at once.
                 self.loop.call_soon_threadsafe(self.hint, self.run_id, None)
             elif is_checkpoint_candidate(child, True) or is_checkpoint_candidate(child, False):
                 self.loop.call_soon_threadsafe(self.hint, self.run_id, child)

@@ -27,7 +27,7 @@ previous one is still being written. With several ranks, agree on the decision
 The first save of this object (the trainer started or restarted after an interruption)
 comes after the advice's ``restart_interval_seconds`` when it is shorter: where the run's
 interruptions come in bursts, the next one is likely soon after a restart
-(``ckptd.cadence``, "After a restart"). Saves after that follow ``interval_seconds``.
+(``ckptd.cadence.model``, "After a restart"). Saves after that follow ``interval_seconds``.
 
 Standard library only, as the rest of ``ckptd.trainer``.
 """

@@ -119,7 +119,7 @@ class CkptdLightningCallback(Callback):
             path,
         )
         trainer.save_checkpoint(path)  # returns on every rank after a barrier
-        # The daemon takes it as complete now, not after its quiet window (ckptd.saves).
+        # The daemon takes it as complete now, not after its quiet window (ckptd.core.saves).
         report_save(path.parent, checkpoint=path.name, step=trainer.global_step)
         self.saved_path = path
         trainer.should_stop = True

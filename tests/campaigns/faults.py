@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptd.locals3 import free_port
+from ckptd.devtools.locals3 import free_port
 from tests.campaigns.checker import tree_crcs
 from tests.campaigns.env import BUCKET, MiB, Stage, table, write_daemon_config
 from tests.daemon import Daemon

@@ -36,16 +36,16 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from ckptd.errors import CkptdError
-from ckptd.manifest import ManifestError, build_manifest, parse_latest, parse_manifest
+from ckptd.core.errors import CkptdError
+from ckptd.core.manifest import ManifestError, build_manifest, parse_latest, parse_manifest
 from ckptd.notices.aws import AwsImdsSource
 from ckptd.notices.azure import AzureScheduledEventsSource
 from ckptd.notices.gcp import GcpMetadataSource
 from ckptd.notices.model import Notice
-from ckptd.repository import Repository
-from ckptd.restore import restore
 from ckptd.storage import open_storage
-from ckptd.verify import verify_checkpoint
+from ckptd.store.repository import Repository
+from ckptd.store.restore import restore
+from ckptd.store.verify import verify_checkpoint
 from tests.campaigns.checker import crc_hex
 from tests.campaigns.env import BUCKET, Stage, table
 from tests.fakes.aws_imds import FakeAwsImds

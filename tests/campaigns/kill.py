@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
-from ckptd.locals3 import free_port
+from ckptd.devtools.locals3 import free_port
 from tests.campaigns.checker import check_restored, tree_crcs
 from tests.campaigns.env import BUCKET, MiB, Stage, table, write_daemon_config
 from tests.daemon import Daemon

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.locals3 import LocalS3
+from ckptd.devtools.locals3 import LocalS3
 from tests.campaigns.env import Stage, stage
 from tests.campaigns.faults import FaultCampaign
 from tests.campaigns.hostile import run_hostile

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptd.checksum import crc32c, to_hex
-from ckptd.locals3 import free_port
+from ckptd.core.checksum import crc32c, to_hex
+from ckptd.devtools.locals3 import free_port
 from tests.daemon import Daemon, wait_until
 from tests.trainers.procs import script_env
 

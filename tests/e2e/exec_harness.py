@@ -1,7 +1,7 @@
 """``ckptd exec`` around a real trainer of ``tests/e2e/trainers``: start it, read its
 progress, kill the trainer (``kill -9``) at chosen steps, and measure what a restart costs.
 
-Shared by ``tests/test_exec.py`` and ``bench/bench_exec.py``. One ``ExecNode`` is one
+Shared by ``tests/process/test_exec.py`` and ``bench/bench_exec.py``. One ``ExecNode`` is one
 node's life: a directory holding the watched checkpoint dir (``run/``), the state dir, the
 trainer's pid/progress/result files, and one ``ckptd exec`` process (its JSON log in
 ``exec.log``). The trainer resumes from ``CKPTD_RESUME_FROM`` (``ckptd.trainer.resume_from()``,
@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ckptd.locals3 import free_port
+from ckptd.devtools.locals3 import free_port
 from tests.daemon import wait_until
 from tests.e2e.harness import RUN_ID, Env, TrainerSpec
 from tests.trainers.procs import script_env

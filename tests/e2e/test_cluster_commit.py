@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckptd.locals3 import LocalS3
+from ckptd.devtools.locals3 import LocalS3
 from tests.daemon import wait_until
 from tests.e2e.cluster import Cluster, Store, check_committed, dcp_trainer, restore_latest
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.locals3 import LocalS3
+from ckptd.devtools.locals3 import LocalS3
 from tests.daemon import wait_until
 from tests.e2e.cluster import (
     Cluster,

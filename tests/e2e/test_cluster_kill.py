@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from ckptd.cluster import CLOCK_SKEW_SECONDS, SAVE_TAIL_SECONDS, save_tail_seconds
-from ckptd.locals3 import LocalS3
+from ckptd.cluster.protocol import CLOCK_SKEW_SECONDS, SAVE_TAIL_SECONDS, save_tail_seconds
+from ckptd.devtools.locals3 import LocalS3
 from tests.daemon import wait_until
 from tests.e2e.cluster import Cluster, Node, Store, check_committed, snapshot
 from tests.writers import write_bytes

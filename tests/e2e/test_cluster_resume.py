@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from ckptd.locals3 import LocalS3
+from ckptd.devtools.locals3 import LocalS3
 from tests.daemon import wait_until
 from tests.e2e.cluster import (
     Cluster,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.locals3 import LocalS3
+from ckptd.devtools.locals3 import LocalS3
 from tests.e2e.harness import (
     HF,
     LIGHTNING,

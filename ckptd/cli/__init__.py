@@ -1,0 +1,1 @@
+"""The command line: parsing, one module per command, and the status view."""

@@ -1,0 +1,212 @@
+"""``ckptd status`` for people: the ``/v1/status`` document as a rich table.
+
+One row per run: pending checkpoints, the upload in flight with its progress, the last
+committed checkpoint, and the sync lag; a line above for the destination (and one per
+further tier: reachable, its backlog, its last commit), one per
+checkpoint waiting for other nodes (many nodes), one for the preemption notice below and
+one per run for the advised checkpoint cadence. Pure presentation: it takes the document,
+asks nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckptd.cli.units import human_bytes, human_seconds
+
+BAR_WIDTH = 16
+
+
+def progress_text(uploading: Mapping[str, Any] | None) -> Text:
+    """'checkpoint-20 ███████░░░ 45% 1.2/2.7 GiB', or '-' when nothing is in flight."""
+    if not uploading:
+        return Text("-", style="dim")
+    total = int(uploading.get("bytes_total") or 0)
+    sent = min(int(uploading.get("bytes_sent") or 0), total) if total else 0
+    fraction = sent / total if total else 0.0
+    filled = round(fraction * BAR_WIDTH)
+    text = Text(f"{uploading.get('checkpoint', '?')} ")
+    text.append("█" * filled, style="green")
+    text.append("░" * (BAR_WIDTH - filled), style="dim")
+    text.append(f" {fraction * 100:3.0f}% {human_bytes(sent)}/{human_bytes(total)}")
+    return text
+
+
+def _last_committed(last: Mapping[str, Any] | None) -> Text:
+    if not last:
+        return Text("-", style="dim")
+    step = last.get("step")
+    text = Text(str(last.get("checkpoint", "?")))
+    if step is not None:
+        text.append(f" (step {step})", style="dim")
+    if last.get("committed_at"):
+        text.append(f"\n{last['committed_at']}", style="dim")
+    return text
+
+
+def _lag(seconds: float) -> Text:
+    # Colour only: the thresholds that page someone live in the alert rules.
+    style = "green" if seconds < 60 else "yellow" if seconds < 600 else "bold red"
+    return Text(human_seconds(seconds), style=style)
+
+
+def status_table(doc: Mapping[str, Any]) -> Table:
+    """The per-run table of a ``/v1/status`` document."""
+    table = Table(title=None, expand=False)
+    table.add_column("RUN", style="bold", no_wrap=True)
+    table.add_column("PENDING", justify="right")
+    table.add_column("UPLOADING", no_wrap=True)
+    table.add_column("LAST COMMITTED")
+    table.add_column("LAG", justify="right")
+    table.add_column("FAILED", justify="right")
+    runs: Mapping[str, Any] = doc.get("runs") or {}
+    for run_id, run in sorted(runs.items()):
+        pending = list(run.get("pending") or [])
+        failed = run.get("failed") or {}
+        table.add_row(
+            run_id,
+            str(len(pending)),
+            progress_text(run.get("uploading")),
+            _last_committed(run.get("last_committed")),
+            _lag(float(run.get("sync_lag_seconds") or 0)),
+            Text(str(len(failed)), style="bold red" if failed else "dim"),
+        )
+    return table
+
+
+def notice_text(preemption: Mapping[str, Any] | None) -> Text:
+    """The notice line: 'notice: none', or source, kind and deadline in red."""
+    if not preemption or not preemption.get("notice"):
+        return Text.assemble(("notice: ", "bold"), ("none", "green"))
+    text = Text.assemble(("notice: ", "bold"))
+    text.append(f"{preemption.get('source', '?')}/{preemption.get('kind', '?')}", style="bold red")
+    text.append(f"  noticed {preemption.get('noticed_at') or '?'}")
+    text.append(f"  deadline {preemption.get('deadline') or 'unknown'}")
+    return text
+
+
+def trainer_text(trainer: Mapping[str, Any] | None) -> Text | None:
+    """The supervised trainer (``ckptd exec``): pid, starts, restarts, last exit; None
+    under ``ckptd run``."""
+    if not trainer:
+        return None
+    text = Text.assemble(("trainer: ", "bold"))
+    pid = trainer.get("pid")
+    text.append(f"pid {pid}" if pid else "not running", style="green" if pid else "yellow")
+    text.append(f"  starts {trainer.get('starts', 0)}  restarts {trainer.get('restarts', 0)}")
+    text.append(f"/{trainer.get('max_restarts', '?')}")
+    last = trainer.get("last_exit") or {}
+    if last:
+        text.append(f"  last exit {last.get('cause', '?')}")
+    if trainer.get("resumed_from"):
+        text.append(f"  resumed from {trainer['resumed_from']}")
+    if trainer.get("gave_up"):
+        text.append(f"  gave up: {trainer['gave_up']}", style="bold red")
+    return text
+
+
+def destination_text(destination: Mapping[str, Any] | None) -> Text:
+    destination = destination or {}
+    ok = destination.get("ok")
+    return Text.assemble(
+        ("destination: ", "bold"),
+        str(destination.get("url") or "?"),
+        "  ",
+        ("ok", "green") if ok else ("UNREACHABLE", "bold red"),
+    )
+
+
+def tiers_text(doc: Mapping[str, Any]) -> list[Text]:
+    """Several tiers: one line per further tier (the first is the destination line and
+    the table): reachable or not, its backlog, its newest committed step per run."""
+    tiers: Mapping[str, Any] = doc.get("tiers") or {}
+    lines = []
+    for name, tier in list(tiers.items())[1:]:
+        destination = tier.get("destination") or {}
+        text = Text.assemble((f"tier {name}: ", "bold"), str(destination.get("url") or "?"), "  ")
+        text.append(*(("ok", "green") if destination.get("ok") else ("UNREACHABLE", "bold red")))
+        for run_id, run in sorted((tier.get("runs") or {}).items()):
+            last = run.get("last_committed") or {}
+            backlog = len(run.get("pending") or [])
+            text.append(f"  {run_id}: last {last.get('checkpoint') or '-'}")
+            if backlog:
+                text.append(f", {backlog} behind", style="yellow")
+        lines.append(text)
+    return lines
+
+
+def waiting_text(doc: Mapping[str, Any]) -> list[Text]:
+    """Many nodes: one line per checkpoint whose part is written, waiting for others'."""
+    lines = []
+    runs: Mapping[str, Any] = doc.get("runs") or {}
+    for run_id, run in sorted(runs.items()):
+        for entry in run.get("waiting") or []:
+            missing = ", ".join(str(r) for r in entry.get("missing_nodes") or []) or "?"
+            text = Text.assemble(("waiting: ", "bold yellow"))
+            text.append(f"{run_id}/{entry.get('checkpoint', '?')}")
+            text.append(f" for node(s) {missing}", style="yellow")
+            text.append(f"  since {entry.get('since') or '?'}", style="dim")
+            lines.append(text)
+    return lines
+
+
+def advice_text(doc: Mapping[str, Any]) -> list[Text]:
+    """One line per run: the advised interval, what it rests on, and what the current
+    cadence costs against it (expected share of time lost to saving plus lost work)."""
+    lines = []
+    advice: Mapping[str, Any] = doc.get("advice") or {}
+    for run_id, a in sorted(advice.items()):
+        text = Text.assemble(("cadence: ", "bold"), f"{run_id} ")
+        text.append(f"save every {human_seconds(float(a.get('interval_seconds', 0)))}", "cyan")
+        basis = a.get("basis") or {}
+        text.append(
+            f"  (save {float(a.get('save_seconds', 0)):.1f}s {basis.get('save', '?')}, "
+            f"MTBF {human_seconds(float(a.get('mtbf_seconds', 0)))} {basis.get('mtbf', '?')})"
+        )
+        if a.get("history") in ("reading", "unreadable"):  # the store's: prior till then
+            text.append(f"  store history {a['history']}", "yellow")
+        cost = a.get("expected_cost") or {}
+        advised, current = cost.get("advised") or {}, cost.get("current")
+        text.append(f"  lost {100 * float(advised.get('total_fraction', 0)):.1f}%")
+        if current:
+            text.append(
+                f" vs {100 * float(current.get('total_fraction', 0)):.1f}% now "
+                f"(every {human_seconds(float(current.get('interval_seconds', 0)))})",
+                style="dim",
+            )
+        lines.append(text)
+    return lines
+
+
+def render_status(doc: Mapping[str, Any], console: Console) -> None:
+    """Print a ``/v1/status`` document: destination, the per-run table, the notice."""
+    console.print(destination_text(doc.get("destination")))
+    for line in tiers_text(doc):
+        console.print(line)
+    if doc.get("runs"):
+        console.print(status_table(doc))
+    else:
+        console.print(Text("no runs watched", style="dim"))
+    for line in waiting_text(doc):
+        console.print(line)
+    console.print(notice_text(doc.get("preemption")))
+    for line in advice_text(doc):
+        console.print(line)
+    trainer = trainer_text(doc.get("trainer"))
+    if trainer is not None:
+        console.print(trainer)
+
+
+__all__ = [
+    "advice_text",
+    "progress_text",
+    "render_status",
+    "status_table",
+    "tiers_text",
+    "waiting_text",
+]

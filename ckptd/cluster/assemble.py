@@ -1,0 +1,280 @@
+"""One checkpoint from many nodes' parts: announce, write the part, commit the union.
+
+    announce  the node holding the framework's commit record writes ckptd.announce.json
+              before it ships (``announce``); the other nodes wait for it. When that
+              node's files change (a re-save under the same name) it withdraws the
+              announcement and its part at once (``withdraw``), so no node pairs new
+              files with the old save
+    part      each node, once its files are uploaded and verified, writes
+              ckptd.part-<rank>.json carrying the announced save (``write_part``)
+    commit    a node that finds every rank's part of the announced save merges them
+              (``ckptd.cluster.protocol.merge_parts``), checks every object is in the store with
+              the listed size, and commits the union with ``ckptd.sync.commit``'s one
+              conditional write (``try_commit``); exactly one node's write wins
+
+The store is the only coordinator: every step is an object read or written, so a daemon
+killed anywhere repeats its step on restart (the announcement and part are rewritten
+with the same content, the commit is conditional) and the nodes converge. A part of
+another save than the announcement's is never merged, and a conflict is never committed.
+Blocking functions (but ``judge_role``, which decides who announces and who follows):
+run them in a thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ckptd.cluster.protocol import (
+    Announcement,
+    Conflict,
+    Merged,
+    Part,
+    announcer_may_overwrite,
+    epoch_of,
+    files_fit_save,
+    is_announcer,
+    merge_parts,
+    save_id,
+    save_tail_seconds,
+)
+from ckptd.core import digest
+from ckptd.core.manifest import Manifest, ManifestError, build_manifest, utc_timestamp
+from ckptd.core.signing import KeyRing
+from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
+from ckptd.store.repository import Repository, announce_key, part_key
+from ckptd.sync.commit import CommitConflictError, CommitResult, commit, move_latest
+from ckptd.sync.runs import RunState
+
+
+@dataclass(frozen=True)
+class Committer:
+    """Who commits: this node's host name and environment go into the global manifest."""
+
+    nodes: int
+    rank: int
+    host: str
+    environment: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterShip:
+    """How one node ships its part of a many-node checkpoint."""
+
+    committer: Committer
+    save: str  # the save this node's files answer (its own when it announces)
+    announcement: Announcement | None = None  # to write first: this node holds the record
+
+
+def judge_role(
+    state: RunState,
+    listing: CheckpointListing,
+    verdict: Completion,
+    committer: Committer,
+    now: float,
+) -> tuple[Completion, ClusterShip | None]:
+    """The verdict on one node's files of a checkpoint, and how the node ships them: as
+    the announcer (its rule holds on the commit record, and no lower rank leads the
+    save), or as a follower of the announced save (``state.announcements``) once its files
+    fit that save and are quiet and closed. Otherwise incomplete, and the checkpoint is
+    noted in ``state.awaiting`` for ``poll_cluster`` to look for its announcement."""
+    name = listing.name
+    known = state.announcements.get(name)
+    own = save_id((f.path, f.size, f.mtime_ns) for f in listing.files)
+    if is_announcer(verdict.layout, verdict.complete, committer.rank) and (
+        known is None or known.save == own or known.node_rank >= committer.rank
+    ):
+        announcement = Announcement(
+            run_id=state.run_id,
+            checkpoint=name,
+            save=own,
+            node_rank=committer.rank,
+            layout=verdict.layout,
+            step=step_of(name),
+            announced_at=utc_timestamp(now),
+            record_mtime_ns=listing.newest_mtime_ns,
+        )
+        state.awaiting.pop(name, None)
+        return verdict, ClusterShip(committer, own, announcement)
+    if known is not None and known.node_rank == committer.rank:
+        known = None  # this node's own earlier save (it re-saves): never followed
+    if known is None or not files_fit_save(
+        listing.newest_mtime_ns, known, save_tail_seconds(known.layout)
+    ):
+        state.awaiting.setdefault(name, now)
+        why = (
+            "waiting for the node with the commit record to announce it"
+            if known is None
+            else f"files newer than announced save {known.save}: waiting for a later one"
+        )
+        # Keep the rule's own recheck: on the record's node the verdict may be
+        # "complete but for a quiet window".
+        return not_complete(verdict.layout, why, verdict.recheck_after), None
+    judged = settled(
+        known.layout,
+        listing,
+        int(now * 1e9),
+        state.rules.settle_seconds,
+        f"announced by node {known.node_rank}; this node's files are quiet and closed",
+    )
+    if not judged.complete:
+        return judged, None
+    state.awaiting.pop(name, None)
+    return judged, ClusterShip(committer, known.save)
+
+
+class Assembly(Enum):
+    COMMITTED = "committed"  # the global manifest is in the store (now or before)
+    WAITING = "waiting"  # some node's part of this save is not there yet
+    CONFLICT = "conflict"  # the parts disagree on a file, or another manifest holds the name
+    RESAVED = "resaved"  # the announcement names another save than this node's part
+
+
+@dataclass
+class AssemblyResult:
+    outcome: Assembly
+    manifest: Manifest | None = None
+    commit: CommitResult | None = None
+    already_committed: bool = False
+    missing: tuple[int, ...] = ()
+    reason: str = ""
+    conflict: Conflict | None = None
+    announcement: Announcement | None = None
+
+
+def announce(repo: Repository, announcement: Announcement) -> Announcement:
+    """Write ``announcement`` unless one in force wins over it (``announcer_may_overwrite``);
+    returns the announcement in force afterwards."""
+    existing = repo.read_announcement(announcement.run_id, announcement.checkpoint)
+    if existing is not None and existing.save == announcement.save:
+        return existing
+    if not announcer_may_overwrite(existing, announcement.node_rank, announcement.save):
+        assert existing is not None  # None always may be overwritten
+        return existing
+    repo.write_announcement(announcement)
+    return announcement
+
+
+def write_part(repo: Repository, part: Part) -> None:
+    repo.write_part(part)
+
+
+def withdraw(repo: Repository, run: str, name: str, rank: int, save: str) -> bool:
+    """The announcing node's files changed (a re-save under the same name has begun):
+    remove its announcement and its part of ``save``, so no other node pairs its new
+    files with the old save. Only objects of ``save`` by ``rank`` are removed; returns
+    whether the announcement was."""
+    announcement = repo.read_announcement(run, name)
+    gone = False
+    if announcement is not None and (announcement.node_rank, announcement.save) == (rank, save):
+        repo.delete([announce_key(run, name)])
+        gone = True
+    part = repo.read_part(run, name, rank)
+    if part is not None and part.save == save:
+        repo.delete([part_key(run, name, rank)])
+    return gone
+
+
+def try_commit(
+    repo: Repository,
+    run: str,
+    name: str,
+    committer: Committer,
+    *,
+    save: str | None,
+    now: float,
+    keys: KeyRing | None = None,
+) -> AssemblyResult:
+    """Commit ``run/name`` if every part of the announced save is there (module doc).
+    With ``keys`` the union carries the parts' digests and is signed by this node (every
+    node holds the key; the parts are not signed, the manifest made of them is).
+
+    ``save`` is the save this node's part answered (None: no opinion, as when a node
+    only looks); an announcement of another save means this node's part is stale."""
+    existing = repo.read_manifest(run, name)
+    if existing is not None:
+        move_latest(repo, existing)  # a crash between manifest and LATEST (commit.py)
+        return AssemblyResult(Assembly.COMMITTED, existing, already_committed=True)
+    announcement = repo.read_announcement(run, name)
+    if announcement is None:
+        return AssemblyResult(
+            Assembly.WAITING, missing=tuple(range(committer.nodes)), reason="no announcement"
+        )
+    if save is not None and announcement.save != save:
+        return AssemblyResult(
+            Assembly.RESAVED,
+            reason=f"announced save {announcement.save} is not this node's {save}",
+            announcement=announcement,
+        )
+    # One LIST first: while a rank has no part object at all, no part is read (a waiting
+    # checkpoint costs three requests a poll, however many nodes).
+    listed = repo.part_ranks(run, name)
+    absent = tuple(r for r in range(committer.nodes) if r not in listed)
+    if absent:
+        return AssemblyResult(
+            Assembly.WAITING,
+            missing=absent,
+            reason=f"waiting for node(s) {', '.join(map(str, absent))}",
+            announcement=announcement,
+        )
+    parts = repo.read_parts(run, name, listed)
+    verdict = merge_parts(announcement, parts, committer.nodes)
+    if isinstance(verdict, Conflict):
+        return AssemblyResult(
+            Assembly.CONFLICT,
+            reason=verdict.describe(),
+            conflict=verdict,
+            announcement=announcement,
+        )
+    if not isinstance(verdict, Merged):
+        reason = f"waiting for node(s) {', '.join(map(str, verdict.missing))}"
+        if verdict.stale:
+            reason += f" (part(s) of another save from {', '.join(map(str, verdict.stale))})"
+        return AssemblyResult(
+            Assembly.WAITING, missing=verdict.missing, reason=reason, announcement=announcement
+        )
+    manifest = build_manifest(
+        run_id=run,
+        checkpoint=name,
+        step=announcement.step,
+        layout=announcement.layout,
+        host=committer.host,
+        created_at=epoch_of(verdict.created_at) or now,
+        committed_at=now,
+        files=[(f.path, f.size, f.crc32c) for f in verdict.files],
+        environment=committer.environment,
+        nodes=committer.nodes,
+        save=announcement.save,
+        digests=(
+            {f.path: f.digest for f in verdict.files if f.digest} if keys is not None else None
+        ),
+        digest_algorithm=digest.ALGORITHM,
+    )
+    mismatches = repo.object_mismatches(manifest)
+    if mismatches:
+        # A part says verified, yet an object is gone or of another size: a node is
+        # re-shipping (a re-save) or something deleted it. Never commit; wait.
+        first = mismatches[0]
+        return AssemblyResult(
+            Assembly.WAITING,
+            missing=(),
+            reason=f"{len(mismatches)} object(s) not as the parts list them, e.g. {first.path}",
+            announcement=announcement,
+        )
+    if keys is not None:
+        try:
+            manifest = keys.sign(manifest)
+        except ManifestError as exc:  # a part without digests: a node without the key
+            return AssemblyResult(Assembly.CONFLICT, reason=str(exc), announcement=announcement)
+    try:
+        result = commit(repo, manifest)
+    except CommitConflictError as exc:
+        return AssemblyResult(Assembly.CONFLICT, reason=str(exc), announcement=announcement)
+    return AssemblyResult(
+        Assembly.COMMITTED,
+        manifest,
+        commit=result,
+        already_committed=result.already_committed,
+        announcement=announcement,
+    )

@@ -1,0 +1,2 @@
+"""The daemon's wiring: the service lifecycle, the HTTP surface, destination health and
+systemd's notify protocol."""

@@ -1,0 +1,2 @@
+"""The demo and the embedded loopback S3 server (SeaweedFS) it, the tests and the
+benchmarks use."""

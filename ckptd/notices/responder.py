@@ -1,0 +1,309 @@
+"""Acting on a preemption notice; knows no cloud.
+
+Within one poll interval of a notice the responder
+  1. writes ``<watch dir>/.ckptd/preemption.json`` (atomically) for every watched run,
+  2. sends ``trainer.signal`` to the trainer (pidfile, or every process whose command
+     line contains ``trainer.match`` — every rank on the node),
+  3. answers ``GET /v1/preemption`` with the same JSON,
+  4. puts the pipeline in emergency mode: the first checkpoint completed after the
+     notice jumps the queue, and an older upload that cannot also finish is paused,
+  5. once that checkpoint is committed, acknowledges the notice (Azure StartRequests)
+     and logs the timings noticed -> signalled -> complete -> committed.
+One notice is acted on once (deduplicated by id); a cancelled one clears the state.
+With many nodes, a notice of this node's own is also handed to ``publish_notice`` (the
+cluster's NOTICE, ``ckptd.notices.cluster``), which only schedules the write: the
+trainer's signal never waits for the store. A notice followed from another node is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+from ckptd.config import Settings
+from ckptd.notices.model import Notice, NoticeSource, format_time
+from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
+from ckptd.runtime.logs import get_logger
+from ckptd.runtime.metrics import Metrics
+
+NOTICE_FILE = Path(".ckptd") / "preemption.json"
+
+
+def _is_ckptd(argv: list[str]) -> bool:
+    """A ckptd process (this daemon, `ckptd drill`, ...): never the trainer."""
+    if not argv:
+        return False
+    if os.path.basename(argv[0]) == "ckptd":
+        return True
+    return any(a == "-m" and b.split(".")[0] == "ckptd" for a, b in itertools.pairwise(argv))
+
+
+def find_trainer_pids(pidfile: str, match: str, *, proc: Path = Path("/proc")) -> list[int]:
+    """PIDs of the trainer: from ``pidfile``, or every process whose command line
+    contains ``match`` (all ranks on the node), never ckptd itself or its parent."""
+    if pidfile:
+        try:
+            pid = int(Path(pidfile).read_text().strip())
+        except (OSError, ValueError):
+            return []
+        return [pid] if pid > 0 else []
+    if not match:
+        return []
+    own = {os.getpid(), os.getppid()}
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) in own:
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue  # exited, or not ours to read
+        argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+        if match in " ".join(argv) and not _is_ckptd(argv):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def write_notice_file(watch_dir: Path, body: dict[str, Any]) -> Path:
+    """Write the notice file under ``watch_dir/.ckptd/`` by rename, so a reader never
+    sees half of it."""
+    target = watch_dir / NOTICE_FILE
+    target.parent.mkdir(exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(body))
+    os.replace(tmp, target)
+    return target
+
+
+@dataclass
+class Response:
+    """One notice being acted on, and when each step happened (monotonic seconds)."""
+
+    notice: Notice
+    source: NoticeSource | None
+    noticed: float
+    signalled: float | None = None
+    pids: list[int] = field(default_factory=list)
+    complete: float | None = None
+    committed: float | None = None
+    checkpoint: str | None = None
+    run: str | None = None
+    bytes: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    # The cluster NOTICE write for this notice (many nodes, a notice of our own only).
+    published: asyncio.Task[bool] | None = None
+
+    def timings(self, now: datetime) -> dict[str, Any]:
+        def rel(t: float | None) -> float | None:
+            return None if t is None else round(t - self.noticed, 3)
+
+        left = self.notice.seconds_left(now)
+        return {
+            "notice": self.notice.to_json(),
+            "signalled_after_s": rel(self.signalled),
+            "trainer_pids": self.pids,
+            "checkpoint": self.checkpoint,
+            "run": self.run,
+            "bytes": self.bytes,
+            "complete_after_s": rel(self.complete),
+            "committed_after_s": rel(self.committed),
+            "seconds_left_at_commit": None
+            if self.committed is None or left is None
+            else round(left, 3),
+            "committed_before_deadline": None
+            if self.committed is None
+            else (self.notice.deadline is None or (left is not None and left >= 0)),
+            # Many nodes: whether <run>/NOTICE was written (None: one node, or followed).
+            "notice_published": None
+            if self.published is None
+            else bool(
+                self.published.done()
+                and not self.published.cancelled()
+                and self.published.exception() is None
+                and self.published.result()
+            ),
+        }
+
+
+class EmergencyMode(Protocol):
+    """What the responder needs of the pipeline: where to write notice files, and a
+    switch for emergency mode (module doc, step 4)."""
+
+    def watch_dirs(self) -> list[Path]: ...
+
+    def enter_emergency(self, deadline: datetime | None) -> None: ...
+
+    def leave_emergency(self) -> None: ...
+
+
+class Responder:
+    """Turns Notices into actions; the pipeline calls ``on_commit`` after each commit."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        pipeline: EmergencyMode,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        trainer_pids: Callable[[], list[int]] | None = None,
+    ) -> None:
+        self.settings = settings
+        # `ckptd exec` knows its trainer: it replaces the pidfile / cmdline-match lookup.
+        self.trainer_pids = trainer_pids
+        self.metrics = metrics
+        self.pipeline = pipeline
+        self.clock = clock
+        self.current: Response | None = None
+        self.handled: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._files_lock = asyncio.Lock()  # notice-file writes and removals, in order
+        self.log = get_logger()
+        # Set by the service with many nodes: schedules the cluster NOTICE write.
+        self.publish_notice: Callable[[Notice], asyncio.Task[bool]] | None = None
+
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock.time(), UTC)
+
+    def preemption_json(self) -> dict[str, Any]:
+        """What ``GET /v1/preemption`` answers."""
+        if self.current is None:
+            return {"notice": False}
+        return {"notice": True, **self.current.notice.to_json()}
+
+    async def handle(
+        self, notice: Notice, source: NoticeSource | None = None, *, publish: bool = True
+    ) -> Response | None:
+        """Act on one notice (once per id); ``publish=False`` for one followed from another
+        node, which must not be published again."""
+        if notice.cancelled:
+            if self.current is not None and self.current.notice.id == notice.id:
+                self.log.info("notice_cancelled", source=notice.source, id=notice.id)
+                self.clear()
+            return None
+        if notice.id in self.handled:
+            return None
+        self.handled.add(notice.id)
+        response = Response(notice, source, self.clock.monotonic())
+        self.current = response
+        body = notice.to_json()
+        self.log.warning(
+            "notice_received",
+            source=notice.source,
+            kind=notice.kind,
+            deadline=body["deadline"],
+            seconds_left=notice.seconds_left(self._now()),
+        )
+        self.metrics.preemption_notice.set(1)
+        if notice.deadline is not None:
+            self.metrics.preemption_deadline.set(notice.deadline.timestamp())
+        if publish and self.publish_notice is not None:
+            # Only schedules: the write runs in a thread beside the signalling below.
+            response.published = self.publish_notice(notice)
+        # The signal first: it is what makes the trainer save. Writing the notice file
+        # can stall on a busy disk (a rename over an old file issues a synchronous
+        # discard on ext4 with `discard`), so it goes second and does not hold up the
+        # poller (measured by bench/bench_preemption.py).
+        trainer = self.settings.trainer
+        if self.trainer_pids is not None:
+            pids = await asyncio.to_thread(self.trainer_pids)
+        else:
+            pids = await asyncio.to_thread(find_trainer_pids, trainer.pidfile, trainer.match)
+        for pid in pids:
+            try:
+                os.kill(pid, trainer.signal_number)
+                response.pids.append(pid)
+            except OSError as exc:
+                self.log.error("trainer_signal_failed", pid=pid, error=str(exc))
+        response.signalled = self.clock.monotonic()
+        if response.pids:
+            self.log.warning("trainer_signalled", pids=response.pids, signal=trainer.signal)
+        elif trainer.pidfile or trainer.match or self.trainer_pids is not None:
+            self.log.error("trainer_not_found", pidfile=trainer.pidfile, match=trainer.match)
+        task = asyncio.get_running_loop().create_task(self._write_notice_files(body))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        self.pipeline.enter_emergency(notice.deadline)
+        return response
+
+    async def _write_notice_files(self, body: dict[str, Any]) -> None:
+        async with self._files_lock:
+            for watch_dir in self.pipeline.watch_dirs():
+                try:
+                    await asyncio.to_thread(write_notice_file, watch_dir, body)
+                except OSError as exc:
+                    self.log.error("notice_file_failed", dir=str(watch_dir), error=str(exc))
+
+    def on_complete(self, run: str, name: str) -> None:
+        """The pipeline found the emergency checkpoint complete."""
+        r = self.current
+        if r is not None and r.complete is None:
+            r.complete, r.checkpoint, r.run = self.clock.monotonic(), name, run
+
+    async def on_commit(self, run: str, name: str, total_bytes: int, emergency: bool) -> None:
+        """A checkpoint was committed; if it was the emergency one, finish the response."""
+        r = self.current
+        if r is None or not emergency or r.committed is not None:
+            return
+        r.committed = self.clock.monotonic()
+        r.checkpoint, r.run, r.bytes = name, run, total_bytes
+        if r.complete is None:
+            r.complete = r.committed
+        timings = r.timings(self._now())
+        self.log.warning(
+            "emergency_checkpoint_committed", **{k: v for k, v in timings.items() if k != "notice"}
+        )
+        if r.source is not None:
+            try:
+                await r.source.acknowledge(r.notice)
+            except Exception as exc:  # noqa: BLE001 - an ack failure must not stop the flush
+                self.log.error("notice_ack_failed", source=r.notice.source, error=str(exc))
+        r.done.set()
+
+    def clear(self) -> None:
+        """Forget the current notice (cancelled, or a drill that ended)."""
+        self.current = None
+        self.metrics.preemption_notice.set(0)
+        self.metrics.preemption_deadline.set(0)
+        self.pipeline.leave_emergency()
+        paths = [watch_dir / NOTICE_FILE for watch_dir in self.pipeline.watch_dirs()]
+
+        def unlink_all() -> None:
+            for path in paths:
+                path.unlink(missing_ok=True)
+
+        async def unlink_in_order() -> None:
+            # Off the event loop (an unlink can stall on a busy disk like the write), and
+            # in order with the writes, so a newer notice's file is never removed.
+            async with self._files_lock:
+                await asyncio.to_thread(unlink_all)
+
+        task = asyncio.get_running_loop().create_task(unlink_in_order())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drill(self, deadline_seconds: float) -> dict[str, Any]:
+        """A simulated notice end to end; returns the timings (``ckptd drill``)."""
+        now = self._now()
+        notice = Notice(
+            source="drill",
+            kind="drill",
+            id=f"drill:{format_time(now)}",
+            noticed_at=now,
+            deadline=now + timedelta(seconds=deadline_seconds),
+        )
+        response = await self.handle(notice)
+        assert response is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(response.done.wait(), timeout=deadline_seconds)
+        result = response.timings(self._now())
+        self.clear()
+        return result

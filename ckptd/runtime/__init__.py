@@ -1,0 +1,2 @@
+"""Process plumbing: the clock, logs, metrics, yielding to the trainer, the recorded
+environment, the instance lock and early writeback."""

@@ -1,0 +1,2 @@
+"""The read side of the store: the repository (every key), verify, retention, tiers and
+restore."""

@@ -1,0 +1,347 @@
+"""What to delete, remotely and locally: pure policies, and the executors that apply them.
+
+The policies (``plan_retention``, ``plan_orphans``, ``plan_local_cleanup``) are functions
+of names, steps and settings: no I/O, no clock. The executors list, then delete.
+
+Deletion runs in the reverse of the commit order (``ckptd.sync.commit``): the manifest
+goes **first**, then the objects. A run killed half-way therefore leaves at worst
+objects without a manifest, which no reader takes for a committed checkpoint, and which
+the next run collects as orphans. It never leaves a manifest naming a deleted object.
+
+Orphans (a prefix under the run with objects but no manifest at all) are ambiguous: a
+checkpoint being uploaded right now looks exactly like one whose deletion was cut short.
+The store lists no upload in progress, and ``ObjectInfo`` carries no age, so the rule
+is by step: an orphan is collected only when its step is older than the oldest of the
+``keep_last`` newest committed checkpoints (or of all of them with ``keep_last = 0``).
+An upload in flight is newer than what is already committed, save a stale one the
+policy would delete the moment it committed anyway. An orphan without a step, one that
+is protected (in flight on this node, being restored) or one whose manifest exists but
+does not parse (a newer ckptd's format, say) is never touched.
+
+Many nodes: a checkpoint whose parts never all arrived leaves an announcement and parts
+(``ckptd.cluster.protocol``) beside its objects. Once its step is below the newest committed one
+and its announcement is older than a grace period (``cluster_grace_seconds``), it can
+never commit: ``sweep_cluster`` removes its announcement and parts (its objects are
+orphans, collected by the rule above).
+
+Restores in progress announce themselves with a lease object (``ckptd.store.repository``
+writes and reads them, JSON with the time it was taken); a checkpoint
+with a lease younger than ``LEASE_TTL_SECONDS`` is protected, and older leases are
+removed. A retention pass that lists the leases just before a restore writes its own can
+still delete that checkpoint: the restore then fails verification and leaves nothing
+under ``DIR/NAME``; it never yields a wrong checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+from collections.abc import Iterable, Mapping, Sequence, Set
+from pathlib import Path
+
+from ckptd.cluster.protocol import epoch_of, superseded
+from ckptd.layouts.base import step_of
+from ckptd.storage.base import Storage
+from ckptd.store.repository import LEASE_TTL_SECONDS, Repository, manifest_key
+
+Entry = tuple[str, int | None]
+"""A checkpoint as the policies see it: ``(name, step)``; step None when unknown."""
+
+
+# -- pure policies ---------------------------------------------------------------------
+
+
+def plan_retention(
+    committed: Sequence[Entry],
+    *,
+    keep_last: int,
+    keep_every_steps: int,
+    protected: Set[str] = frozenset(),
+    keep_within: float = 0.0,
+    committed_at: Mapping[str, float] | None = None,
+    now: float | None = None,
+) -> list[str]:
+    """Names of committed checkpoints to delete, oldest first.
+
+    ``committed`` is oldest first. A checkpoint is kept when any rule keeps it (their
+    union, as restic's ``--keep-within``): it is one of the newest ``keep_last``; its
+    step is a multiple of ``keep_every_steps`` (when > 0; step 0 counts); it was
+    committed within ``keep_within`` seconds before ``now`` (when > 0; by
+    ``committed_at``, epoch seconds per name, one without a time is kept); it is in
+    ``protected``; or it is the newest. With neither a count nor an age rule
+    (``keep_last`` and ``keep_within`` 0) everything is kept.
+    """
+    if keep_last < 0 or keep_every_steps < 0 or keep_within < 0:
+        raise ValueError("keep_last, keep_every_steps and keep_within must be >= 0")
+    if keep_last == 0 and keep_within == 0:
+        return []
+    if keep_within > 0 and (committed_at is None or now is None):
+        raise ValueError("keep_within needs committed_at and now")
+    newest = {name for name, _ in committed[-keep_last:]} if keep_last > 0 else set()
+    if committed:
+        newest.add(committed[-1][0])  # the newest committed checkpoint is never deleted
+    victims: list[str] = []
+    for name, step in committed:
+        if name in newest or name in protected:
+            continue
+        if keep_every_steps > 0 and step is not None and step % keep_every_steps == 0:
+            continue
+        if keep_within > 0 and _within(name, keep_within, committed_at, now):
+            continue
+        victims.append(name)
+    return victims
+
+
+def _within(
+    name: str, seconds: float, committed_at: Mapping[str, float] | None, now: float | None
+) -> bool:
+    when = None if committed_at is None else committed_at.get(name)
+    # A commit time that cannot be read is no reason to delete: kept.
+    return when is None or now is None or now - when <= seconds
+
+
+def kept_by_age(
+    committed: Sequence[Entry], keep_within: float, committed_at: Mapping[str, float], now: float
+) -> list[Entry]:
+    """The entries ``keep_within`` alone keeps (oldest first)."""
+    return [e for e in committed if _within(e[0], keep_within, committed_at, now)]
+
+
+def plan_orphans(
+    orphans: Sequence[Entry],
+    committed: Sequence[Entry],
+    *,
+    keep_last: int,
+    protected: Set[str] = frozenset(),
+) -> list[str]:
+    """Manifest-less prefixes safe to collect: step below the oldest step of the
+    ``keep_last`` newest committed checkpoints (all with 0), not protected (module doc)."""
+    window = committed[-keep_last:] if keep_last > 0 else committed
+    steps = [step for _, step in window if step is not None]
+    if not steps:
+        return []  # nothing to measure "old" against: all of them may be uploads in flight
+    floor = min(steps)
+    return [
+        name
+        for name, step in orphans
+        if step is not None and step < floor and name not in protected
+    ]
+
+
+def plan_local_cleanup(
+    local: Sequence[Entry],
+    committed_verified: Set[str],
+    *,
+    local_keep_last: int,
+) -> list[str]:
+    """Local checkpoints (``local`` oldest first) to delete: only ones committed
+    remotely, never the newest ``local_keep_last``, never the newest one; 0 deletes none."""
+    if local_keep_last < 0:
+        raise ValueError("local_keep_last must be >= 0")
+    if local_keep_last == 0 or not local:
+        return []
+    keep = {name for name, _ in local[-local_keep_last:]} | {local[-1][0]}
+    return [name for name, _ in local if name not in keep and name in committed_verified]
+
+
+# -- executors -------------------------------------------------------------------------
+
+
+def _delete_prefix(repo: Repository, run_id: str, name: str) -> int:
+    keys = [info.key for info in repo.list_objects(run_id, name)]
+    repo.delete(keys)
+    return len(keys)
+
+
+def delete_checkpoint(storage: Storage | Repository, run_id: str, name: str) -> int:
+    """Delete one committed checkpoint: its manifest first, then its objects."""
+    repo = storage if isinstance(storage, Repository) else Repository(storage)
+    # Manifest first: from this instant no reader counts it committed, whatever follows.
+    repo.delete([manifest_key(run_id, name)])
+    return _delete_prefix(repo, run_id, name)
+
+
+def apply_retention(
+    storage: Storage | Repository,
+    run_id: str,
+    *,
+    keep_last: int,
+    keep_every_steps: int,
+    keep_within: float = 0.0,
+    protected: Iterable[str] = (),
+    collect_orphans: bool = True,
+    now: float | None = None,
+    lease_ttl_seconds: float = LEASE_TTL_SECONDS,
+    cluster_grace_seconds: float | None = None,
+) -> list[str]:
+    """Apply the policy to ``run_id``; returns the names deleted (victims, then orphans).
+
+    Never deletes what LATEST names, a name in ``protected`` (pass the checkpoints this
+    node has in flight) or one with a fresh restore lease. Idempotent: rerun after a
+    kill, it finishes the job (module doc).
+    """
+    from ckptd.runtime import logs  # here, not at the top: structlog imports asyncio
+
+    log = logs.get_logger(run=run_id)
+    repo = storage if isinstance(storage, Repository) else Repository(storage)
+    clock = time.time() if now is None else now
+    guarded = set(protected)
+    latest = repo.read_latest(run_id)
+    if latest is not None:
+        guarded.add(latest.checkpoint)
+    leased, stale_leases = repo.read_leases(run_id, now=clock, ttl=lease_ttl_seconds)
+    guarded |= leased
+
+    committed = repo.list_committed(run_id)
+    guarded |= {c.manifest.checkpoint for c in committed if c.is_latest}
+    entries = [(c.manifest.checkpoint, c.manifest.step) for c in committed]
+    times = {
+        c.manifest.checkpoint: t
+        for c in committed
+        if (t := epoch_of(c.manifest.committed_at)) is not None
+    }
+    victims = plan_retention(
+        entries,
+        keep_last=keep_last,
+        keep_every_steps=keep_every_steps,
+        protected=guarded,
+        keep_within=keep_within,
+        committed_at=times,
+        now=clock,
+    )
+    deleted: list[str] = []
+    for name in victims:
+        objects = delete_checkpoint(repo, run_id, name)
+        log.info("retention_deleted", checkpoint=name, objects=objects)
+        deleted.append(name)
+
+    if collect_orphans and (keep_last > 0 or keep_within > 0):
+        committed_names = {name for name, _ in entries}
+        candidates: list[Entry] = []
+        for name in repo.list_names(run_id):
+            if name.startswith(".") or name in committed_names or name in deleted:
+                continue
+            # A manifest that exists but does not parse is not an orphan's: keep it.
+            if repo.has_manifest(run_id, name):
+                continue
+            candidates.append((name, step_of(name)))
+        # The orphan floor: the count rule's window or, with the age rule alone, what
+        # the age rule keeps (an upload in flight is newer than both).
+        window = entries if keep_last > 0 else kept_by_age(entries, keep_within, times, clock)
+        for name in plan_orphans(candidates, window, keep_last=keep_last, protected=guarded):
+            objects = _delete_prefix(repo, run_id, name)
+            if objects:  # some stores list an emptied prefix for a while: nothing to do
+                log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
+                deleted.append(name)
+
+    if cluster_grace_seconds is not None:
+        sweep_cluster(
+            repo,
+            run_id,
+            entries,
+            skip=guarded | set(deleted),
+            now=clock,
+            grace_seconds=cluster_grace_seconds,
+        )
+    repo.delete(stale_leases)
+    return deleted
+
+
+def sweep_cluster(
+    repo: Repository,
+    run_id: str,
+    committed: Sequence[Entry],
+    *,
+    skip: Set[str],
+    now: float,
+    grace_seconds: float,
+) -> list[str]:
+    """Remove the announcement and parts of uncommitted checkpoints that can never commit
+    (module doc); returns their names. One whose age cannot be read is kept."""
+    from ckptd.runtime import logs
+
+    steps = [step for _, step in committed if step is not None]
+    if not steps:
+        return []
+    newest = max(steps)
+    committed_names = {name for name, _ in committed}
+    swept: list[str] = []
+    for name in repo.list_names(run_id):
+        step = step_of(name)
+        if name.startswith(".") or name in committed_names or name in skip:
+            continue
+        if step is None or step >= newest or repo.has_manifest(run_id, name):
+            continue
+        announcement = repo.read_announcement(run_id, name)
+        since = epoch_of(announcement.announced_at) if announcement is not None else None
+        if since is None:
+            times = [epoch_of(p.verified_at) for p in repo.read_parts(run_id, name).values()]
+            since = min((t for t in times if t is not None), default=None)
+        if since is None or not superseded(step, newest, since, now, grace_seconds):
+            continue
+        keys = repo.cluster_keys(run_id, name)
+        repo.delete(keys)
+        if keys:
+            logs.get_logger(run=run_id).info(
+                "retention_cluster_swept", checkpoint=name, objects=len(keys), newest_step=newest
+            )
+            swept.append(name)
+    return swept
+
+
+def apply_local_cleanup(
+    watch_dir: Path,
+    local: Sequence[Entry],
+    committed_verified: Set[str],
+    *,
+    local_keep_last: int,
+) -> list[str]:
+    """Delete the local checkpoints ``plan_local_cleanup`` picks; returns their names.
+
+    Only direct children of ``watch_dir`` are touched, a symlink never (neither it nor
+    what it points at), and a directory is removed with ``shutil.rmtree``, which unlinks
+    symlinks inside it without following them.
+    """
+    from ckptd.runtime import logs
+
+    log = logs.get_logger(watch_dir=str(watch_dir))
+    root = os.path.realpath(watch_dir)
+    deleted: list[str] = []
+    for name in plan_local_cleanup(local, committed_verified, local_keep_last=local_keep_last):
+        if not name or "/" in name or "\x00" in name or name in (".", ".."):
+            log.warning("local_cleanup_refused", checkpoint=name, reason="not a direct child")
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue  # the trainer's own rotation got there first
+        if stat.S_ISLNK(st.st_mode):
+            log.warning("local_cleanup_refused", checkpoint=name, reason="symlink")
+            continue
+        if os.path.dirname(path) != root:
+            continue
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
+        log.info("local_checkpoint_deleted", checkpoint=name)
+        deleted.append(name)
+    return deleted
+
+
+__all__ = [
+    "apply_local_cleanup",
+    "apply_retention",
+    "delete_checkpoint",
+    "kept_by_age",
+    "plan_local_cleanup",
+    "plan_orphans",
+    "plan_retention",
+    "sweep_cluster",
+]

@@ -1,0 +1,273 @@
+"""``ckptd exec``: the daemon with the trainer as its supervised child.
+
+    start-up   the daemon's own (SIGTERM, and here SIGINT too, are notices from now on)
+    restore    the run's newest committed checkpoint (in any tier) into the watch dir,
+               unless a complete local one is as new (a rerun on the same node restores
+               nothing)
+    run        the trainer (``ckptd.supervision.supervisor``), the daemon's main loop beside it
+    end        - the trainer finished by itself, or was given up on: ship what is
+                 complete, exit with its code (``EXIT_GAVE_UP`` when given up on)
+               - a notice (SIGTERM, SIGINT, a cloud's): nothing is started again; the
+                 trainer is signalled (by the responder), its emergency checkpoint
+                 waited for and committed, then the trainer stopped; exit 0 when that
+                 checkpoint is committed, ``EXIT_FLUSH_FAILED`` when it is not
+               - a second SIGTERM/SIGINT: stop now (``EXIT_FLUSH_FAILED``)
+The trainer is never left running: whatever ends the daemon stops it first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ckptd.config import Settings
+from ckptd.core.errors import EXIT_FLUSH_FAILED, CkptdError
+from ckptd.core.manifest import ManifestError
+from ckptd.daemon.service import DRAIN_QUIET_SECONDS, Service
+from ckptd.notices.model import Notice, NoticeSource
+from ckptd.notices.sigterm import SigtermSource
+from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
+from ckptd.storage import StorageError
+from ckptd.storage.base import NotFoundError
+from ckptd.store.restore import RestoreError
+from ckptd.store.tiers import TierStore, newest_in_tiers, restore_from_tiers, tier_configs
+from ckptd.supervision.restarts import RestartPolicy
+from ckptd.supervision.supervisor import TrainerSupervisor
+
+# After its emergency checkpoint is committed, the trainer gets this long to exit by
+# itself (it usually has already) before SIGTERM, then as long again before SIGKILL.
+TRAINER_STOP_GRACE_SECONDS = 10.0
+
+
+class ExecError(CkptdError):
+    """``ckptd exec`` cannot start the trainer safely (exit 1)."""
+
+
+class SupervisedService(Service):
+    """One daemon supervising one trainer: ``await SupervisedService(...).serve()``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        command: Sequence[str],
+        *,
+        policy: RestartPolicy,
+        shutdown_timeout: float = 60.0,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        super().__init__(settings, shutdown_timeout=shutdown_timeout, clock=clock)
+        watch = settings.watch[0]  # exactly one: the CLI checks
+        self.run_id = watch.effective_run_id
+        self.watch_dir = Path(watch.dir)
+        env = {
+            **os.environ,
+            "CKPTD_RUN": self.run_id,
+            "CKPTD_WATCH_DIR": str(self.watch_dir),
+            "CKPTD_SIGNAL": settings.trainer.signal,
+        }
+        token = settings.http.token.get_secret_value()
+        if token:
+            env["CKPTD_TOKEN"] = token
+        self.supervisor = TrainerSupervisor(
+            command,
+            run_id=self.run_id,
+            env=env,
+            policy=policy,
+            metrics=self.metrics,
+            resume_point=lambda: self.newest_complete(self.run_id),
+            match=settings.trainer.match,
+            save_signal=settings.trainer.signal_number,
+            # Ship what it left at once: file events can be missed (a watch set up late).
+            on_exit=lambda: self.rescan(self.run_id),
+            on_restart=lambda cause: self.advisor.record_interruption(
+                "restart", cause, self.run_id
+            ),
+            clock=clock,
+        )
+        self.responder.trainer_pids = self.supervisor.trainer_pids
+        # Ctrl-C on a terminal is a notice too: the trainer saves before the end.
+        self.sigint_source = SigtermSource(
+            grace=shutdown_timeout, signum=signal.SIGINT, on_repeat=self.request_stop
+        )
+        self.noticed = asyncio.Event()
+        self.restored: dict[str, Any] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def serve(self) -> int:
+        try:
+            await self.startup()
+            return await self.exec_loop()
+        finally:
+            await self.supervisor.stop(TRAINER_STOP_GRACE_SECONDS)  # never left running
+            self.sigint_source.close()
+            await self.shutdown()
+
+    async def startup(self) -> None:
+        await super().startup()
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+        self.sigint_source.install()
+        if self.http_port is not None:
+            host = self.settings.metrics.host
+            host = "127.0.0.1" if host in ("", "0.0.0.0") else host
+            host = f"[{host}]" if ":" in host else host
+            self.supervisor.env["CKPTD_URL"] = f"http://{host}:{self.http_port}/v1/preemption"
+
+    async def exec_loop(self) -> int:
+        # Made now, so the watcher sees the trainer's first save as it happens.
+        self.watch_dir.mkdir(parents=True, exist_ok=True)
+        await self.restore_newest()
+        main = asyncio.create_task(self.main_loop(), name="main")
+        trainer = asyncio.create_task(self.supervisor.run(), name="trainer")
+        noticed = asyncio.ensure_future(self.noticed.wait())
+        stopped = asyncio.ensure_future(self.stop_event.wait())
+        try:
+            await asyncio.wait([trainer, noticed, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if self.noticed.is_set() and not self.stop_event.is_set():
+                code = await self._flush_on_notice(trainer)
+            elif trainer.done() and not self.stop_event.is_set():
+                code = trainer.result()
+                await self._drain_after_sigterm()  # ship what the trainer left complete
+            else:
+                code = EXIT_FLUSH_FAILED  # told to stop now: nothing was flushed on purpose
+        finally:
+            noticed.cancel()
+            stopped.cancel()
+            await self.supervisor.stop(TRAINER_STOP_GRACE_SECONDS)  # supervisor.run returns
+            self.stop_event.set()
+            await main
+            # Its result, or its error, was taken above; only its end is awaited here.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await trainer
+        self.log.info("exec_exit", code=code)
+        return code
+
+    # -- restore before the first start -----------------------------------------------
+
+    async def restore_newest(self) -> None:
+        """Restore the newest committed checkpoint into the watch dir, unless a complete
+        local one is as new. ExecError when the store cannot say what it holds: starting
+        the trainer from scratch would train over the run's history."""
+        local_path, local_step = await self.newest_complete(self.run_id)
+        # Every tier, in order: the newest step in any, from the first holding it.
+        stores = [
+            TierStore(t.name, t.health.storage, c)
+            for t, c in zip(self.tiers, tier_configs(self.settings), strict=True)
+        ]
+        try:
+            manifest, _ = await asyncio.to_thread(newest_in_tiers, stores, self.run_id, self.log)
+        except NotFoundError:
+            self.log.info("exec_nothing_to_restore", run=self.run_id, local=str(local_path))
+            return
+        except (StorageError, ManifestError) as exc:
+            raise ExecError(
+                f"cannot read run {self.run_id!r} from {self.storage.url}: {exc}; "
+                "fix the destination (or run the trainer without ckptd exec)"
+            ) from exc
+        if local_path is not None and (
+            local_path.name == manifest.checkpoint
+            or (
+                local_step is not None and manifest.step is not None and local_step >= manifest.step
+            )
+        ):
+            self.log.info(
+                "exec_restore_skipped", local=local_path.name, committed=manifest.checkpoint
+            )
+            self.restored = {"checkpoint": manifest.checkpoint, "skipped": True, "seconds": 0.0}
+            return
+        try:
+            done = await asyncio.to_thread(
+                functools.partial(
+                    restore_from_tiers,
+                    stores,
+                    self.run_id,
+                    manifest.checkpoint,
+                    self.watch_dir,
+                    if_missing=True,
+                    concurrency=self.settings.destination.concurrency,
+                    progress=False,
+                    # Authenticated checkpoints: refused before the trainer loads a byte.
+                    keys=self.settings.authentication.key_ring(),
+                )
+            )
+        except (RestoreError, StorageError, ManifestError) as exc:
+            raise ExecError(
+                f"restore of {self.run_id}/{manifest.checkpoint} failed: {exc}"
+            ) from exc
+        result = done.result
+        self.restored = {
+            "checkpoint": result.checkpoint,
+            "skipped": result.skipped,
+            "seconds": round(result.seconds, 3),
+            "bytes": result.total_bytes,
+        }
+        if not result.skipped:  # a fresh node: the run was interrupted somewhere
+            self.advisor.record_interruption("restore", manifest.checkpoint, self.run_id)
+        self.log.info("exec_restored", **self.restored)
+
+    # -- notices -------------------------------------------------------------------------
+
+    def _sources(self) -> list[NoticeSource]:
+        return [self.sigint_source, *super()._sources()]
+
+    async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
+        # Held first: a trainer that exits on the signal must not be started again.
+        self.supervisor.hold()
+        # The many-node rules (no echo of another node's notice) hold here too.
+        await self._respond(notice, source)
+        self.noticed.set()
+
+    async def _flush_on_notice(self, trainer: asyncio.Task[int]) -> int:
+        """Wait for the emergency checkpoint to be committed (or for it to be clear that
+        none is coming), then stop the trainer. 0 when committed, else EXIT_FLUSH_FAILED."""
+        response = self.responder.current
+        deadline = self.clock.monotonic() + self.shutdown_timeout
+        if response is not None:
+            left = response.notice.seconds_left(datetime.fromtimestamp(self.clock.time(), UTC))
+            if left is not None:
+                deadline = min(deadline, self.clock.monotonic() + left)
+        signalled = bool(response and response.pids)
+        quiet_since: float | None = None
+        committed = False
+        while self.clock.monotonic() < deadline and not self.stop_event.is_set():
+            if response is not None and response.done.is_set():
+                committed = True
+                break
+            if self.destination.refusal is not None:  # an unreachable store may return
+                self.log.error("exec_flush_impossible", error=self.destination.error)
+                break
+            # The trainer is gone and nothing is left to ship: no checkpoint is coming.
+            if (trainer.done() or not signalled) and self.pipeline.idle():
+                quiet_since = quiet_since or self.clock.monotonic()
+                if self.clock.monotonic() - quiet_since >= DRAIN_QUIET_SECONDS:
+                    committed = not signalled  # no trainer ran: all complete is committed
+                    break
+            else:
+                quiet_since = None
+            await asyncio.sleep(0.1)
+        if trainer.done() is False:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(trainer), TRAINER_STOP_GRACE_SECONDS)
+        await self.supervisor.stop(TRAINER_STOP_GRACE_SECONDS)
+        self.log.log(
+            20 if committed else 40,
+            "exec_preempted",
+            emergency_checkpoint=response.checkpoint if response else None,
+            committed=committed,
+        )
+        return 0 if committed else EXIT_FLUSH_FAILED
+
+    # -- what HTTP shows -----------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        body = super().status()
+        body["trainer"] = {**self.supervisor.status(), "restored": self.restored}
+        return body

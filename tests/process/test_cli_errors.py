@@ -1,0 +1,429 @@
+"""Errors a user meets end as one clean line and the documented exit code, never a traceback.
+
+The real CLI (``python -m ckptd``) against a ``file://`` destination laid out by hand:
+a committed checkpoint whose manifest is garbage, one whose manifest names ``../evil``,
+and a good one beside them. Also: every error class under ``ckptd/`` derives from
+``CkptdError`` unless it is internal control flow named in ``INTERNAL``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import inspect
+import json
+import os
+import pkgutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import ckptd
+import ckptd.core.errors
+from ckptd import __version__
+from ckptd.cli.main import DaemonUnreachableError, UsageError, build_parser, main
+from ckptd.config import ConfigError
+from ckptd.core import checksum
+from ckptd.core.errors import CkptdError
+from ckptd.core.manifest import MANIFEST_NAME, ManifestError, build_manifest
+from ckptd.devtools.locals3 import LocalS3
+from ckptd.storage.base import StorageError
+from ckptd.store.restore import RestoreError
+from ckptd.sync.commit import CommitConflictError
+from tests.daemon import run_cli
+
+NAME = "checkpoint-1"
+GOOD_RUN = "good"
+# What each corrupt run's one checkpoint holds as its manifest.
+CORRUPT = {
+    "garbage": b"{this is not json",
+    "evil": json.dumps(
+        {
+            "format": "ckptd.manifest/1",
+            "run_id": "evil",
+            "checkpoint": NAME,
+            "step": 1,
+            "layout": "hf",
+            "host": "node-1",
+            "created_at": "2024-01-01T00:00:00Z",
+            "committed_at": "2024-01-01T00:00:00Z",
+            "total_bytes": 5,
+            "files": [{"path": "../evil", "size": 5, "crc32c": "00000000"}],
+            "environment": {},
+        }
+    ).encode(),
+}
+
+# Exceptions that never reach a user: the pipeline catches them to change course.
+INTERNAL = {
+    "ckptd.sync.transfer.CheckpointChangedError",  # abandon the checkpoint, rescan later
+    "ckptd.sync.transfer.TransferPausedError",  # make way for an emergency checkpoint
+}
+
+
+@pytest.fixture()
+def dest(tmp_path: Path) -> Path:
+    """The store's root: one run per corrupt manifest (LATEST naming it), one good run."""
+    root = tmp_path / "store"
+    for run, manifest in CORRUPT.items():
+        (root / run / NAME).mkdir(parents=True)
+        (root / run / NAME / MANIFEST_NAME).write_bytes(manifest)
+        (root / run / "evil").write_bytes(b"pwned")  # where <run>/<NAME>/../evil points
+        (root / run / "LATEST").write_text(
+            json.dumps({"checkpoint": NAME, "step": 1, "manifest_crc32c": "00000000"})
+        )
+    data = b"hello"
+    (root / GOOD_RUN / NAME).mkdir(parents=True)
+    (root / GOOD_RUN / NAME / "weights.bin").write_bytes(data)
+    good = build_manifest(
+        run_id=GOOD_RUN,
+        checkpoint=NAME,
+        step=1,
+        layout="hf",
+        host="node-1",
+        created_at=0,
+        committed_at=0,
+        files=[("weights.bin", len(data), checksum.to_hex(checksum.crc32c(data)))],
+        environment={},
+    )
+    (root / GOOD_RUN / NAME / MANIFEST_NAME).write_bytes(good.to_bytes())
+    return root
+
+
+def _clean_failure(result: subprocess.CompletedProcess[str]) -> str:
+    """The one stderr line of a failed command, after checking it is exit 1 and no trace."""
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptd: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("run", sorted(CORRUPT))
+def test_verify_of_a_corrupt_manifest_is_one_line_and_exit_1(dest: Path, run: str) -> None:
+    result = run_cli("verify", "--dest", dest.as_uri(), "--run", run, "--checkpoint", NAME)
+    line = _clean_failure(result)
+    assert "invalid manifest" in line
+    assert f"{run}/{NAME}/{MANIFEST_NAME}" in line  # which object is at fault
+
+
+@pytest.mark.parametrize("run", sorted(CORRUPT))
+def test_verify_latest_skips_a_corrupt_manifest_and_says_nothing_is_committed(
+    dest: Path, run: str
+) -> None:
+    result = run_cli("verify", "--dest", dest.as_uri(), "--run", run, "--latest")
+    assert "no committed checkpoint" in _clean_failure(result)
+
+
+@pytest.mark.parametrize("run", sorted(CORRUPT))
+def test_restore_of_a_corrupt_manifest_is_refused_and_writes_nothing(
+    dest: Path, tmp_path: Path, run: str
+) -> None:
+    out = tmp_path / "out"
+    result = run_cli(
+        "restore", "--dest", dest.as_uri(), "--run", run, "--checkpoint", NAME, "--to", str(out)
+    )
+    line = _clean_failure(result)
+    assert line.startswith("ckptd: restore refused: invalid manifest"), line
+    assert not (out / NAME).exists()
+    assert list(out.glob(f"*{NAME}*")) == []  # no staging directory either
+    assert not (out / "evil").exists()
+
+
+def test_list_skips_corrupt_manifests_and_lists_the_rest(dest: Path) -> None:
+    result = run_cli("list", "--dest", dest.as_uri(), "--json")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    rows = json.loads(result.stdout)["checkpoints"]
+    assert [(r["run"], r["checkpoint"]) for r in rows] == [(GOOD_RUN, NAME)]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--concurrency", "-1"),
+        ("--concurrency", "many"),
+        ("--chunk-mib", "0"),
+        ("--chunk-mib", "-1"),
+        ("--chunk-mib", "many"),
+    ],
+)
+def test_restore_sizes_below_one_are_bad_usage_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, option: str, value: str
+) -> None:
+    argv = ["restore", "--dest", tmp_path.as_uri(), "--run", "r", "--latest"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--to", str(tmp_path / "out"), option, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: " in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_error_a_user_can_meet_derives_from_ckptd_error() -> None:
+    found: dict[str, type[BaseException]] = {}
+    for info in pkgutil.walk_packages(ckptd.__path__, "ckptd."):
+        if info.name == "ckptd.__main__":  # importing it runs the CLI
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError as exc:  # a trainer integration without its framework installed
+            if (exc.name or "").startswith("ckptd"):
+                raise
+            continue
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == info.name and issubclass(cls, BaseException):
+                found[f"{info.name}.{name}"] = cls
+    errors = {k for k in found if k.endswith("Error")}
+    assert not INTERNAL - errors, f"stale INTERNAL entries: {INTERNAL - errors}"
+    assert {k for k in errors - INTERNAL if not issubclass(found[k], CkptdError)} == set()
+    assert {k for k in INTERNAL if issubclass(found[k], CkptdError)} == set()
+    for key, cls in found.items():
+        if issubclass(cls, CkptdError):
+            assert cls.exit_code in (1, 2), key
+
+
+def test_exit_codes_of_the_error_classes() -> None:
+    codes = {
+        cls.__name__: cls.exit_code
+        for cls in (
+            ConfigError,
+            UsageError,
+            StorageError,
+            ManifestError,
+            RestoreError,
+            CommitConflictError,
+            DaemonUnreachableError,
+        )
+    }
+    assert codes == {
+        "ConfigError": 2,
+        "UsageError": 2,
+        "StorageError": 1,
+        "ManifestError": 1,
+        "RestoreError": 1,
+        "CommitConflictError": 1,
+        "DaemonUnreachableError": 1,
+    }
+    assert issubclass(ManifestError, ValueError)  # callers still catch it as one
+
+
+def test_the_errors_module_imports_nothing_so_every_module_may_import_it() -> None:
+    tree = ast.parse(Path(ckptd.core.errors.__file__).read_text())
+    imported = {
+        alias.name if isinstance(node, ast.Import) else node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert imported <= {"__future__", "typing"}
+
+
+def _options(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.Action]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{path} {name}")
+        elif action.option_strings:
+            yield path, action
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    missing = [
+        f"{path} {'/'.join(action.option_strings)}"
+        for path, action in _options(build_parser(), "ckptd")
+        if not action.help
+    ]
+    assert missing == []
+
+
+def test_short_version_flag_prints_the_version() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptd", "-V"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"ckptd {__version__}"
+
+
+def test_config_check_fails_where_run_would(tmp_path: Path) -> None:
+    """`config check` passes exactly what `ckptd run` accepts."""
+    env = {"CKPTD_METRICS__LISTEN": "127.0.0.1:0"}
+    no_dest = tmp_path / "no-dest.toml"
+    no_dest.write_text(f'[[watch]]\ndir = "{tmp_path / "run"}"\n')
+    no_watch = tmp_path / "no-watch.toml"
+    no_watch.write_text(f'[destination]\nurl = "file://{tmp_path / "store"}"\n')
+    whole = tmp_path / "whole.toml"
+    whole.write_text(no_dest.read_text() + no_watch.read_text())
+    for config, key in ((no_dest, "destination.url"), (no_watch, "watch")):
+        for command in (["config", "check"], ["run", "--once"]):
+            done = run_cli(*command, "--config", str(config), env=env)
+            assert done.returncode == 2, (command, done.stderr)
+            assert f"invalid config: {key}" in done.stderr, (command, done.stderr)
+            assert "Traceback" not in done.stderr
+    ok = run_cli("config", "check", "--config", str(whole), env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "[destination]" in ok.stdout and "note: no config file" not in ok.stderr
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = run_cli(
+            *("run", "--watch", str(tmp_path / "run"), "--dest", f"file://{tmp_path / 's'}"),
+            *("--state-dir", str(tmp_path / "state")),
+            env={"CKPTD_METRICS__LISTEN": f"127.0.0.1:{port}"},
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if not x.startswith("{")]
+    assert "metrics.listen" in line and "in use" in line and "Traceback" not in done.stderr
+
+
+def test_a_state_dir_that_cannot_be_made_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_bytes(b"")  # root may write anywhere, but not under a file
+    done = run_cli(
+        *("run", "--once", "--watch", str(tmp_path / "run"), "--dest", f"file://{tmp_path / 's'}"),
+        *("--state-dir", str(tmp_path / "a-file" / "state")),
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if not x.startswith("{")]
+    assert "state.dir" in line and str(tmp_path / "a-file") in line
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("case", "env", "bucket", "words"),
+    [
+        (
+            "wrong key",
+            {"AWS_ACCESS_KEY_ID": "nope", "AWS_SECRET_ACCESS_KEY": "nope"},
+            "ckpt",
+            "denied",
+        ),
+        ("no bucket", {}, "no-such-bucket", "does not exist"),
+        (
+            "no credentials",
+            {
+                "AWS_ACCESS_KEY_ID": None,
+                "AWS_SECRET_ACCESS_KEY": None,
+                "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                "AWS_CONFIG_FILE": "/nonexistent",
+                "AWS_EC2_METADATA_DISABLED": "true",
+            },
+            "ckpt",
+            "AWS_ACCESS_KEY_ID",  # says where credentials come from
+        ),
+    ],
+)
+@pytest.mark.parametrize("work", [True, False], ids=["a checkpoint to ship", "nothing to ship"])
+def test_once_ends_within_seconds_on_a_store_that_refuses_this_node(
+    tmp_path: Path,
+    local_s3: LocalS3,
+    case: str,
+    env: dict[str, str | None],
+    bucket: str,
+    words: str,
+    work: bool,
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    if work:
+        (run / "checkpoint-5").mkdir()
+        (run / "checkpoint-5" / "model.bin").write_bytes(b"weights")
+    environ = {**os.environ, **local_s3.env()}
+    for key, value in env.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "ckptd", "run", "--once", "--layout", "quiescent"),
+            *("--watch", str(run), "--dest", f"s3://{bucket}/x"),
+            *("--endpoint-url", local_s3.endpoint_url, "--state-dir", str(tmp_path / "state")),
+        ],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 1, (case, done.stderr[-2000:])
+    assert took < 20, f"{case}: --once took {took:.1f} s on a permanent error"
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckptd: ") and words in last, last
+    assert "Traceback" not in done.stderr
+
+
+def test_a_dead_endpoint_is_retried_aloud_and_bounded_by_max_attempts() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    done = run_cli(
+        *("list", "--dest", "s3://ckpt/x", "--endpoint-url", f"http://127.0.0.1:{port}"),
+        env={
+            "CKPTD_DESTINATION__MAX_ATTEMPTS": "3",
+            "AWS_ACCESS_KEY_ID": "a",
+            "AWS_SECRET_ACCESS_KEY": "b",
+        },
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    retries = [json.loads(x) for x in done.stderr.splitlines() if '"store_retry"' in x]
+    assert [r["attempt"] for r in retries] == ["1/3", "2/3"]
+    assert done.stderr.strip().splitlines()[-1].startswith("ckptd: ")
+    assert took < 30
+
+
+def test_restore_off_a_terminal_says_its_result_once(tmp_path: Path) -> None:
+    """One human line on stdout; nothing on stderr when all went well (no JSON line
+    repeating it); the same with --json gives one document and still a quiet stderr."""
+    from ckptd.storage import open_storage
+    from tests.integration.test_restore import commit_files
+
+    dest = f"file://{tmp_path / 'shared'}"
+    commit_files(open_storage(dest), "run", "ck-3", {"w.bin": os.urandom(3 * 2**20)}, step=3)
+    common = ("--dest", dest, "--run", "run", "--latest")
+    done = run_cli("restore", *common, "--to", str(tmp_path / "a"))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("restored run/ck-3") and "3.0 MiB" in line
+    as_json = run_cli("restore", *common, "--to", str(tmp_path / "b"), "--json")
+    assert as_json.returncode == 0 and as_json.stderr == ""
+    assert json.loads(as_json.stdout)["checkpoint"] == "ck-3"
+    # Asked for, the progress and the summary are logged too.
+    verbose = run_cli("restore", *common, "--to", str(tmp_path / "c"), "--log-level", "info")
+    assert "restore_done" in verbose.stderr
+
+
+def test_run_once_with_a_missing_watch_dir_says_so_and_exits_1(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-run"
+    done = run_cli(
+        "run",
+        "--once",
+        "--watch",
+        str(missing),
+        "--dest",
+        f"file://{tmp_path / 'store'}",
+        env={"CKPTD_STATE__DIR": str(tmp_path / "state"), "CKPTD_PREEMPTION__PROVIDER": "none"},
+    )
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("ckptd:")]
+    assert errors == [
+        f"ckptd: watch dir {missing} does not exist: nothing was shipped from it; "
+        "create it or fix [[watch]] dir"
+    ]
+    assert "watch_dir_missing" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,108 @@
+"""README's metric table is ckptd/runtime/metrics.py, row for row: name, type, labels and help text.
+
+And every ``ckptd_*`` name README and the Prometheus rules mention is one ckptd exports
+(the Grafana dashboard has its own check, tests/ops/test_ops_grafana.py).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from prometheus_client.metrics import MetricWrapperBase
+
+from ckptd.runtime.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PROMETHEUS = ROOT / "deploy" / "prometheus"
+# | `ckptd_name{label,label}` | type | help |
+ROW = re.compile(
+    r"^\|\s*`(?P<name>ckptd_[a-z0-9_]+)(?:\{(?P<labels>[a-z0-9_,]*)\})?`\s*"
+    r"\|\s*(?P<type>[a-z]+)\s*\|\s*(?P<help>.*?)\s*\|\s*$"
+)
+METRIC_NAME = re.compile(r"\bckptd_[a-z0-9_]+\b")
+SAMPLE_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gauge": ("",),
+}
+
+
+class Documented(NamedTuple):
+    """One metric as a user sees it: the exported name (``_total`` on counters)."""
+
+    name: str
+    type: str
+    labels: tuple[str, ...]
+    help: str
+
+
+def exported() -> dict[str, Documented]:
+    """Every metric family ``Metrics`` registers, by its exported name."""
+    metrics = Metrics()
+    # Label names are not in a family without samples; the wrapper objects hold them.
+    labels = {
+        w._name: tuple(w._labelnames)
+        for w in vars(metrics).values()
+        if isinstance(w, MetricWrapperBase)
+    }
+    out: dict[str, Documented] = {}
+    for family in metrics.registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        out[name] = Documented(name, family.type, labels[family.name], family.documentation)
+    return out
+
+
+def documented() -> dict[str, Documented]:
+    """README's metric table, by name; a name twice is a failure."""
+    out: dict[str, Documented] = {}
+    for line in README.read_text().splitlines():
+        m = ROW.match(line)
+        if m is None:
+            continue
+        labels = tuple(m["labels"].split(",")) if m["labels"] else ()
+        assert m["name"] not in out, f"README lists {m['name']} twice"
+        out[m["name"]] = Documented(m["name"], m["type"], labels, m["help"])
+    return out
+
+
+def sample_names() -> set[str]:
+    """Every series name a scrape of ckptd can show."""
+    return {
+        f"{family.name}{suffix}"
+        for family in Metrics().registry.collect()
+        for suffix in SAMPLE_SUFFIXES[family.type]
+    }
+
+
+def test_readme_table_lists_exactly_the_exported_metrics() -> None:
+    code, readme = exported(), documented()
+    assert len(readme) > 10, "README's metric table not found"
+    assert sorted(code.keys() - readme.keys()) == [], "exported but missing from README"
+    assert sorted(readme.keys() - code.keys()) == [], "in README but not exported"
+
+
+def test_readme_table_rows_match_type_labels_and_help_text() -> None:
+    code, readme = exported(), documented()
+    differ = {
+        name: {"code": code[name], "README": readme[name]}
+        for name in code.keys() & readme.keys()
+        if code[name] != readme[name]
+    }
+    assert differ == {}
+
+
+def test_every_metric_name_readme_mentions_is_exported() -> None:
+    # Prose may name a histogram by its family, as the table does.
+    known = sample_names() | exported().keys()
+    assert set(METRIC_NAME.findall(README.read_text())) - known == set()
+
+
+@pytest.mark.parametrize(
+    "path", sorted(PROMETHEUS.glob("*.yml")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_every_series_the_prometheus_rules_query_is_exported(path: Path) -> None:
+    assert set(METRIC_NAME.findall(path.read_text())) - sample_names() == set()
