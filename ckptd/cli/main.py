@@ -1,6 +1,6 @@
 """Command-line parsing only: every command calls into the modules that do the work.
 
-Exit codes (DESIGN.md, "CLI"): 0 success; 1 the operation failed (mismatch, daemon
+Exit codes (docs/design.md, "CLI"): 0 success; 1 the operation failed (mismatch, daemon
 unreachable, nothing committed); 2 bad usage or invalid config, with the key named.
 A command returns 0 or 1 for what it checked, and raises a ``CkptdError`` for what went
 wrong; ``main`` alone turns that into ``ckptd: <message>`` on stderr and the error's exit

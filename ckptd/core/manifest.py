@@ -97,7 +97,7 @@ class ManifestFile(BaseModel):
 
 
 class Manifest(BaseModel):
-    """``ckptd.manifest.json`` (DESIGN.md, "Remote layout and manifest")."""
+    """``ckptd.manifest.json`` (docs/design.md, "Remote layout and manifest")."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -112,7 +112,7 @@ class Manifest(BaseModel):
     total_bytes: int = Field(ge=0)
     files: list[ManifestFile]
     environment: dict[str, str] = Field(default_factory=dict)
-    # Many nodes (DESIGN.md "Many nodes, one checkpoint"): how many nodes' parts this
+    # Many nodes (docs/design.md "Many nodes, one checkpoint"): how many nodes' parts this
     # manifest joins, and the save they all answered. Absent (None) on one node.
     nodes: int | None = Field(default=None, ge=1)
     save: str | None = None

@@ -1,5 +1,5 @@
 """The HTTP surface: ``/metrics``, ``/healthz``, ``/readyz``, ``/v1/status``,
-``/v1/preemption``, ``/v1/advice`` (DESIGN.md, "HTTP"; "Checkpoint cadence advice"). Loopback by default; an optional bearer token
+``/v1/preemption``, ``/v1/advice`` (docs/design.md, "HTTP"; "Checkpoint cadence advice"). Loopback by default; an optional bearer token
 guards ``/v1/*``."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ warns, so an old ``.metadata`` can sit beside new shards being written. A commit
 newer than ``.metadata`` means a re-save is in progress.
 
 On node-local disks only the coordinator's node gets ``.metadata``; the other nodes' shards
-are never complete by this rule alone (see DESIGN.md "Many nodes, one checkpoint").
+are never complete by this rule alone (see docs/design.md "Many nodes, one checkpoint").
 """
 
 from __future__ import annotations

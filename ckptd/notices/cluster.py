@@ -2,7 +2,7 @@
 
 With ``cluster.nodes > 1`` the ranks of one job save together (a DCP or ZeRO save is a
 collective): a notice that reaches one node must make every node's trainer save, or the
-save never meets. No daemon talks to another; the store carries it (DESIGN.md, "Many
+save never meets. No daemon talks to another; the store carries it (docs/design.md, "Many
 nodes, one checkpoint"):
 
     publish  a notice of this node's own (cloud, SIGTERM, ``ckptd drill``) is written to

@@ -1,5 +1,5 @@
 """Every Prometheus metric ckptd exports, with its help text. Names are a contract
-(DESIGN.md, "HTTP"); labelled by ``run`` where it applies.
+(docs/design.md, "HTTP"); labelled by ``run`` where it applies.
 
 A ``Metrics`` owns its own registry so tests (and several daemons in one process)
 never share counters. Counters an alert takes ``increase()`` of have closed label sets,

@@ -1,7 +1,7 @@
 """Save on the daemon's advised interval instead of a fixed step count (opt-in).
 
 The daemon publishes, per run, how much training time to leave between checkpoints
-(DESIGN.md, "Checkpoint cadence advice"): in ``<watch dir>/.ckptd/advice.json``, and at
+(docs/design.md, "Checkpoint cadence advice"): in ``<watch dir>/.ckptd/advice.json``, and at
 ``GET /v1/advice``. :class:`AdvisedCadence` reads it, from the file when there is one, else
 over HTTP in a background thread (``CKPTD_URL``'s daemon), and re-reads it as it changes;
 :meth:`AdvisedCadence.due` says whether a save is due now. It also tells the daemon what

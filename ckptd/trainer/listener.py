@@ -1,6 +1,6 @@
 """Learn, inside the trainer process, that the daemon has seen a preemption notice.
 
-The daemon announces a notice three ways (DESIGN.md, "Trainer signalling"): it writes
+The daemon announces a notice three ways (docs/design.md, "Trainer signalling"): it writes
 ``<watch dir>/.ckptd/preemption.json``, sends a signal (``SIGUSR1`` by default) to the
 trainer, and answers ``GET /v1/preemption``. :class:`PreemptionListener` listens on any of
 them; ``preempted()`` is cheap enough to call on every training step.

@@ -1,7 +1,7 @@
 """An independent judge of what a store holds after a fault: nothing of ckptd's code.
 
 It has its own boto3 client, computes CRC-32C with the ``crc32c`` package (ckptd uses
-awscrt's), reads the manifest as plain JSON by the layout DESIGN.md documents
+awscrt's), reads the manifest as plain JSON by the layout docs/design.md documents
 (``<prefix>/<run>/<name>/ckptd.manifest.json``, ``<prefix>/<run>/LATEST``), and compares
 what is committed with the files the campaign wrote. A bug shared by ckptd's checksum,
 parser and checker cannot hide here: only the documented format is shared.

@@ -19,7 +19,7 @@ SUFFIXES = {
     "gauge": ("",),
     "summary": ("", "_sum", "_count", "_created"),
 }
-# What the issue asks the dashboard to show (DESIGN.md "HTTP" names).
+# What the issue asks the dashboard to show (docs/design.md "HTTP" names).
 REQUIRED = {
     "ckptd_sync_lag_seconds",
     "ckptd_upload_bytes_total",
