@@ -310,7 +310,8 @@ class RetentionConfig(TierRetentionConfig):
 class TierConfig(DestinationConfig):
     """One further destination (``[[tiers]]``), committed and retained on its own; the
     same keys as ``[destination]`` (``url`` and ``name`` required) and its own
-    ``[tiers.retention]``. Order is restore preference: fastest first."""
+    ``[tiers.retention]``. Order is restore preference: fastest first. Each tier needs its
+    own name and url, and tiers are not supported with ``cluster.nodes`` > 1 yet."""
 
     name: str = Field(
         description="The tier's name, unique among the tiers and `[destination]`: a metric "
