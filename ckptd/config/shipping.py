@@ -69,8 +69,8 @@ class WatchConfig(Section):
         default=2.0,
         ge=0,
         allow_inf_nan=False,
-        description="Quiet window for the layouts without a marker file (hf, deepspeed, "
-        "megatron, lightning).",
+        description="The quiet window (no file changed) a checkpoint of layout hf, "
+        "deepspeed, megatron, lightning or orbax must also show to count as complete.",
     )
     marker: str = Field(
         default="COMPLETE",
@@ -296,14 +296,15 @@ class TierRetentionConfig(Section):
 
 
 class RetentionConfig(TierRetentionConfig):
-    """The first destination's retention, and the node's local one (0 = never delete,
+    """What the first destination keeps, by the rules of ``[tiers.retention]`` (a checkpoint
+    is kept when any rule keeps it), and the node's local retention (0 = never delete,
     opt-in): local checkpoints are node-wide, so only ``[retention]`` has that key."""
 
     local_keep_last: int = Field(
         default=0,
         ge=0,
-        description="Delete local checkpoints beyond the newest this many, only once every "
-        "tier has committed them; 0 = never delete.",
+        description="Delete local checkpoints beyond the newest this many, only ones every "
+        "tier has committed, never the newest; 0 = never delete.",
     )
 
 
