@@ -76,8 +76,8 @@ keep_last = 0
 keep_within = "30d"
 """
 
-#: What ``ckptd config check`` says with ``ERROR_EXAMPLE_FILE`` and
-#: ``ERROR_EXAMPLE_ENVIRONMENT``; the reference test loads them and compares.
+#: The ConfigError of ``ERROR_EXAMPLE_FILE`` with ``ERROR_EXAMPLE_ENVIRONMENT`` (the CLI
+#: prints it after "ckptd: "); the reference test loads them and compares.
 ERROR_EXAMPLE_FILE = "[destination]\npart_size_mib = 1\n"
 ERROR_EXAMPLE_ENVIRONMENT = {"CKPTD_DESTINATON__URL": "s3://b/p"}
 ERROR_EXAMPLE = """\
@@ -94,7 +94,7 @@ ckptd/config/reference.py, and regenerate; tests/unit/test_config_reference.py f
 when this page differs. -->
 
 ckptd reads one TOML file, the `CKPTD_*` environment and a few command-line flags, merges
-them and validates the result once. `ckptd --config PATH config check` prints the
+them and validates the result once. `ckptd config check --config PATH` prints the
 effective configuration as TOML (secrets as `"***"`) and fails, exit 2, exactly where
 `ckptd run` would: a bad value, an unknown key, no destination or no watch directory.
 
@@ -125,8 +125,8 @@ concerns, with the closest known key for a misspelt one and the variable a bad v
 came from:
 
 ```text
-$ CKPTD_DESTINATON__URL=s3://b/p ckptd --config bad.toml config check
-{ERROR_EXAMPLE}
+$ CKPTD_DESTINATON__URL=s3://b/p ckptd config check --config bad.toml
+ckptd: {ERROR_EXAMPLE}
 ```
 
 Secrets are never echoed: `http.token` is shown as `"***"`, a value given for it is not
