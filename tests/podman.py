@@ -5,8 +5,8 @@ No image registry is reachable from CI machines, but Debian's mirror is: the bas
 is a ``debootstrap --variant=minbase`` Debian bookworm with Python 3.11, imported into
 podman's local store under :data:`BASE_IMAGE` and reused by every later run (a cold
 build takes a few minutes; delete the image to rebuild it). ckptd and its dependencies
-are installed in the image from wheels built on the host (``pip wheel``), as README's
-Docker section tells users to do.
+are installed in the image from wheels built on the host (``pip wheel``), as
+docs/operations.md ("Docker sidecar") tells users to do.
 
 This host has hybrid cgroups, on which crun fails, and refuses podman's default
 ulimits: containers run with ``--runtime runc`` and :func:`containers_conf` (the
@@ -123,7 +123,7 @@ def ensure_base_image(tag: str = BASE_IMAGE) -> str:
 
 
 def build_wheels(source: Path, wheel_dir: Path) -> list[Path]:
-    """ckptd and every dependency as wheels, built on the host (README's first step)."""
+    """ckptd and every dependency as wheels, built on the host (the first step in docs/operations.md, "Docker sidecar")."""
     import sys
 
     wheel_dir.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,7 @@ def _dependency_wheels() -> Path:
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The ckptd image, from deploy/Dockerfile on the debootstrap base, as README says:
+    """The ckptd image, from deploy/Dockerfile on the debootstrap base, as docs/operations.md says:
     wheels built on the host into dist/, then the build."""
     base = podman.ensure_base_image()
     context = tmp_path_factory.mktemp("image-context")

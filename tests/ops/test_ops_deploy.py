@@ -118,8 +118,8 @@ def test_dockerfile_passes_hadolint() -> None:
 
 
 def test_dockerignore_lets_through_exactly_the_wheels(tmp_path: Path) -> None:
-    """The context the Dockerfile COPYs (dist/, after README's ``pip wheel --wheel-dir
-    dist .``) is all .dockerignore lets through; tests/ops/test_container.py builds it."""
+    """The context the Dockerfile COPYs (dist/, after docs/operations.md's ``pip wheel
+    --wheel-dir dist .``) is all .dockerignore lets through; tests/ops/test_container.py builds it."""
     ignore = [
         line
         for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()

@@ -114,7 +114,7 @@ def layer_of(module: str) -> int | None:
 
 def test_every_module_has_a_layer() -> None:
     missing = [m for m in MODULES if not m.startswith(TRAINER) and layer_of(m) is None]
-    assert missing == [], f"add these to LAYERS (and README's drawing): {missing}"
+    assert missing == [], f"add these to LAYERS (and docs/development.md's drawing): {missing}"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith(TRAINER)))
