@@ -23,7 +23,7 @@ from ckptd.store import repository as repo
 from ckptd.trainer.cadence import ADVICE_RELPATH, SAVES_RELPATH
 from ckptd.trainer.listener import NOTICE_RELPATH
 from tests.unit.test_design_recipes import ROOT, design_text, section
-from tests.unit.test_layers import LAYERS
+from tests.unit.test_layers import LAYERS, PURE_FORBIDDEN
 
 # The sections the code cites, and those the design must have whatever cites them.
 REQUIRED = (
@@ -75,6 +75,11 @@ def test_the_design_has_the_section(title: str) -> None:
     assert title in headings()
 
 
+def test_the_pure_layers_forbidden_imports_are_test_layers() -> None:
+    for name in PURE_FORBIDDEN:
+        assert f"`{name}`" in section("Layers"), name
+
+
 def test_the_layers_table_is_test_layers_LAYERS() -> None:
     rows = re.findall(r"^\| ([a-z ]+?) \| (`.*`) \|$", section("Layers"), flags=re.M)
     documented = [(name, tuple(re.findall(r"`([^`]+)`", modules))) for name, modules in rows]
@@ -109,6 +114,7 @@ def test_every_format_name_is_the_codes() -> None:
     ):
         assert f"`{name}`" in text, name
     assert repr(manifest.SIGNATURE_DOMAIN).replace("'", '"') in section("Signature")
+    assert f"the {len(manifest.SIGNATURE_DOMAIN)} bytes" in section("Signature")
     assert f"at least {signing.MIN_KEY_BYTES} bytes" in section("Signature")
     assert f"younger than {repo.LEASE_TTL_SECONDS:.0f} s" in section(
         "Objects and their write order"

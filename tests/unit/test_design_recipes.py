@@ -93,6 +93,7 @@ def recipe_digest(data: bytes) -> str:
     domain = bytes_literal(recipe, r"digest")
     block = int(quoted(r"bytes\[i \* (\d+) :", recipe))
     assert block == MiB, "the recipe's block is 1 MiB"
+    assert f"the domain string, {len(domain)} bytes" in recipe
     top = blake3(domain)
     top.update(len(data).to_bytes(8, "big"))
     for start in range(0, len(data), block):
