@@ -16,14 +16,12 @@ import pytest
 
 from ckptd.cadence.model import HISTORY_FORMAT
 from ckptd.cluster import protocol
-from ckptd.core import errors, manifest, signing
+from ckptd.core import errors, handoff, manifest, signing
 from ckptd.runtime import instance
 from ckptd.runtime.metrics import Metrics
 from ckptd.store import repository as repo
-from ckptd.trainer.cadence import ADVICE_RELPATH, SAVES_RELPATH
-from ckptd.trainer.listener import NOTICE_RELPATH
 from tests.unit.test_design_recipes import ROOT, design_text, section
-from tests.unit.test_layers import LAYERS, PURE_FORBIDDEN
+from tests.unit.test_layers import LAYERS, PURE_FORBIDDEN, TRAINER_MAY_IMPORT
 
 # The sections the code cites, and those the design must have whatever cites them.
 REQUIRED = (
@@ -57,7 +55,9 @@ def citations() -> dict[str, set[str]]:
         if not path.exists() or path.name in ("design.md", *OWN_FILES):
             continue
         text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", path.read_text(encoding="utf-8"))
-        for cited in re.finditer(r'design\.md(?:\'s)?,?\s+((?:"[^"]+"[;,]?\s*)+)', text):
+        # design.md "X", design.md, "X", design.md's "X", [design.md](design.md), "X"
+        pattern = r'design\.md\)?(?:\'s)?,?\s+((?:"[^"]+"[;,]?\s*)+)'
+        for cited in re.finditer(pattern, text):
             for title in re.findall(r'"([^"]+)"', cited.group(1)):
                 found.setdefault(title, set()).add(str(path.relative_to(ROOT)))
     return found
@@ -147,9 +147,11 @@ def test_the_exit_codes_are_the_codes() -> None:
 
 def test_the_trainer_files_are_the_ones_both_sides_use() -> None:
     files = section("Trainer signalling")
-    for relpath in (NOTICE_RELPATH, ADVICE_RELPATH, SAVES_RELPATH, instance.WATCH_LOCK):
-        assert relpath.parts[0] == ".ckptd"
+    for relpath in (handoff.NOTICE, handoff.ADVICE, handoff.SAVES, handoff.DAEMON_LOCK):
+        assert relpath.parent == handoff.DIR == Path(".ckptd")
         assert f"| `{relpath.name}` |" in files, relpath
+    assert "`ckptd.core.handoff`" in files
+    assert f"but `{TRAINER_MAY_IMPORT}`" in section("Layers")
     assert f"`<state dir>/{instance.STATE_LOCK}`" in section("Local state")
 
 
