@@ -44,7 +44,7 @@ from ckptd.notices.gcp import GcpMetadataSource
 from ckptd.notices.model import Notice
 from ckptd.storage import open_storage
 from ckptd.store.repository import Repository
-from ckptd.store.restore import restore
+from ckptd.store.restore import RestoreRequest, restore
 from ckptd.store.verify import verify_checkpoint
 from tests.campaigns.checker import crc_hex
 from tests.campaigns.env import BUCKET, Stage, table
@@ -384,7 +384,8 @@ class StoreFuzz:
 
         def restore_and_verify() -> None:
             restore(
-                self.storage, RUN, name, target, concurrency=2, progress=False, take_lease=False
+                self.storage,
+                RestoreRequest(RUN, name, target, concurrency=2, progress=False, take_lease=False),
             )
             manifest = Repository(self.storage).read_manifest(RUN, name)
             if manifest is not None:
@@ -407,7 +408,8 @@ class StoreFuzz:
             self.latest_row,
             target,
             lambda: restore(
-                self.storage, run, None, target, concurrency=2, progress=False, take_lease=False
+                self.storage,
+                RestoreRequest(run, None, target, concurrency=2, progress=False, take_lease=False),
             ),
         )
 

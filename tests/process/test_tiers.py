@@ -286,6 +286,7 @@ def test_restore_takes_the_newest_step_from_the_first_tier_and_skips_a_tampered_
 def test_restore_passes_over_a_tier_that_cannot_be_reached(tmp_path: Path) -> None:
     from ckptd.config import DestinationConfig
     from ckptd.storage import StorageError, open_storage
+    from ckptd.store.restore import RestoreRequest
     from ckptd.store.tiers import TierStore, restore_from_tiers
     from tests.integration.test_retention_age import commit_aged
 
@@ -299,13 +300,15 @@ def test_restore_passes_over_a_tier_that_cannot_be_reached(tmp_path: Path) -> No
     good = TierStore("nfs", open_storage(good_url), DestinationConfig(url=good_url, name="nfs"))
     commit_aged(good.storage, RUN, 100, 1_780_000_000.0)
 
-    done = restore_from_tiers([dead, good], RUN, None, tmp_path / "out", progress=False)
+    done = restore_from_tiers(
+        [dead, good], RestoreRequest(RUN, None, tmp_path / "out", progress=False)
+    )
     assert (done.tier, done.result.checkpoint) == ("nfs", "checkpoint-100")
     assert (tmp_path / "out" / "checkpoint-100" / "model.bin").stat().st_size == 96
     # Only unreachable tiers: the store's error, never "nothing to restore" (a fresh
     # node would train over the run's history).
     with pytest.raises(StorageError):
-        restore_from_tiers([dead], RUN, None, tmp_path / "out2", progress=False)
+        restore_from_tiers([dead], RestoreRequest(RUN, None, tmp_path / "out2", progress=False))
     assert not (tmp_path / "out2" / "checkpoint-100").exists()
 
 
