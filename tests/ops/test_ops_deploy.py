@@ -25,8 +25,8 @@ import pytest
 import yaml
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import run_cli, wait_until
-from tests.ops_helpers import DEPLOY, hf_daemon, tool
+from tests.support.daemon import run_cli, wait_until
+from tests.support.ops import DEPLOY, hf_daemon, tool
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "docker-compose.yml"
@@ -327,7 +327,7 @@ def test_pod_restore_script_starts_fresh_restores_and_fails_on_a_broken_store(
     assert fresh.returncode == 0, fresh.stderr
     assert "starting fresh" in fresh.stdout
     # A committed checkpoint (ckptd run --once), then the restore brings it back.
-    from tests.writers import local_files, write_hf
+    from tests.support.writers import local_files, write_hf
 
     local = write_hf(watch, 10)
     once = subprocess.run(

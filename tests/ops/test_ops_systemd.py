@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import wait_until
-from tests.ops_helpers import SYSTEMD, hf_daemon, tool
-from tests.writers import write_hf
+from tests.support.daemon import wait_until
+from tests.support.ops import SYSTEMD, hf_daemon, tool
+from tests.support.writers import write_hf
 
 UNIT = SYSTEMD / "ckptd.service"
 MAX_EXPOSURE = 2.0  # systemd-analyze security: 0 (locked down) .. 10 (unprotected)
