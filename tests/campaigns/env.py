@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptd.devtools.locals3 import LocalS3
 from tests.campaigns.checker import StoreChecker
-from tests.faultproxy import FaultProxy
+from tests.support.faultproxy import FaultProxy
 
 BUCKET = "ckpt"
 MiB = 1 << 20

@@ -8,7 +8,7 @@
   Allowed outcomes: the documented errors (``CkptdError``: ManifestError, StorageError,
   RestoreError); anything else is a crash. Every write must stay inside ``DIR``.
 - metadata answers for each cloud's notice source, served by the loopback fakes
-  (``tests/fakes``): bodies that are not a notice by the provider's documentation must
+  (``tests/support/fakes``): bodies that are not a notice by the provider's documentation must
   never be taken for one, and nothing may raise. Azure documents are also generated
   well-formed, and must then give exactly the notices the documentation says.
 A source that is simply broken would pass "no false notices", so each cloud's run
@@ -48,9 +48,9 @@ from ckptd.store.restore import RestoreRequest, restore
 from ckptd.store.verify import verify_checkpoint
 from tests.campaigns.checker import crc_hex
 from tests.campaigns.env import BUCKET, Stage, table
-from tests.fakes.aws_imds import FakeAwsImds
-from tests.fakes.azure_metadata import FakeAzureMetadata
-from tests.fakes.gcp_metadata import FakeGcpMetadata
+from tests.support.fakes.aws_imds import FakeAwsImds
+from tests.support.fakes.azure_metadata import FakeAzureMetadata
+from tests.support.fakes.gcp_metadata import FakeGcpMetadata
 
 RUN = "run"
 

@@ -30,7 +30,7 @@ from ckptd.store.restore import RestoreError, RestoreRequest, restore
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from tests.conftest import BUCKET
-from tests.daemon import Daemon, run_cli, wait_until
+from tests.support.daemon import Daemon, run_cli, wait_until
 
 MiB = 1024 * 1024
 RUN = "run"
@@ -455,8 +455,8 @@ async def test_many_nodes_parts_carry_digests_and_the_union_is_signed(tmp_path: 
 async def test_exec_restores_only_a_signed_checkpoint_before_the_trainer_starts(
     setup: Setup, tmp_path: Path, signed: bool
 ) -> None:
-    from tests.e2e.exec_harness import ExecNode
-    from tests.e2e.harness import RUN_ID, Env
+    from tests.support.exec_harness import ExecNode
+    from tests.support.harness import RUN_ID, Env
 
     assert RUN_ID == RUN
     key = setup.key("k1")

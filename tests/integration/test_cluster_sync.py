@@ -33,7 +33,7 @@ from ckptd.store.retention import apply_retention
 from ckptd.sync.commit import commit
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
-from tests.writers import local_files, write_bytes
+from tests.support.writers import local_files, write_bytes
 
 RUN = "run"
 KiB = 1024

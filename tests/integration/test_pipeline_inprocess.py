@@ -18,7 +18,7 @@ from ckptd.storage import open_storage
 from ckptd.store.repository import Repository
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
-from tests.fakes import wait_until
+from tests.support.fakes import wait_until
 
 MiB = 1024 * 1024
 PART = 5 * MiB

@@ -37,9 +37,9 @@ from ckptd.store.retention import apply_retention
 from ckptd.store.verify import verify_checkpoint
 from ckptd.sync.commit import commit
 from ckptd.sync.scanner import snapshot
-from tests.daemon import run_cli, wait_until, write_config
-from tests.faultproxy import FaultProxy
-from tests.writers import local_files, write_bytes, write_dcp, write_deepspeed, write_hf
+from tests.support.daemon import run_cli, wait_until, write_config
+from tests.support.faultproxy import FaultProxy
+from tests.support.writers import local_files, write_bytes, write_dcp, write_deepspeed, write_hf
 
 MiB = 1024 * 1024
 BUCKET = "ckpt"

@@ -38,9 +38,9 @@ import pytest
 import yaml
 
 from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
-from tests import podman
-from tests.daemon import wait_until
-from tests.ops_helpers import DEPLOY, REPO
+from tests.support import podman
+from tests.support.daemon import wait_until
+from tests.support.ops import DEPLOY, REPO
 
 pytestmark = [
     pytest.mark.container,

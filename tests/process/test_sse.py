@@ -33,8 +33,8 @@ from ckptd.store.verify import verify_checkpoint
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from tests.conftest import BUCKET
-from tests.daemon import run_cli
-from tests.faultproxy import FaultProxy, RequestRecord
+from tests.support.daemon import run_cli
+from tests.support.faultproxy import FaultProxy, RequestRecord
 
 MiB = 1024 * 1024
 SSE_HEADER = "x-amz-server-side-encryption"

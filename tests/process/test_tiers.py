@@ -21,8 +21,8 @@ import pytest
 
 from ckptd.devtools.locals3 import LocalS3, free_port
 from tests.conftest import BUCKET
-from tests.daemon import Daemon, committed_manifest, run_cli, wait_until
-from tests.faultproxy import FaultProxy
+from tests.support.daemon import Daemon, committed_manifest, run_cli, wait_until
+from tests.support.faultproxy import FaultProxy
 
 RUN = "run"
 SECOND_BUCKET = "ckpt-tier2"
@@ -362,7 +362,7 @@ async def test_a_further_tier_starts_nothing_while_the_first_is_in_emergency(
 
     from ckptd.config import load_settings
     from ckptd.daemon.service import Service
-    from tests.fakes import wait_until as async_wait_until
+    from tests.support.fakes import wait_until as async_wait_until
 
     watch, state = tmp_path / "watch", tmp_path / "state"
     watch.mkdir()

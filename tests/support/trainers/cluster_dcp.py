@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 import ckptd.trainer
-from tests.e2e.trainers.common import hang_forever, write_json
+from tests.support.trainers.common import hang_forever, write_json
 
 FEATURES = 16
 HIDDEN = 64

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ckptd.trainer
 from ckptd.trainer.state import ResumableSampler, load_training_state, save_training_state
-from tests.e2e.trainers.common import (
+from tests.support.trainers.common import (
     Reporter,
     deterministic,
     hang_forever,

@@ -3,8 +3,8 @@
 themselves ready, record the signal when it comes and exit 0. Exits with the ranks'
 worst code.
 
-    python -m tests.trainers.launcher_like DIR          # the launcher
-    python -m tests.trainers.launcher_like DIR --rank I  # one rank (started by it)
+    python -m tests.support.trainers.launcher_like DIR          # the launcher
+    python -m tests.support.trainers.launcher_like DIR --rank I  # one rank (started by it)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main() -> None:
         rank(directory / f"rank{sys.argv[sys.argv.index('--rank') + 1]}")
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    me = [sys.executable, "-m", "tests.trainers.launcher_like", str(directory)]
+    me = [sys.executable, "-m", "tests.support.trainers.launcher_like", str(directory)]
     ranks = [subprocess.Popen([*me, "--rank", str(i)]) for i in (0, 1)]
     sys.exit(max(r.wait() for r in ranks))
 

@@ -1,4 +1,4 @@
-"""``ckptd exec`` around a real trainer of ``tests/e2e/trainers``: start it, read its
+"""``ckptd exec`` around a real trainer of ``tests/support/trainers``: start it, read its
 progress, kill the trainer (``kill -9``) at chosen steps, and measure what a restart costs.
 
 Shared by ``tests/process/test_exec.py`` and ``bench/bench_exec.py``. One ``ExecNode`` is one
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.devtools.locals3 import free_port
-from tests.daemon import wait_until
-from tests.e2e.harness import RUN_ID, Env, TrainerSpec
-from tests.trainers.procs import script_env
+from tests.support.daemon import wait_until
+from tests.support.harness import RUN_ID, Env, TrainerSpec
+from tests.support.trainers.procs import script_env
 
 
 def trainer_command(spec: TrainerSpec, node: Path, *, step_delay: float | None = None) -> list[str]:

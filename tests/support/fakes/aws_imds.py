@@ -36,7 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.fakes import FakeServer
+from tests.support.fakes import FakeServer
 
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"

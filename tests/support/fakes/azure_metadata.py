@@ -36,7 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.fakes import FakeServer
+from tests.support.fakes import FakeServer
 
 API_VERSIONS = frozenset({"2017-08-01", "2019-08-01", "2020-07-01", "2021-02-01", "2023-07-01"})
 

@@ -33,16 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.layouts.base import step_of
-from tests.daemon import Daemon, wait_until
-from tests.fakes.aws_imds import FakeAwsImds
-from tests.trainers.procs import script_env
+from tests.support.daemon import Daemon, wait_until
+from tests.support.fakes.aws_imds import FakeAwsImds
+from tests.support.trainers.procs import script_env
 
 RUN_ID = "run"
 
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    """A trainer script of ``tests/e2e/trainers`` and how to drive it."""
+    """A trainer script of ``tests/support/trainers`` and how to drive it."""
 
     name: str
     module: str
@@ -56,7 +56,7 @@ class TrainerSpec:
 
 PLAIN = TrainerSpec(
     name="pytorch-dcp",
-    module="tests.e2e.trainers.plain_dcp",
+    module="tests.support.trainers.plain_dcp",
     max_steps=150,
     save_every=10,
     step_delay=0.01,
@@ -65,7 +65,7 @@ PLAIN = TrainerSpec(
 )
 HF = TrainerSpec(
     name="hf-trainer",
-    module="tests.e2e.trainers.hf_gpt2",
+    module="tests.support.trainers.hf_gpt2",
     # Room for a notice that lands late: an idle machine runs ~30 steps of this trainer
     # between the notice and the emergency save, and the next segment still needs a
     # whole save interval and more before its end (run_interrupted's plan).
@@ -78,7 +78,7 @@ HF = TrainerSpec(
 
 LIGHTNING = TrainerSpec(
     name="lightning",
-    module="tests.e2e.trainers.lightning_mc",
+    module="tests.support.trainers.lightning_mc",
     max_steps=100,
     save_every=10,
     step_delay=0.01,

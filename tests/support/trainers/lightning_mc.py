@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ckptd.layouts.base import step_of
 from ckptd.trainer.lightning import CkptdLightningCallback
 from ckptd.trainer.state import ResumableSampler, capture_rng_state, restore_rng_state
-from tests.e2e.trainers.common import (
+from tests.support.trainers.common import (
     Reporter,
     deterministic,
     hang_forever,

@@ -11,7 +11,7 @@ from types import FrameType
 import pytest
 
 from ckptd.notices.sigterm import SigtermSource
-from tests.fakes import Collector, wait_until
+from tests.support.fakes import Collector, wait_until
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed
 import torch
 
-from tests.e2e.trainers.common import write_json
+from tests.support.trainers.common import write_json
 
 
 def options() -> argparse.Namespace:

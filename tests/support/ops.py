@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import Daemon
+from tests.support.daemon import Daemon
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 SYSTEMD = REPO / "systemd"
 

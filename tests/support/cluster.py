@@ -4,7 +4,7 @@ Node ``k`` of a cluster is ``<work>/node-k/`` holding ``run/`` (its local checkp
 the dir its daemon watches) and ``state/`` (its daemon's journal). Each node has its own
 ``ckptd run`` with ``[cluster] nodes = N, node_rank = k``, its own HTTP port and state dir;
 all write to one destination (the SeaweedFS fixture) under one run id. The trainer is
-:mod:`tests.e2e.trainers.cluster_dcp`: ``ranks_per_node`` processes per node over gloo, as
+:mod:`tests.support.trainers.cluster_dcp`: ``ranks_per_node`` processes per node over gloo, as
 torchrun would start them, each saving into its own node's ``run/``.
 
 :class:`Store` reads what the daemons wrote, and :func:`check_committed` is the one check
@@ -30,13 +30,13 @@ from typing import Any
 
 from ckptd.core.checksum import crc32c, to_hex
 from ckptd.devtools.locals3 import free_port
-from tests.daemon import Daemon, wait_until
-from tests.trainers.procs import script_env
+from tests.support.daemon import Daemon, wait_until
+from tests.support.trainers.procs import script_env
 
 RUN_ID = "run"
 MANIFEST = "ckptd.manifest.json"
 ANNOUNCEMENT = "ckptd.announce.json"
-TRAINER_MODULE = "tests.e2e.trainers.cluster_dcp"
+TRAINER_MODULE = "tests.support.trainers.cluster_dcp"
 
 
 def part_key(rank: int) -> str:
@@ -82,7 +82,7 @@ def node_config_text(
     imds_url: str | None = None,
     trainer_match: str | None = None,
 ) -> str:
-    """What a cluster node's config adds to :func:`tests.daemon.write_config`'s."""
+    """What a cluster node's config adds to :func:`tests.support.daemon.write_config`'s."""
     text = (
         f"[cluster]\nnodes = {nodes}\nnode_rank = {rank}\n"
         f"poll_interval_seconds = {poll_interval}\n"
@@ -461,7 +461,7 @@ def dcp_trainer(
     hang_at: int = 0,
     step_delay: float = 0.0,
 ) -> TrainerGroup:
-    """The FSDP2/DCP trainer (:mod:`tests.e2e.trainers.cluster_dcp`) on every node."""
+    """The FSDP2/DCP trainer (:mod:`tests.support.trainers.cluster_dcp`) on every node."""
     args = ["--final", str(out / "final.pt"), "--max-steps", str(max_steps)]
     args += ["--save-every", str(save_every), "--hang-at", str(hang_at)]
     args += ["--step-delay", str(step_delay)]

@@ -16,8 +16,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ckptd.trainer.hf import CkptdCallback
-from tests.trainers.procs import write_atomically
-from tests.trainers.tiny_gpt2 import RandomTokens, cpu_training_args, tiny_gpt2
+from tests.support.trainers.procs import write_atomically
+from tests.support.trainers.tiny_gpt2 import RandomTokens, cpu_training_args, tiny_gpt2
 
 
 class Progress(TrainerCallback):

@@ -14,7 +14,7 @@ from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ckptd.trainer.lightning import CkptdLightningCallback
-from tests.trainers.procs import write_atomically
+from tests.support.trainers.procs import write_atomically
 
 
 class TinyRegression(pl.LightningModule):

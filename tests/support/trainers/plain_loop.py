@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import ckptd.trainer
-from tests.trainers.procs import write_atomically
+from tests.support.trainers.procs import write_atomically
 
 
 def save(checkpoint_root: Path, step: int, state: dict[str, float]) -> Path:

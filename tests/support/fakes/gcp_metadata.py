@@ -28,7 +28,7 @@ import time
 
 from aiohttp import web
 
-from tests.fakes import FakeServer
+from tests.support.fakes import FakeServer
 
 FLAVOR = "Metadata-Flavor"
 PREFIX = "/computeMetadata/v1/instance/"

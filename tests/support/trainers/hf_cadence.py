@@ -21,8 +21,8 @@ from transformers import Trainer, TrainerCallback
 from ckptd.trainer.cadence import AdvisedCadence
 from ckptd.trainer.hf import CkptdCallback
 from ckptd.trainer.listener import PreemptionListener
-from tests.trainers.procs import write_atomically
-from tests.trainers.tiny_gpt2 import RandomTokens, cpu_training_args, tiny_gpt2
+from tests.support.trainers.procs import write_atomically
+from tests.support.trainers.tiny_gpt2 import RandomTokens, cpu_training_args, tiny_gpt2
 
 
 class SaveLog(TrainerCallback):

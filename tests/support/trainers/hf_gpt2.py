@@ -11,7 +11,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ckptd.trainer.hf import CkptdCallback
-from tests.e2e.trainers.common import (
+from tests.support.trainers.common import (
     Reporter,
     deterministic,
     hang_forever,
@@ -19,7 +19,7 @@ from tests.e2e.trainers.common import (
     pause_until_noticed,
     write_json,
 )
-from tests.trainers.tiny_gpt2 import RandomTokens, cpu_training_args, tiny_gpt2
+from tests.support.trainers.tiny_gpt2 import RandomTokens, cpu_training_args, tiny_gpt2
 
 
 class Steps(TrainerCallback):
