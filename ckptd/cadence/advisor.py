@@ -49,6 +49,7 @@ from ckptd.cadence.model import (
     SaveRecord,
     advise,
     merge_history,
+    restore_interruption,
 )
 from ckptd.config import Settings
 from ckptd.core import handoff, saves
@@ -178,12 +179,23 @@ class CadenceAdvisor:
 
     def record_interruption(self, kind: str, source: str = "", run: str | None = None) -> None:
         """An interruption of ``run`` (every run on this node when None)."""
-        record = Interruption(self.clock.time(), kind, source, self.host)
+        self._add_interruption(Interruption(self.clock.time(), kind, source, self.host), run)
+
+    def record_restore(self, run: str, checkpoint: str, *, skipped: bool) -> None:
+        """A restore of ``run`` onto this node (``ckptd exec``); counted as
+        ``restore_interruption`` says."""
+        record = restore_interruption(
+            checkpoint, skipped=skipped, at=self.clock.time(), node=self.host
+        )
+        if record is not None:
+            self._add_interruption(record, run)
+
+    def _add_interruption(self, record: Interruption, run: str | None) -> None:
         for name, state in self.runs.items():
             if run is None or name == run:
                 state.interruptions.append(record)
                 self.refresh(name)
-        self.log.info("cadence_interruption", kind=kind, source=source, run=run)
+        self.log.info("cadence_interruption", kind=record.kind, source=record.source, run=run)
 
     # -- advice --------------------------------------------------------------------------
 
@@ -311,14 +323,17 @@ class CadenceAdvisor:
         state.observed -= observed
 
 
-def record_restore(repo: Repository, run_id: str, now: float, source: str) -> None:
-    """Add a restore onto a fresh node to the run's history (``ckptd restore``, best
-    effort: a store that refuses the write costs the record, not the restore)."""
+def record_restore(
+    repo: Repository, run_id: str, checkpoint: str, *, skipped: bool, now: float
+) -> None:
+    """Add a restore of ``run_id`` onto this node to the run's history in the store, when
+    ``restore_interruption`` counts it (``ckptd restore``, best effort: a store that
+    refuses the write costs the record, not the restore)."""
+    record = restore_interruption(checkpoint, skipped=skipped, at=now, node=socket.gethostname())
+    if record is None:
+        return
     with contextlib.suppress(StorageError):
-        merged = merge_history(
-            repo.read_cadence(run_id),
-            interruptions=[Interruption(now, "restore", source, socket.gethostname())],
-        )
+        merged = merge_history(repo.read_cadence(run_id), interruptions=[record])
         repo.write_cadence(merged)
 
 

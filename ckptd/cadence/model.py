@@ -334,6 +334,18 @@ class Interruption:
     node: str = ""
 
 
+def restore_interruption(
+    checkpoint: str, *, skipped: bool, at: float, node: str
+) -> Interruption | None:
+    """The interruption a restore of ``checkpoint`` records, or None. A restore is how a
+    fresh node resumes a run, so one that downloaded counts as one of the run's
+    interruptions (``ckptd restore`` and ``ckptd exec`` alike); one that found the
+    checkpoint already in place (``skipped``) is no sign the run stopped."""
+    if skipped:
+        return None
+    return Interruption(at, "restore", checkpoint, node)
+
+
 @dataclass(frozen=True)
 class History:
     """A run's cadence history, as stored in ``<run>/CADENCE``."""
@@ -559,5 +571,6 @@ __all__ = [
     "quick_repeats",
     "recent_costs",
     "restart_interval",
+    "restore_interruption",
     "young_interval",
 ]

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptd.cli.units import human_bytes, human_seconds
+from ckptd.cli.humanize import human_bytes, human_seconds
 
 BAR_WIDTH = 16
 

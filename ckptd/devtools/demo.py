@@ -57,6 +57,77 @@ def _wait(predicate: object, timeout: float, what: str) -> None:
     raise SystemExit(f"demo: timed out waiting for {what}")
 
 
+def _write_config(base: Path, ckpt_dir: Path, endpoint_url: str, port: int) -> Path:
+    """The daemon's config: one watch dir, the embedded S3, metrics on ``port``."""
+    config = base / "ckptd.toml"
+    config.write_text(
+        "\n".join(
+            [
+                "[[watch]]",
+                f'dir = "{ckpt_dir}"',
+                "settle_seconds = 0.5",
+                "[destination]",
+                'url = "s3://ckpt/demo"',
+                f'endpoint_url = "{endpoint_url}"',
+                "part_size_mib = 8",
+                "[preemption]",
+                'provider = "none"',
+                "[metrics]",
+                f'listen = "127.0.0.1:{port}"',
+                "[state]",
+                f'dir = "{base / "state"}"',
+            ]
+        )
+        + "\n"
+    )
+    return config
+
+
+def _train(ckpt_dir: Path, port: int, steps: int, mib: int) -> None:
+    """The toy trainer saves ``steps`` checkpoints, each awaited until committed."""
+    for step in range(1, steps + 1):
+        step_no = step * 100
+        print(f"== toy trainer saves checkpoint-{step_no} ({mib} MiB model)")
+        toy_trainer_save(ckpt_dir, step_no, os.urandom(mib * 1024 * 1024))
+        started = time.monotonic()
+        _wait(lambda s=step_no: _last_step(port) == s, 120, f"checkpoint-{step_no} to commit")
+        print(f"   committed in {time.monotonic() - started:.1f}s")
+
+
+def _ckptd(*argv: str, env: dict[str, str]) -> None:
+    subprocess.run([sys.executable, "-m", "ckptd", *argv], env=env, check=True)
+
+
+def _use_the_cli(base: Path, config: Path, endpoint_url: str, env: dict[str, str]) -> None:
+    """List, verify and restore what the daemon committed, as a user would."""
+    common = ["--dest", "s3://ckpt/demo", "--endpoint-url", endpoint_url, "--config", str(config)]
+    print("== ckptd list")
+    _ckptd("list", *common, env=env)
+    print("== ckptd verify --latest (re-reads every object, checks CRC-32C)")
+    _ckptd("verify", "--run", "demo-run", "--latest", *common, env=env)
+    fresh = base / "fresh-node"
+    print(f"== ckptd restore --latest --to {fresh} (a new node resuming)")
+    _ckptd(
+        "restore",
+        *("--run", "demo-run", "--latest", "--to", str(fresh), "--no-progress"),
+        *common,
+        env=env,
+    )
+
+
+def _print_metrics(port: int) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+        wanted = (
+            "ckptd_checkpoints_committed_total",
+            "ckptd_upload_bytes_total",
+            "ckptd_last_committed_step",
+        )
+        print("== metrics")
+        for line in resp.read().decode().splitlines():
+            if line.startswith(wanted):
+                print("  ", line)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", type=Path, default=Path(".demo"), help="scratch dir (wiped first)")
@@ -73,27 +144,7 @@ def main() -> int:
         env = {**os.environ, **s3.env()}
         env.pop("AWS_PROFILE", None)
         port = free_port()
-        config = base / "ckptd.toml"
-        config.write_text(
-            "\n".join(
-                [
-                    "[[watch]]",
-                    f'dir = "{ckpt_dir}"',
-                    "settle_seconds = 0.5",
-                    "[destination]",
-                    'url = "s3://ckpt/demo"',
-                    f'endpoint_url = "{s3.endpoint_url}"',
-                    "part_size_mib = 8",
-                    "[preemption]",
-                    'provider = "none"',
-                    "[metrics]",
-                    f'listen = "127.0.0.1:{port}"',
-                    "[state]",
-                    f'dir = "{base / "state"}"',
-                ]
-            )
-            + "\n"
-        )
+        config = _write_config(base, ckpt_dir, s3.endpoint_url, port)
         print(f"== starting ckptd (config {config}); its JSON logs go to {base / 'ckptd.log'}")
         with open(base / "ckptd.log", "wb") as log:
             daemon = subprocess.Popen(
@@ -104,60 +155,9 @@ def main() -> int:
             )
         try:
             _wait(lambda: _status(port), 30, "the daemon")
-            for step in range(1, args.steps + 1):
-                step_no = step * 100
-                print(f"== toy trainer saves checkpoint-{step_no} ({args.mib} MiB model)")
-                toy_trainer_save(ckpt_dir, step_no, os.urandom(args.mib * 1024 * 1024))
-                started = time.monotonic()
-                _wait(
-                    lambda s=step_no: _last_step(port) == s, 120, f"checkpoint-{step_no} to commit"
-                )
-                print(f"   committed in {time.monotonic() - started:.1f}s")
-            common = [
-                "--dest",
-                "s3://ckpt/demo",
-                "--endpoint-url",
-                s3.endpoint_url,
-                "--config",
-                str(config),
-            ]
-            print("== ckptd list")
-            subprocess.run([sys.executable, "-m", "ckptd", "list", *common], env=env, check=True)
-            print("== ckptd verify --latest (re-reads every object, checks CRC-32C)")
-            subprocess.run(
-                [sys.executable, "-m", "ckptd", "verify", "--run", "demo-run", "--latest", *common],
-                env=env,
-                check=True,
-            )
-            fresh = base / "fresh-node"
-            print(f"== ckptd restore --latest --to {fresh} (a new node resuming)")
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "ckptd",
-                    "restore",
-                    "--run",
-                    "demo-run",
-                    "--latest",
-                    "--to",
-                    str(fresh),
-                    "--no-progress",
-                    *common,
-                ],
-                env=env,
-                check=True,
-            )
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-                wanted = (
-                    "ckptd_checkpoints_committed_total",
-                    "ckptd_upload_bytes_total",
-                    "ckptd_last_committed_step",
-                )
-                print("== metrics")
-                for line in resp.read().decode().splitlines():
-                    if line.startswith(wanted):
-                        print("  ", line)
+            _train(ckpt_dir, port, args.steps, args.mib)
+            _use_the_cli(base, config, s3.endpoint_url, env)
+            _print_metrics(port)
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(timeout=60)

@@ -12,6 +12,10 @@ does not parse, or which cannot be reached, is passed over for the next with one
 line (``restore_tier_skipped``); ``restore`` itself guarantees that a failed attempt
 leaves nothing under ``DIR/NAME``. A problem that is not the tier's (``DIR/NAME``
 exists, a local I/O error) ends the restore at once.
+
+``list_across_tiers`` merges the tiers' listings into one row per checkpoint, naming the
+tiers that hold it; ``verify_across_tiers`` verifies a checkpoint in every tier that holds
+it. Both pass over a tier that cannot be read, and fail only when none can.
 """
 
 from __future__ import annotations
@@ -24,11 +28,17 @@ from typing import Any
 
 from ckptd.config import ConfigError, DestinationConfig, Settings
 from ckptd.core.manifest import Manifest, ManifestError
+from ckptd.core.signing import KeyRing
 from ckptd.storage import open_destination
 from ckptd.storage.base import NotFoundError, Storage, StorageError
 from ckptd.storage.retrying import RetryHook
-from ckptd.store.repository import CommittedCheckpoint, Repository
+from ckptd.store.repository import CommittedCheckpoint, FileProblem, Repository
 from ckptd.store.restore import RestoreError, RestoreRequest, RestoreResult, restore
+from ckptd.store.verify import verify_checkpoint
+
+
+def _step_key(manifest: Manifest) -> int:
+    return manifest.step if manifest.step is not None else -1
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,101 @@ def list_runs(tiers: Sequence[TierStore]) -> tuple[list[str], dict[str, StorageE
     return sorted(runs), errors
 
 
+@dataclass
+class TieredCheckpoint:
+    """One committed checkpoint as the tiers hold it (``list_across_tiers``)."""
+
+    run: str
+    manifest: Manifest  # as the first tier holding it has it
+    tiers: list[str]  # the tiers holding it, in preference order
+    latest_in: list[str]  # the tiers whose LATEST names it
+    # One destination's contract: the first tier's LATEST, whatever the others say.
+    latest: bool = False
+
+
+@dataclass
+class TieredListing:
+    """Every committed checkpoint of the runs listed, oldest first, and the tiers that
+    could not be read (the others were listed)."""
+
+    checkpoints: list[TieredCheckpoint]
+    unreadable: dict[str, StorageError]
+
+
+def list_across_tiers(tiers: Sequence[TierStore], run_id: str | None = None) -> TieredListing:
+    """The committed checkpoints of ``run_id`` (None: of every run any tier holds), one
+    entry per checkpoint naming the tiers that hold it, sorted by run, step, then commit
+    time. Raises the first tier's error only when no tier could be read at all."""
+    first = tiers[0].name
+    runs, errors = ([run_id], {}) if run_id else list_runs(tiers)
+    if len(errors) == len(tiers):
+        raise next(iter(errors.values()))  # nothing could be read at all
+    merged: dict[tuple[str, str], TieredCheckpoint] = {}
+    for run in runs:
+        for listing in list_tiers(tiers, run):
+            if listing.error is not None:
+                errors.setdefault(listing.tier, listing.error)
+            for committed in listing.committed:
+                name = committed.manifest.checkpoint
+                entry = merged.setdefault(
+                    (run, name), TieredCheckpoint(run, committed.manifest, [], [])
+                )
+                entry.tiers.append(listing.tier)
+                if committed.is_latest:
+                    entry.latest_in.append(listing.tier)
+                    entry.latest = entry.latest or listing.tier == first
+    if len(errors) == len(tiers):
+        raise next(iter(errors.values()))
+    ordered = sorted(
+        merged.values(),
+        key=lambda c: (c.run, _step_key(c.manifest), c.manifest.committed_at),
+    )
+    return TieredListing(ordered, errors)
+
+
+@dataclass(frozen=True)
+class TierVerification:
+    """One tier's verification of a checkpoint (``verify_across_tiers``)."""
+
+    tier: str
+    manifest: Manifest | None  # None: this tier does not hold the checkpoint
+    problems: tuple[FileProblem, ...] = ()
+
+    @property
+    def held(self) -> bool:
+        return self.manifest is not None
+
+
+def verify_across_tiers(
+    tiers: Sequence[TierStore],
+    run_id: str,
+    checkpoint: str | None,
+    *,
+    keys: KeyRing | None = None,
+) -> list[TierVerification]:
+    """Verify ``checkpoint`` (None: each tier's newest) in every tier, in order. With
+    several tiers a tier that never held it (or has aged it out) is reported as not
+    holding it, no mismatch; NotFoundError when no tier holds it (with one tier, that
+    tier's own)."""
+    many = len(tiers) > 1
+    results: list[TierVerification] = []
+    for tier in tiers:
+        try:
+            manifest = Repository(tier.storage).resolve(run_id, checkpoint)
+        except NotFoundError:
+            if not many:
+                raise
+            results.append(TierVerification(tier.name, None))
+            continue
+        problems = verify_checkpoint(
+            tier.storage, manifest, concurrency=tier.config.concurrency, keys=keys
+        )
+        results.append(TierVerification(tier.name, manifest, tuple(problems)))
+    if not any(r.held for r in results):
+        raise NotFoundError(f"{run_id}/{checkpoint} is not committed in any tier")
+    return results
+
+
 @dataclass(frozen=True)
 class TierRestore:
     """A restore over tiers: the result, and the tier it came from."""
@@ -113,10 +218,6 @@ class TierRestore:
     result: RestoreResult
     tier: str
     skipped_tiers: tuple[str, ...] = ()
-
-
-def _step_key(manifest: Manifest) -> int:
-    return manifest.step if manifest.step is not None else -1
 
 
 def newest_in_tiers(
@@ -206,10 +307,15 @@ __all__ = [
     "TierListing",
     "TierRestore",
     "TierStore",
+    "TierVerification",
+    "TieredCheckpoint",
+    "TieredListing",
+    "list_across_tiers",
     "list_runs",
     "list_tiers",
     "newest_in_tiers",
     "open_tiers",
     "restore_from_tiers",
     "tier_configs",
+    "verify_across_tiers",
 ]

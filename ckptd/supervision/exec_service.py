@@ -211,8 +211,7 @@ class SupervisedService(Service):
             "seconds": round(result.seconds, 3),
             "bytes": result.total_bytes,
         }
-        if not result.skipped:  # a fresh node: the run was interrupted somewhere
-            self.advisor.record_interruption("restore", manifest.checkpoint, self.run_id)
+        self.advisor.record_restore(self.run_id, manifest.checkpoint, skipped=result.skipped)
         self.log.info("exec_restored", **self.restored)
 
     # -- notices -------------------------------------------------------------------------

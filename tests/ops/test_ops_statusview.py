@@ -9,8 +9,8 @@ from typing import Any
 
 from rich.console import Console
 
+from ckptd.cli.humanize import human_bytes, human_seconds
 from ckptd.cli.statusview import progress_text, render_status
-from ckptd.cli.units import human_bytes, human_seconds
 from ckptd.devtools.locals3 import LocalS3
 from tests.support.daemon import run_cli, wait_until
 from tests.support.ops import hf_daemon

@@ -1,0 +1,41 @@
+"""``ckptd config check``: validate the configuration and print the effective one."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from ckptd.cli.errors import EXIT_OK
+from ckptd.cli.invocation import settings_of
+from ckptd.cli.options import add_common
+from ckptd.config import (
+    DEFAULT_CONFIG_PATH,
+    render_effective_config,
+    require_destination,
+    require_watch,
+)
+
+if TYPE_CHECKING:
+    from ckptd.cli.options import Subparsers
+
+
+def add_parser(sub: Subparsers) -> None:
+    config = sub.add_parser("config", help="configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate and print the effective config")
+    add_common(check)
+
+
+def handle(args: argparse.Namespace) -> int:
+    if args.config is None and not DEFAULT_CONFIG_PATH.exists():
+        sys.stderr.write(
+            f"ckptd: note: no config file ({DEFAULT_CONFIG_PATH} does not exist, no --config): "
+            "defaults and CKPTD_* variables only\n"
+        )
+    settings = settings_of(args)
+    sys.stdout.write(render_effective_config(settings))
+    # Valid is what `ckptd run` accepts: the same settings must not pass here and fail there.
+    require_destination(settings)
+    require_watch(settings)
+    return EXIT_OK

@@ -1,0 +1,125 @@
+"""``ckptd restore``: download, verify, then appear atomically as DIR/NAME, from the first
+tier whose copy verifies."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptd.cli.errors import EXIT_OK
+from ckptd.cli.humanize import human_bytes
+from ckptd.cli.invocation import print_json, settings_of, tiers_of
+from ckptd.cli.options import JSON_HELP, add_common, at_least
+
+if TYPE_CHECKING:
+    from ckptd.cli.options import Subparsers
+    from ckptd.store.tiers import TierRestore
+
+
+def add_parser(sub: Subparsers) -> None:
+    res = sub.add_parser("restore", help="download, verify, then appear atomically as DIR/NAME")
+    add_common(res)
+    res.add_argument("--run", dest="run_id", required=True, help="the run id")
+    pick = res.add_mutually_exclusive_group(required=True)
+    pick.add_argument("--checkpoint", default=None, help="the checkpoint's name")
+    pick.add_argument(
+        "--latest", action="store_true", help="the newest committed, verified checkpoint"
+    )
+    res.add_argument(
+        "--to", type=Path, required=True, help="directory to restore into (as DIR/NAME)"
+    )
+    res.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="exit 0 at once if DIR/NAME already holds it (sizes match)",
+    )
+    res.add_argument(
+        "--concurrency",
+        type=at_least(0),  # 0 took the default before this check existed, and still does
+        default=None,
+        help="parallel ranged GETs (default: destination.concurrency)",
+    )
+    res.add_argument(
+        "--part",
+        type=at_least(0),
+        default=None,
+        metavar="NODE_RANK",
+        help="many nodes: only that node's files (default: the whole checkpoint)",
+    )
+    res.add_argument(
+        "--chunk-mib",
+        type=at_least(1),
+        default=16,
+        help="size of each ranged GET in MiB (default %(default)s)",
+    )
+    res.add_argument(
+        "--tier",
+        default=None,
+        help="only this tier (default: the first tier holding it, the next if it fails)",
+    )
+    res.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
+    res.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from ckptd.cadence.advisor import record_restore
+    from ckptd.store.repository import Repository
+    from ckptd.store.restore import RestoreRequest
+    from ckptd.store.tiers import restore_from_tiers
+
+    settings = settings_of(args)
+    concurrency = args.concurrency or settings.destination.concurrency
+    tiers = tiers_of(args, settings, concurrency=concurrency)
+    request = RestoreRequest(
+        args.run_id,
+        None if args.latest else args.checkpoint,
+        args.to.expanduser().absolute(),
+        if_missing=args.if_missing,
+        concurrency=concurrency,
+        chunk_bytes=args.chunk_mib * 1024 * 1024,
+        progress=False if args.no_progress else None,
+        part=args.part,
+        keys=settings.authentication.key_ring(),
+    )
+    done = restore_from_tiers(tiers, request)
+    result = done.result
+    storage = next(t.storage for t in tiers if t.name == done.tier)
+    record_restore(
+        Repository(storage),
+        result.run_id,
+        result.checkpoint,
+        skipped=result.skipped,
+        now=time.time(),
+    )
+    if args.json:
+        print_json(_document(done))
+    elif result.skipped:
+        print(f"present  {result.path} already holds {result.run_id}/{result.checkpoint}")
+    else:
+        print(
+            f"restored {result.run_id}/{result.checkpoint} -> {result.path}: {result.files} files, "
+            f"{human_bytes(result.total_bytes)} in {result.seconds:.1f}s"
+            + (f" from tier {done.tier}" if len(tiers) > 1 else "")
+        )
+    return EXIT_OK
+
+
+def _document(done: TierRestore) -> dict[str, Any]:
+    result = done.result
+    return {
+        "run": result.run_id,
+        "checkpoint": result.checkpoint,
+        "step": result.step,
+        "path": str(result.path),
+        "files": result.files,
+        "total_bytes": result.total_bytes,
+        "downloaded_bytes": result.downloaded_bytes,
+        "reused_bytes": result.reused_bytes,
+        "seconds": round(result.seconds, 3),
+        "skipped": result.skipped,
+        "tier": done.tier,
+        "skipped_tiers": list(done.skipped_tiers),
+        "environment_differences": {k: list(v) for k, v in result.environment_differences.items()},
+    }

@@ -1,0 +1,52 @@
+"""``ckptd run``: the daemon in the foreground (``--once``: what is complete now, then exit)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckptd.cli.invocation import settings_of
+from ckptd.cli.options import add_common
+from ckptd.config import require_destination, require_watch
+from ckptd.runtime import logs
+from ckptd.runtime.yielding import lower_this_thread, priority_of
+
+if TYPE_CHECKING:
+    from ckptd.cli.options import Subparsers
+
+
+def add_parser(sub: Subparsers) -> None:
+    run = sub.add_parser("run", help="run the daemon in the foreground")
+    add_common(run, log_level="info")
+    run.add_argument("--watch", type=Path, default=None, help="local checkpoint dir (one run)")
+    run.add_argument(
+        "--run", dest="run_id", default=None, help="run id for --watch (default: its basename)"
+    )
+    run.add_argument("--layout", default=None, help="completion rule for --watch (default auto)")
+    run.add_argument("--state-dir", type=Path, default=None, help="journal directory")
+    run.add_argument(
+        "--once", action="store_true", help="ship what is complete now, then exit (1 if any failed)"
+    )
+    run.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to finish the upload in flight on SIGTERM (default %(default)g)",
+    )
+
+
+def handle(args: argparse.Namespace) -> int:
+    from ckptd.daemon.service import Service
+
+    settings = settings_of(args)
+    require_destination(settings)
+    require_watch(settings)
+    # First, while this is the only thread: every thread the daemon starts inherits it.
+    # (ckptd exec does not: its trainer would inherit it too; its workers lower themselves.)
+    for problem in lower_this_thread(priority_of(settings.resources)):
+        logs.get_logger().warning("priority_not_lowered", problem=problem)
+    return asyncio.run(
+        Service(settings, once=args.once, shutdown_timeout=args.shutdown_timeout).serve()
+    )

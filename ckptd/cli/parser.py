@@ -1,0 +1,50 @@
+"""The ``ckptd`` parser, assembled from the commands' own (``ckptd.cli.commands``), and
+the table from a command's name to its handler."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ckptd import __version__
+from ckptd.cli.commands import config, drill, restore, run, status, verify
+from ckptd.cli.commands import exec as exec_command
+from ckptd.cli.commands import list as list_command
+
+if TYPE_CHECKING:
+    from ckptd.cli.options import Subparsers
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command: how its parser is added, and what runs it (returning 0 or 1)."""
+
+    add_parser: Callable[[Subparsers], None]
+    handle: Callable[[argparse.Namespace], int]
+
+
+# In the order ``ckptd --help`` lists them.
+COMMANDS: dict[str, Command] = {
+    "run": Command(run.add_parser, run.handle),
+    "exec": Command(exec_command.add_parser, exec_command.handle),
+    "list": Command(list_command.add_parser, list_command.handle),
+    "verify": Command(verify.add_parser, verify.handle),
+    "restore": Command(restore.add_parser, restore.handle),
+    "status": Command(status.add_parser, status.handle),
+    "drill": Command(drill.add_parser, drill.handle),
+    "config": Command(config.add_parser, config.handle),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: ``ckptd [-V] COMMAND [options]``."""
+    parser = argparse.ArgumentParser(
+        prog="ckptd", description="Ship every complete checkpoint off the node, verified."
+    )
+    parser.add_argument("-V", "--version", action="version", version=f"ckptd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS.values():
+        command.add_parser(sub)
+    return parser
