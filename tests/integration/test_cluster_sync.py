@@ -458,7 +458,7 @@ async def test_a_waiting_checkpoint_below_a_newer_commit_is_given_up_after_the_g
     await drive_for([n0, n1], 0.3)
     assert [w["checkpoint"] for w in n0.status()["waiting"]] == ["step-5"]  # type: ignore[attr-defined]
     assert n0.pipeline is not None
-    n0.pipeline.abandon_grace_seconds = 0.2
+    n0.pipeline.cluster.abandon_grace_seconds = 0.2
     await drive([n0], lambda: not n0.status()["waiting"])
     assert "superseded" in str(n0.status()["failed"])
     assert repo.read_manifest(RUN, "step-5") is None
