@@ -528,7 +528,7 @@ async def test_a_followers_share_of_an_emergency_save_holds_the_flush_until_anno
 ) -> None:
     n0, n1, repo = pair
     p1 = await n1.start()
-    p1.enter_emergency(None)  # a notice: the trainer saves at once, on both nodes
+    p1.emergency.enter_emergency(None)  # a notice: the trainer saves at once, on both nodes
     dcp_save(n0, n1, name="step-20")
     # Node 1's shards are there, unannounced: the pipeline is idle, yet a SIGTERM flush
     # must not end (service._drain_after_sigterm waits on awaiting_emergency()).
