@@ -34,7 +34,6 @@ from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.environment import describe
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
-from ckptd.runtime.yielding import idle_this_thread, lower_this_thread, priority_of
 from ckptd.storage.base import Storage, StorageError
 from ckptd.store.repository import Repository
 from ckptd.sync import cleanup
@@ -44,6 +43,7 @@ from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.intake import Intake
 from ckptd.sync.journal import Journal
 from ckptd.sync.outcomes import Outcomes
+from ckptd.sync.priority import ThreadPriority
 from ckptd.sync.queue import ShipQueue
 from ckptd.sync.rate import RateMeter
 from ckptd.sync.runs import RunState
@@ -102,7 +102,7 @@ class SyncPipeline:
         self._first_hint: dict[tuple[str, str], float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._evaluating = 0
-        self._priority_problems: set[str] = set()
+        self.priority = ThreadPriority(settings, self.log)
         self.transfers, self.shipper, self.early = self._shipping(storage)
         self.emergency = Emergency(
             self.runs,
@@ -129,8 +129,8 @@ class SyncPipeline:
             concurrency=dest.concurrency,
             on_bytes=self._count_bytes,
             drop_page_cache=self.settings.resources.drop_page_cache,
-            thread_setup=self._lower_worker,
-            urgent_setup=self._lower_urgent_worker,
+            thread_setup=self.priority.lower_worker,
+            urgent_setup=self.priority.lower_urgent_worker,
             is_urgent=self._urgent,
             digests=self.keys is not None,
         )
@@ -223,25 +223,6 @@ class SyncPipeline:
         """The last failure by which the store refused this node itself (credentials,
         access, bucket): `ckptd run --once` ends on it. Cleared by a commit."""
         return self.outcomes.unusable
-
-    def _lower_worker(self) -> None:
-        """Each transfer thread moves itself down to [resources] as it starts (under
-        ``ckptd run`` it inherited the niceness from the main thread already), and to
-        SCHED_IDLE with ``cpu_policy = "idle"`` (``ckptd.runtime.yielding``)."""
-        problems = lower_this_thread(priority_of(self.settings.resources))
-        if self.settings.resources.cpu_policy == "idle":
-            problems += idle_this_thread()
-        self._report_priority(problems)
-
-    def _lower_urgent_worker(self) -> None:
-        """A thread of the urgent pool (``Transfers``): the niceness, never SCHED_IDLE."""
-        self._report_priority(lower_this_thread(priority_of(self.settings.resources)))
-
-    def _report_priority(self, problems: list[str]) -> None:
-        for problem in problems:
-            if problem not in self._priority_problems:
-                self._priority_problems.add(problem)
-                self.log.warning("priority_not_lowered", problem=problem)
 
     def _count_bytes(self, run: str, n: int) -> None:
         self.metrics.upload_bytes.labels(run=run).inc(n)
