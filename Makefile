@@ -1,11 +1,12 @@
 # Two entry points for a fresh machine; both install into ./.venv first.
 #   make demo   end-to-end demo on the embedded local S3 (SeaweedFS on loopback)
 #   make test   lint, type-check and the whole test suite
+#   make test-unit   the pure, fast tests alone (tests/unit, seconds)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-unit lint venv clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,9 @@ lint: venv
 
 test: lint
 	$(BIN)/pytest -q
+
+test-unit: venv
+	$(BIN)/pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) .demo .mypy_cache .pytest_cache .ruff_cache

@@ -3,7 +3,7 @@
     python bench/_emergency_trainer.py --dir WATCH --pidfile PID --mib N --result FILE
         [--report]
 
-Like ``tests/trainers/toy_preemptible.py``, but sized and timed:
+Like ``tests/support/trainers/toy_preemptible.py``, but sized and timed:
 
 1. generates ``N`` MiB of random bytes in memory first (so generating them is never timed
    as "trainer save"), then ``ckptd.trainer.install(WATCH)`` (the signal handler) and

@@ -41,7 +41,7 @@ from ckptd.config import load_settings
 from ckptd.core.signing import KeyRing
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage import open_destination
-from ckptd.store.restore import restore
+from ckptd.store.restore import RestoreRequest, restore
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 
@@ -157,7 +157,7 @@ def main() -> None:
                 def back(
                     n: str = name, t: Path = target, k: Path | None = k, s: Any = storage
                 ) -> None:
-                    restore(s, RUN, n, t, progress=False, keys=keys if k else None)
+                    restore(s, RestoreRequest(RUN, n, t, progress=False, keys=keys if k else None))
 
                 down = cpu_per_gib(back, size)
                 costs.setdefault(f"upload|{mode}", []).append(up)

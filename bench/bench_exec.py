@@ -3,7 +3,7 @@ next (resumed) step, against the <= 30 s that GPU clouds advertise for automatic
 
     .venv/bin/python bench/bench_exec.py [--trials 10] [--short] [--trainer pytorch-dcp|hf-trainer]
 
-- crash: one ``ckptd exec`` of a real trainer (``tests/e2e/trainers``); the trainer gets
+- crash: one ``ckptd exec`` of a real trainer (``tests/support/trainers``); the trainer gets
   ``kill -9`` at a seeded random step, ``--trials`` times. Split: kill -> ckptd has started
   the successor (``trainer_started``), then the successor's start-up to its first step.
 - fresh node: a run with a committed checkpoint in the store; each trial is a fresh,
@@ -37,14 +37,14 @@ sys.path.insert(0, str(REPO / "bench"))  # and common
 from common import BUCKET, use_local_s3_identity  # noqa: E402
 
 from ckptd.devtools.locals3 import LocalS3  # noqa: E402
-from tests.e2e.exec_harness import ExecNode, crash_repeatedly  # noqa: E402
-from tests.e2e.harness import Env, TrainerSpec  # noqa: E402
+from tests.support.exec_harness import ExecNode, crash_repeatedly  # noqa: E402
+from tests.support.harness import Env, TrainerSpec  # noqa: E402
 
 ADVERTISED_S = 30.0
 SPECS = {
     "pytorch-dcp": TrainerSpec(
         name="pytorch-dcp",
-        module="tests.e2e.trainers.plain_dcp",
+        module="tests.support.trainers.plain_dcp",
         max_steps=1000,
         save_every=10,
         step_delay=0.02,
@@ -53,7 +53,7 @@ SPECS = {
     ),
     "hf-trainer": TrainerSpec(
         name="hf-trainer",
-        module="tests.e2e.trainers.hf_gpt2",
+        module="tests.support.trainers.hf_gpt2",
         max_steps=1000,
         save_every=10,
         step_delay=0.0,

@@ -7,7 +7,7 @@
         [--modes late,early,reported] [--dest s3,file]
 
 Two measurements, each driving ``python -m ckptd run`` as a real process against the
-loopback fakes of the metadata services (``tests/fakes``, served from a thread of this
+loopback fakes of the metadata services (``tests/support/fakes``, served from a thread of this
 process):
 
 1. **notice -> signal**, per provider. The "trainer" is ``_signal_receiver.py``, which
@@ -94,11 +94,11 @@ from common import BUCKET, MIB, delete_prefix  # noqa: E402
 import ckptd  # noqa: E402
 from ckptd.config import PreemptionConfig, WatchConfig  # noqa: E402
 from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port  # noqa: E402
-from tests.daemon import Daemon, wait_until  # noqa: E402
-from tests.fakes import FakeServer, RecordedRequest  # noqa: E402
-from tests.fakes.aws_imds import FakeAwsImds, rfc3339  # noqa: E402
-from tests.fakes.azure_metadata import FakeAzureMetadata  # noqa: E402
-from tests.fakes.gcp_metadata import FakeGcpMetadata  # noqa: E402
+from tests.support.daemon import Daemon, wait_until  # noqa: E402
+from tests.support.fakes import FakeServer, RecordedRequest  # noqa: E402
+from tests.support.fakes.aws_imds import FakeAwsImds, rfc3339  # noqa: E402
+from tests.support.fakes.azure_metadata import FakeAzureMetadata  # noqa: E402
+from tests.support.fakes.gcp_metadata import FakeGcpMetadata  # noqa: E402
 
 RECEIVER = BENCH_DIR / "_signal_receiver.py"
 TRAINER = BENCH_DIR / "_emergency_trainer.py"

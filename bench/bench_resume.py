@@ -7,7 +7,7 @@ Prints one markdown table per trainer: each interruption (a preemption notice fr
 EC2 metadata service, or ``kill -9`` of trainer and daemon with the local disk wiped),
 the steps lost, ``ckptd restore`` time, time to resume (restore + daemon and trainer
 start-up to the trainer's first step) and whether the final weights are bit-identical.
-The machinery is ``tests/e2e/harness.py``, the same as ``tests/e2e/test_lossless_resume.py``;
+The machinery is ``tests/support/harness.py``, the same as ``tests/e2e/test_lossless_resume.py``;
 one loopback SeaweedFS (``ckptd.devtools.locals3``) is the destination.
 """
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "bench"))  # and common
 from common import use_local_s3_identity  # noqa: E402
 
 from ckptd.devtools.locals3 import LocalS3  # noqa: E402
-from tests.e2e.harness import HF, LIGHTNING, PLAIN, Env, lossless_resume, markdown  # noqa: E402
+from tests.support.harness import HF, LIGHTNING, PLAIN, Env, lossless_resume, markdown  # noqa: E402
 
 SPECS = {spec.name: spec for spec in (PLAIN, HF, LIGHTNING)}
 BUCKET = "ckpt"

@@ -13,7 +13,7 @@ import pytest
 
 from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
 from ckptd.storage import RetryingStorage, open_storage
-from tests.faultproxy import FaultProxy
+from tests.support.faultproxy import FaultProxy
 
 BUCKET = "ckpt"
 

@@ -51,7 +51,7 @@ from ckptd.cadence.model import (
     merge_history,
 )
 from ckptd.config import Settings
-from ckptd.core import saves
+from ckptd.core import handoff, saves
 from ckptd.layouts.base import step_of
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
@@ -64,8 +64,8 @@ FLUSH_SECONDS = 60.0
 OTHER_RUNS_REFRESH_SECONDS = 3600.0
 # At most this many other runs are read (one GET each).
 OTHER_RUNS_MAX = 200
-ADVICE_RELPATH = ".ckptd/advice.json"
-SAVES_RELPATH = saves.RELPATH
+ADVICE_RELPATH = handoff.ADVICE
+SAVES_RELPATH = handoff.SAVES
 
 
 def policy_of(settings: Settings) -> CadencePolicy:

@@ -81,7 +81,7 @@ MERGE_SECONDS = 600.0
 # published figure tells one run's rate, so the prior errs toward saving too often, which
 # costs a new run less than erring the other way. (In bench/bench_cadence.py a prior at
 # the true rate gains under a point on the weekly Poisson trace, while a 168 h prior costs
-# the hourly ones two: README "Checkpoint cadence".)
+# the hourly ones two: docs/cadence.md and docs/benchmarks.md.)
 PRIOR_WEIGHT = 0.5
 DEFAULT_PRIOR_MTBF_SECONDS = 24 * 3600.0
 # The save cost and upload time are the median of this many recent saves.

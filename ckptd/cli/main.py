@@ -509,13 +509,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
+    from ckptd.store.restore import RestoreRequest
     from ckptd.store.tiers import restore_from_tiers
 
     settings = _settings(args)
     concurrency = args.concurrency or settings.destination.concurrency
     tiers = _tiers(args, settings, concurrency=concurrency)
-    done = restore_from_tiers(
-        tiers,
+    request = RestoreRequest(
         args.run_id,
         None if args.latest else args.checkpoint,
         args.to.expanduser().absolute(),
@@ -526,6 +526,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         part=args.part,
         keys=settings.authentication.key_ring(),
     )
+    done = restore_from_tiers(tiers, request)
     result = done.result
     storage = next(t.storage for t in tiers if t.name == done.tier)
     if not result.skipped:

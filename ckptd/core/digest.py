@@ -5,7 +5,7 @@ A file's digest is BLAKE3 over its size and the BLAKE3 of each 1 MiB block, in o
 in any order and in parallel: an upload's parts and a restore's ranged GETs (both start
 at multiples of 1 MiB) each yield their own blocks' digests, which fold into the file's
 without a byte being read twice or held whole. BLAKE3 rather than SHA-256 for speed
-(bench/bench_digest.py; README "Authenticated checkpoints").
+(bench/bench_digest.py; docs/security.md, docs/benchmarks.md).
 
 Pure: hashing only, no I/O.
 """

@@ -23,7 +23,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-RELPATH = ".ckptd/saves.jsonl"
+from ckptd.core import handoff
+
+RELPATH = handoff.SAVES
 # The reports looked at: the newest ones, in this many bytes at the end of the file.
 TAIL_BYTES = 64 * 1024
 

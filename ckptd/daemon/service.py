@@ -317,7 +317,7 @@ class Service:
             self.log.warning(
                 "watch_dir_not_locked",
                 path=str(path),
-                why="cannot create .ckptd/daemon.lock there: a second daemon on this dir "
+                why=f"cannot create {WATCH_LOCK} there: a second daemon on this dir "
                 "would not be stopped",
             )
         for t in self.tiers[1:]:

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckptd.config import Settings
+from ckptd.core import handoff
 from ckptd.notices.model import Notice, NoticeSource, format_time
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
 
-NOTICE_FILE = Path(".ckptd") / "preemption.json"
+NOTICE_FILE = handoff.NOTICE
 
 
 def _is_ckptd(argv: list[str]) -> bool:

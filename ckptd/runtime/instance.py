@@ -16,10 +16,11 @@ import fcntl
 import os
 from pathlib import Path
 
+from ckptd.core import handoff
 from ckptd.core.errors import CkptdError
 
 STATE_LOCK = "ckptd.lock"
-WATCH_LOCK = Path(".ckptd") / "daemon.lock"
+WATCH_LOCK = handoff.DAEMON_LOCK
 
 
 class AlreadyRunningError(CkptdError):

@@ -161,7 +161,7 @@ class Metrics:
             ["run"],
             registry=r,
         )
-        # `ckptd exec`: the supervised trainer (README, "Supervised training").
+        # `ckptd exec`: the supervised trainer (docs/exec.md).
         self.trainer_starts = Counter(
             "ckptd_trainer_starts", "Times the supervised trainer was started.", ["run"], registry=r
         )
@@ -191,7 +191,7 @@ class Metrics:
             registry=r,
         )
 
-        # Several destinations (README, "Tiers"): each tier counted on its own; the
+        # Several destinations (docs/tiers-and-retention.md): each tier counted on its own; the
         # unlabelled metrics above are the first tier's.
         self.tier_committed = Counter(
             "ckptd_tier_checkpoints_committed",

@@ -218,23 +218,10 @@ def apply_retention(
         deleted.append(name)
 
     if collect_orphans and (keep_last > 0 or keep_within > 0):
-        committed_names = {name for name, _ in entries}
-        candidates: list[Entry] = []
-        for name in repo.list_names(run_id):
-            if name.startswith(".") or name in committed_names or name in deleted:
-                continue
-            # A manifest that exists but does not parse is not an orphan's: keep it.
-            if repo.has_manifest(run_id, name):
-                continue
-            candidates.append((name, step_of(name)))
         # The orphan floor: the count rule's window or, with the age rule alone, what
         # the age rule keeps (an upload in flight is newer than both).
         window = entries if keep_last > 0 else kept_by_age(entries, keep_within, times, clock)
-        for name in plan_orphans(candidates, window, keep_last=keep_last, protected=guarded):
-            objects = _delete_prefix(repo, run_id, name)
-            if objects:  # some stores list an emptied prefix for a while: nothing to do
-                log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
-                deleted.append(name)
+        deleted += _collect_orphans(repo, run_id, entries, window, deleted, guarded, keep_last)
 
     if cluster_grace_seconds is not None:
         sweep_cluster(
@@ -247,6 +234,38 @@ def apply_retention(
         )
     repo.delete(stale_leases)
     return deleted
+
+
+def _collect_orphans(
+    repo: Repository,
+    run_id: str,
+    committed: Sequence[Entry],
+    window: Sequence[Entry],
+    deleted: Sequence[str],
+    guarded: Set[str],
+    keep_last: int,
+) -> list[str]:
+    """Delete the manifest-less prefixes ``plan_orphans`` picks against ``window``;
+    returns their names (module doc)."""
+    from ckptd.runtime import logs
+
+    log = logs.get_logger(run=run_id)
+    committed_names = {name for name, _ in committed}
+    candidates: list[Entry] = []
+    for name in repo.list_names(run_id):
+        if name.startswith(".") or name in committed_names or name in deleted:
+            continue
+        # A manifest that exists but does not parse is not an orphan's: keep it.
+        if repo.has_manifest(run_id, name):
+            continue
+        candidates.append((name, step_of(name)))
+    collected: list[str] = []
+    for name in plan_orphans(candidates, window, keep_last=keep_last, protected=guarded):
+        objects = _delete_prefix(repo, run_id, name)
+        if objects:  # some stores list an emptied prefix for a while: nothing to do
+            log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
+            collected.append(name)
+    return collected
 
 
 def sweep_cluster(

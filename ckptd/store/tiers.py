@@ -19,8 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptd.config import ConfigError, DestinationConfig, Settings
@@ -29,7 +28,7 @@ from ckptd.storage import open_destination
 from ckptd.storage.base import NotFoundError, Storage, StorageError
 from ckptd.storage.retrying import RetryHook
 from ckptd.store.repository import CommittedCheckpoint, Repository
-from ckptd.store.restore import RestoreError, RestoreResult, restore
+from ckptd.store.restore import RestoreError, RestoreRequest, RestoreResult, restore
 
 
 @dataclass(frozen=True)
@@ -157,18 +156,13 @@ def newest_in_tiers(
     return best, holders
 
 
-def restore_from_tiers(
-    tiers: Sequence[TierStore],
-    run_id: str,
-    checkpoint: str | None,
-    target_dir: Path,
-    **options: Any,
-) -> TierRestore:
-    """Restore ``checkpoint`` (None: the newest in any tier) from the first tier that
-    holds it and whose copy verifies (module doc). The last tier's error is raised when
-    none does; ``options`` go to ``ckptd.store.restore.restore``."""
+def restore_from_tiers(tiers: Sequence[TierStore], request: RestoreRequest) -> TierRestore:
+    """Restore ``request``'s checkpoint (None: the newest in any tier) from the first tier
+    that holds it and whose copy verifies (module doc). The last tier's error is raised
+    when none does."""
     from ckptd.runtime import logs
 
+    run_id, checkpoint = request.run_id, request.checkpoint
     log = logs.get_logger(run=run_id)
     if checkpoint is None:
         newest, holders = newest_in_tiers(tiers, run_id, log)
@@ -179,10 +173,10 @@ def restore_from_tiers(
     last: Exception | None = None
     for index, tier in enumerate(holders):
         try:
-            result = restore(tier.storage, run_id, name, target_dir, **options)
+            result = restore(tier.storage, replace(request, checkpoint=name))
             return TierRestore(result, tier.name, tuple(skipped))
         except RestoreError as exc:
-            if not exc.problems or os.path.lexists(target_dir / name):
+            if not exc.problems or os.path.lexists(request.target_dir / name):
                 raise  # not the tier's fault: the target, a local I/O error
             last = exc
         except NotFoundError as exc:

@@ -36,7 +36,7 @@ from ckptd.notices.sigterm import SigtermSource
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.storage import StorageError
 from ckptd.storage.base import NotFoundError
-from ckptd.store.restore import RestoreError
+from ckptd.store.restore import RestoreError, RestoreRequest
 from ckptd.store.tiers import TierStore, newest_in_tiers, restore_from_tiers, tier_configs
 from ckptd.supervision.restarts import RestartPolicy
 from ckptd.supervision.supervisor import TrainerSupervisor
@@ -188,14 +188,16 @@ class SupervisedService(Service):
                 functools.partial(
                     restore_from_tiers,
                     stores,
-                    self.run_id,
-                    manifest.checkpoint,
-                    self.watch_dir,
-                    if_missing=True,
-                    concurrency=self.settings.destination.concurrency,
-                    progress=False,
-                    # Authenticated checkpoints: refused before the trainer loads a byte.
-                    keys=self.settings.authentication.key_ring(),
+                    RestoreRequest(
+                        self.run_id,
+                        manifest.checkpoint,
+                        self.watch_dir,
+                        if_missing=True,
+                        concurrency=self.settings.destination.concurrency,
+                        progress=False,
+                        # Authenticated checkpoints: refused before the trainer loads a byte.
+                        keys=self.settings.authentication.key_ring(),
+                    ),
                 )
             )
         except (RestoreError, StorageError, ManifestError) as exc:

@@ -1,6 +1,6 @@
 """When a supervised trainer ends, whether to start it again, and after how long (pure).
 
-Words, as README ("Supervised training") defines them:
+Words, as docs/exec.md ("Restart policy") defines them:
 
 - an *attempt* is one run of ``CMD``, from its start to its end;
 - it *failed* when it exited non-zero or died by a signal (exit 0 is the trainer

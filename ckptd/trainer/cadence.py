@@ -29,7 +29,8 @@ comes after the advice's ``restart_interval_seconds`` when it is shorter: where 
 interruptions come in bursts, the next one is likely soon after a restart
 (``ckptd.cadence.model``, "After a restart"). Saves after that follow ``interval_seconds``.
 
-Standard library only, as the rest of ``ckptd.trainer``.
+Standard library only, as the rest of ``ckptd.trainer`` (and ``ckptd.core.handoff``, the file
+names both sides share).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ckptd.core import handoff
+
 __all__ = [
     "ADVICE_RELPATH",
     "SAVES_RELPATH",
@@ -57,8 +60,8 @@ __all__ = [
 
 log = logging.getLogger("ckptd.trainer")
 
-ADVICE_RELPATH = Path(".ckptd") / "advice.json"
-SAVES_RELPATH = Path(".ckptd") / "saves.jsonl"
+ADVICE_RELPATH = handoff.ADVICE
+SAVES_RELPATH = handoff.SAVES
 ENV_WATCH_DIR = "CKPTD_WATCH_DIR"
 ENV_URL = "CKPTD_URL"
 ENV_TOKEN = "CKPTD_TOKEN"

@@ -27,6 +27,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ckptd.core import handoff
+
 __all__ = [
     "DEFAULT_SIGNAL",
     "DEFAULT_URL",
@@ -41,7 +43,7 @@ log = logging.getLogger("ckptd.trainer")
 
 DEFAULT_SIGNAL = signal.SIGUSR1
 DEFAULT_URL = "http://127.0.0.1:9464/v1/preemption"
-NOTICE_RELPATH = Path(".ckptd") / "preemption.json"
+NOTICE_RELPATH = handoff.NOTICE
 
 ENV_WATCH_DIR = "CKPTD_WATCH_DIR"
 ENV_SIGNAL = "CKPTD_SIGNAL"

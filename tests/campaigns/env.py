@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptd.devtools.locals3 import LocalS3
 from tests.campaigns.checker import StoreChecker
-from tests.faultproxy import FaultProxy
+from tests.support.faultproxy import FaultProxy
 
 BUCKET = "ckpt"
 MiB = 1 << 20
@@ -85,7 +85,7 @@ def write_daemon_config(
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A Markdown table (what README's Guarantees section quotes), with a title line."""
+    """A Markdown table (what docs/guarantees.md's campaign figures quote), with a title line."""
     out = [f"\n{title}", "| " + " | ".join(header) + " |"]
     out.append("| " + " | ".join("---" if i == 0 else "---:" for i in range(len(header))) + " |")
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -21,8 +21,8 @@ from typing import Any
 from ckptd.devtools.locals3 import free_port
 from tests.campaigns.checker import tree_crcs
 from tests.campaigns.env import BUCKET, MiB, Stage, table, write_daemon_config
-from tests.daemon import Daemon
-from tests.writers import write_hf
+from tests.support.daemon import Daemon
+from tests.support.writers import write_hf
 
 RATES = (0.0, 0.05, 0.2, 0.5)
 KINDS = ("500", "503-slowdown", "reset", "timeout", "reset-after-upstream")

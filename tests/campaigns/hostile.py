@@ -8,7 +8,7 @@
   Allowed outcomes: the documented errors (``CkptdError``: ManifestError, StorageError,
   RestoreError); anything else is a crash. Every write must stay inside ``DIR``.
 - metadata answers for each cloud's notice source, served by the loopback fakes
-  (``tests/fakes``): bodies that are not a notice by the provider's documentation must
+  (``tests/support/fakes``): bodies that are not a notice by the provider's documentation must
   never be taken for one, and nothing may raise. Azure documents are also generated
   well-formed, and must then give exactly the notices the documentation says.
 A source that is simply broken would pass "no false notices", so each cloud's run
@@ -44,13 +44,13 @@ from ckptd.notices.gcp import GcpMetadataSource
 from ckptd.notices.model import Notice
 from ckptd.storage import open_storage
 from ckptd.store.repository import Repository
-from ckptd.store.restore import restore
+from ckptd.store.restore import RestoreRequest, restore
 from ckptd.store.verify import verify_checkpoint
 from tests.campaigns.checker import crc_hex
 from tests.campaigns.env import BUCKET, Stage, table
-from tests.fakes.aws_imds import FakeAwsImds
-from tests.fakes.azure_metadata import FakeAzureMetadata
-from tests.fakes.gcp_metadata import FakeGcpMetadata
+from tests.support.fakes.aws_imds import FakeAwsImds
+from tests.support.fakes.azure_metadata import FakeAzureMetadata
+from tests.support.fakes.gcp_metadata import FakeGcpMetadata
 
 RUN = "run"
 
@@ -384,7 +384,8 @@ class StoreFuzz:
 
         def restore_and_verify() -> None:
             restore(
-                self.storage, RUN, name, target, concurrency=2, progress=False, take_lease=False
+                self.storage,
+                RestoreRequest(RUN, name, target, concurrency=2, progress=False, take_lease=False),
             )
             manifest = Repository(self.storage).read_manifest(RUN, name)
             if manifest is not None:
@@ -407,7 +408,8 @@ class StoreFuzz:
             self.latest_row,
             target,
             lambda: restore(
-                self.storage, run, None, target, concurrency=2, progress=False, take_lease=False
+                self.storage,
+                RestoreRequest(run, None, target, concurrency=2, progress=False, take_lease=False),
             ),
         )
 

@@ -39,9 +39,9 @@ from urllib.parse import parse_qs, unquote
 from ckptd.devtools.locals3 import free_port
 from tests.campaigns.checker import check_restored, tree_crcs
 from tests.campaigns.env import BUCKET, MiB, Stage, table, write_daemon_config
-from tests.daemon import Daemon
-from tests.faultproxy import RequestRecord
-from tests.writers import hf_steps
+from tests.support.daemon import Daemon
+from tests.support.faultproxy import RequestRecord
+from tests.support.writers import hf_steps
 
 PHASES = ("scanning", "uploading", "verifying", "committing", "retention", "restore")
 RUN = "run"

@@ -16,9 +16,9 @@ import pytest
 
 from ckptd.cadence.model import Bounds, advised_interval
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import Daemon, wait_until
-from tests.fakes.aws_imds import FakeAwsImds
-from tests.trainers.procs import Script, script_env
+from tests.support.daemon import Daemon, wait_until
+from tests.support.fakes.aws_imds import FakeAwsImds
+from tests.support.trainers.procs import Script, script_env
 
 pytest.importorskip("transformers")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import wait_until
-from tests.e2e.cluster import Cluster, Store, check_committed, dcp_trainer, restore_latest
+from tests.support.cluster import Cluster, Store, check_committed, dcp_trainer, restore_latest
+from tests.support.daemon import wait_until
 
 
 def test_a_two_node_dcp_checkpoint_commits_only_with_every_shard_of_both_nodes(

@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import wait_until
-from tests.e2e.cluster import (
+from tests.support.cluster import (
     Cluster,
     Store,
     TrainerGroup,
@@ -29,10 +28,11 @@ from tests.e2e.cluster import (
     compare_weights,
     restore_latest,
 )
+from tests.support.daemon import wait_until
 
 pytest.importorskip("deepspeed")
 
-MODULE = "tests.e2e.trainers.cluster_deepspeed"
+MODULE = "tests.support.trainers.cluster_deepspeed"
 
 
 def test_a_two_node_zero_checkpoint_is_committed_whole_and_resumes_bit_identical(

@@ -24,9 +24,9 @@ import pytest
 
 from ckptd.cluster.protocol import CLOCK_SKEW_SECONDS, SAVE_TAIL_SECONDS, save_tail_seconds
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import wait_until
-from tests.e2e.cluster import Cluster, Node, Store, check_committed, snapshot
-from tests.writers import write_bytes
+from tests.support.cluster import Cluster, Node, Store, check_committed, snapshot
+from tests.support.daemon import wait_until
+from tests.support.writers import write_bytes
 
 INSTANTS = int(os.environ.get("CLUSTER_KILL_INSTANTS", "12"))
 SEED = int(os.environ.get("CLUSTER_KILL_SEED", str(random.SystemRandom().randrange(10**6))))

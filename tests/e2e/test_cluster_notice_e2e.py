@@ -20,8 +20,8 @@ from ckptd.devtools.locals3 import LocalS3
 from ckptd.notices.model import format_time, parse_time
 from ckptd.storage import open_storage
 from ckptd.store.repository import Repository
-from tests.daemon import Daemon, committed_manifest, run_cli, wait_until
-from tests.fakes.aws_imds import FakeAwsImds
+from tests.support.daemon import Daemon, committed_manifest, run_cli, wait_until
+from tests.support.fakes.aws_imds import FakeAwsImds
 
 # How soon node 1 must act on node 0's notice: node 0's poll (0.2 s), its NOTICE write,
 # node 1's poll (0.2 s) and its signal, with room for this 2-core machine under load.
@@ -138,7 +138,7 @@ def test_a_notice_on_one_node_makes_every_node_signal_its_trainer(
         records = [node.root / "signals" for node in nodes]
         trainers = [
             processes.start(
-                "tests.trainers.signal_recorder",
+                "tests.support.trainers.signal_recorder",
                 "--pidfile",
                 str(node.pidfile),
                 "--record",
@@ -216,7 +216,7 @@ def test_a_drill_on_one_node_makes_every_nodes_trainer_save(
     # Both save under one name; node 0 writes the commit record (trainer_state.json).
     for node in nodes:
         processes.start(
-            "tests.trainers.toy_preemptible",
+            "tests.support.trainers.toy_preemptible",
             "--dir",
             str(node.watch),
             "--pidfile",

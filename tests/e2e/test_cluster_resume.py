@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import wait_until
-from tests.e2e.cluster import (
+from tests.support.cluster import (
     Cluster,
     Store,
     check_committed,
@@ -28,7 +27,8 @@ from tests.e2e.cluster import (
     dcp_trainer,
     restore_latest,
 )
-from tests.fakes.aws_imds import FakeAwsImds
+from tests.support.daemon import wait_until
+from tests.support.fakes.aws_imds import FakeAwsImds
 
 SEED = 20261203
 MAX_STEPS = 30

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.e2e.harness import (
+from tests.support.harness import (
     HF,
     LIGHTNING,
     PLAIN,

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import Daemon, committed_manifest, wait_until
-from tests.fakes.aws_imds import FakeAwsImds
-from tests.fakes.azure_metadata import FakeAzureMetadata
-from tests.fakes.gcp_metadata import FakeGcpMetadata
-from tests.faultproxy import FaultProxy
-from tests.writers import write_bytes
+from tests.support.daemon import Daemon, committed_manifest, wait_until
+from tests.support.fakes.aws_imds import FakeAwsImds
+from tests.support.fakes.azure_metadata import FakeAzureMetadata
+from tests.support.fakes.gcp_metadata import FakeGcpMetadata
+from tests.support.faultproxy import FaultProxy
+from tests.support.writers import write_bytes
 
 MiB = 1024 * 1024
 
@@ -35,7 +35,7 @@ class Trainer:
             [
                 sys.executable,
                 "-m",
-                "tests.trainers.toy_preemptible",
+                "tests.support.trainers.toy_preemptible",
                 "--dir",
                 str(root),
                 "--pidfile",

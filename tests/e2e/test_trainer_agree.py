@@ -18,8 +18,8 @@ import pytest
 
 from ckptd.devtools.locals3 import free_port
 from ckptd.trainer import agree_to_save
-from tests.daemon import wait_until
-from tests.trainers.procs import script_env
+from tests.support.daemon import wait_until
+from tests.support.trainers.procs import script_env
 
 NODES = 2
 RANKS_PER_NODE = 2
@@ -67,7 +67,7 @@ def ranks(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[bytes]]]
                 [
                     sys.executable,
                     "-m",
-                    "tests.trainers.agree_ranks",
+                    "tests.support.trainers.agree_ranks",
                     "--work",
                     str(work),
                     "--rounds",
@@ -155,7 +155,7 @@ def test_hf_trainer_ranks_on_two_nodes_save_the_same_step(tmp_path: Path) -> Non
     """The HF Trainer callback under torch.distributed (gloo, 2 nodes x 1 rank, node-local
     output dirs): only node 1's rank is signalled, and both save checkpoint-N, one N."""
     pytest.importorskip("transformers")
-    from tests.trainers.procs import Script
+    from tests.support.trainers.procs import Script
 
     port = free_port()
     scripts = []

@@ -15,14 +15,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.trainers.procs import REPO, script_env
+from tests.support.trainers.procs import REPO, script_env
 
 
 def test_a_trainer_signalled_while_it_exits_still_exits_0(tmp_path: Path) -> None:
     codes = []
     for _ in range(5):
         child = subprocess.Popen(
-            [sys.executable, str(REPO / "tests/trainers/exit_under_signals.py"), str(tmp_path)],
+            [
+                sys.executable,
+                str(REPO / "tests/support/trainers/exit_under_signals.py"),
+                str(tmp_path),
+            ],
             stdout=subprocess.PIPE,
             env=script_env(tmp_path),
         )

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.core import saves
-from tests.trainers.procs import Script, script_env
+from tests.support.trainers.procs import Script, script_env
 
 pytest.importorskip("transformers")
 

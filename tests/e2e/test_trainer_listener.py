@@ -18,8 +18,8 @@ import pytest
 
 import ckptd.trainer
 from ckptd.trainer import PreemptionListener, notice_path, parse_notice, parse_signal
-from tests.daemon import wait_until
-from tests.trainers.procs import REPO, Script, script_env
+from tests.support.daemon import wait_until
+from tests.support.trainers.procs import REPO, Script, script_env
 
 NOTICE = {
     "source": "aws",

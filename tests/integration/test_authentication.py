@@ -26,11 +26,11 @@ from ckptd.devtools.locals3 import LocalS3
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage import open_destination
 from ckptd.store.repository import Repository, object_key
-from ckptd.store.restore import RestoreError, restore
+from ckptd.store.restore import RestoreError, RestoreRequest, restore
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from tests.conftest import BUCKET
-from tests.daemon import Daemon, run_cli, wait_until
+from tests.support.daemon import Daemon, run_cli, wait_until
 
 MiB = 1024 * 1024
 RUN = "run"
@@ -424,18 +424,26 @@ async def test_many_nodes_parts_carry_digests_and_the_union_is_signed(tmp_path: 
         assert part is not None and part.files
         assert all(f.digest and f.digest == manifest.file_map()[f.path].digest for f in part.files)
     expected = union(nodes[0], nodes[1], "step-10")
-    whole = restore(repo.storage, RUN, None, tmp_path / "all", progress=False, keys=keys)
+    whole = restore(
+        repo.storage, RestoreRequest(RUN, None, tmp_path / "all", progress=False, keys=keys)
+    )
     assert {
         p.relative_to(whole.path).as_posix() for p in whole.path.rglob("*") if p.is_file()
     } == set(expected)
-    restore(repo.storage, RUN, "step-10", tmp_path / "p1", progress=False, keys=keys, part=1)
+    restore(
+        repo.storage,
+        RestoreRequest(RUN, "step-10", tmp_path / "p1", progress=False, keys=keys, part=1),
+    )
 
     shard = "__2_0.distcp"  # node 1's
     data = repo.storage.get_bytes(object_key(RUN, "step-10", shard))
     forged = forge_crc32c(b"\x80" + data[1:], checksum.crc32c(data))
     (tmp_path / "shared" / RUN / "step-10" / shard).write_bytes(forged)
     with pytest.raises(RestoreError) as caught:
-        restore(repo.storage, RUN, "step-10", tmp_path / "bad", progress=False, keys=keys)
+        restore(
+            repo.storage,
+            RestoreRequest(RUN, "step-10", tmp_path / "bad", progress=False, keys=keys),
+        )
     assert [p.path for p in caught.value.problems] == [shard]
     assert not (tmp_path / "bad" / "step-10").exists()
 
@@ -447,8 +455,8 @@ async def test_many_nodes_parts_carry_digests_and_the_union_is_signed(tmp_path: 
 async def test_exec_restores_only_a_signed_checkpoint_before_the_trainer_starts(
     setup: Setup, tmp_path: Path, signed: bool
 ) -> None:
-    from tests.e2e.exec_harness import ExecNode
-    from tests.e2e.harness import RUN_ID, Env
+    from tests.support.exec_harness import ExecNode
+    from tests.support.harness import RUN_ID, Env
 
     assert RUN_ID == RUN
     key = setup.key("k1")

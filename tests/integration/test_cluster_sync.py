@@ -28,12 +28,12 @@ from ckptd.runtime.metrics import Metrics
 from ckptd.storage import open_storage
 from ckptd.storage.base import NotFoundError, Storage
 from ckptd.store.repository import Repository, announce_key, object_key, part_key
-from ckptd.store.restore import RestoreError, restore
+from ckptd.store.restore import RestoreError, RestoreRequest, restore
 from ckptd.store.retention import apply_retention
 from ckptd.sync.commit import commit
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
-from tests.writers import local_files, write_bytes
+from tests.support.writers import local_files, write_bytes
 
 RUN = "run"
 KiB = 1024
@@ -253,12 +253,19 @@ async def test_dcp_checkpoint_commits_whole_only_once_every_node_has_shipped(
     assert repo.list_names(RUN) == ["step-10"]
 
     # Restore: the whole checkpoint by default, one node's part on request.
-    whole = restore(repo.storage, RUN, None, tmp_path / "restore-all", progress=False)
+    whole = restore(
+        repo.storage, RestoreRequest(RUN, None, tmp_path / "restore-all", progress=False)
+    )
     assert local_files(whole.path) == expected
-    part = restore(repo.storage, RUN, "step-10", tmp_path / "restore-1", progress=False, part=1)
+    part = restore(
+        repo.storage, RestoreRequest(RUN, "step-10", tmp_path / "restore-1", progress=False, part=1)
+    )
     assert local_files(part.path) == local_files(n1.watch / "step-10")
     with pytest.raises(RestoreError, match="no part"):
-        restore(repo.storage, RUN, "step-10", tmp_path / "restore-7", progress=False, part=7)
+        restore(
+            repo.storage,
+            RestoreRequest(RUN, "step-10", tmp_path / "restore-7", progress=False, part=7),
+        )
 
 
 @pytest.mark.parametrize("shape", [deepspeed_save, megatron_save, hf_save])
@@ -519,7 +526,7 @@ def test_announcement_and_parts_are_never_taken_for_checkpoints_or_files(
         save="00000001",
     )
     commit(repo, manifest)
-    restored = restore(storage, RUN, None, tmp_path / "r", progress=False)
+    restored = restore(storage, RestoreRequest(RUN, None, tmp_path / "r", progress=False))
     assert sorted(local_files(restored.path)) == ["a.bin"]
 
 

@@ -27,8 +27,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutError
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import wait_until
-from tests.faultproxy import ERROR_KINDS, FaultProxy
+from tests.support.daemon import wait_until
+from tests.support.faultproxy import ERROR_KINDS, FaultProxy
 
 MiB = 1 << 20
 

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 
 from ckptd.notices.aws import AwsImdsSource
-from tests.fakes import Collector, free_port, wait_until
-from tests.fakes.aws_imds import TOKEN_HEADER, TTL_HEADER, FakeAwsImds
+from tests.support.fakes import Collector, free_port, wait_until
+from tests.support.fakes.aws_imds import TOKEN_HEADER, TTL_HEADER, FakeAwsImds
 
 POLL = 0.05
 SPOT = "/latest/meta-data/spot/instance-action"

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 
 from ckptd.notices.azure import AzureScheduledEventsSource
-from tests.fakes import Collector, free_port, wait_until
-from tests.fakes.azure_metadata import FakeAzureMetadata
+from tests.support.fakes import Collector, free_port, wait_until
+from tests.support.fakes.azure_metadata import FakeAzureMetadata
 
 EVENTS = "/metadata/scheduledevents"
 NAME = "/metadata/instance/compute/name"

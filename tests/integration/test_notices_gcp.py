@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 
 from ckptd.notices.gcp import GcpMetadataSource
-from tests.fakes import Collector, free_port, wait_until
-from tests.fakes.gcp_metadata import FakeGcpMetadata, etag_of
+from tests.support.fakes import Collector, free_port, wait_until
+from tests.support.fakes.gcp_metadata import FakeGcpMetadata, etag_of
 
 PREEMPTED = "/computeMetadata/v1/instance/preempted"
 MAINTENANCE = "/computeMetadata/v1/instance/maintenance-event"

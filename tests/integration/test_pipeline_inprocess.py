@@ -19,7 +19,7 @@ from ckptd.store.repository import Repository
 from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
-from tests.fakes import wait_until
+from tests.support.fakes import wait_until
 
 MiB = 1024 * 1024
 PART = 5 * MiB

@@ -13,7 +13,7 @@ from ckptd.store.repository import RANGE_BYTES as READ_CHUNK
 from ckptd.store.repository import Repository
 from ckptd.store.verify import verify_checkpoint
 from tests.integration.test_restore import commit_files, ship_once
-from tests.writers import write_hf
+from tests.support.writers import write_hf
 
 MiB = 1024 * 1024
 

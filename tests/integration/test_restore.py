@@ -27,6 +27,7 @@ from ckptd.store.repository import LEASE_DIR, Repository, chunk_ranges, manifest
 from ckptd.store.restore import (
     STAGING_PREFIX,
     RestoreError,
+    RestoreRequest,
     environment_differences,
     is_single_file,
     restore,
@@ -36,9 +37,9 @@ from ckptd.store.retention import apply_retention
 from ckptd.store.verify import verify_checkpoint
 from ckptd.sync.commit import commit
 from ckptd.sync.scanner import snapshot
-from tests.daemon import run_cli, wait_until, write_config
-from tests.faultproxy import FaultProxy
-from tests.writers import local_files, write_bytes, write_dcp, write_deepspeed, write_hf
+from tests.support.daemon import run_cli, wait_until, write_config
+from tests.support.faultproxy import FaultProxy
+from tests.support.writers import local_files, write_bytes, write_dcp, write_deepspeed, write_hf
 
 MiB = 1024 * 1024
 BUCKET = "ckpt"
@@ -202,7 +203,9 @@ def test_hf_dcp_deepspeed_restore_byte_identical(
     target = tmp_path / "restored"
     for run, local_dir in written.items():
         # Chunks smaller than the upload's parts and not aligned with them.
-        result = restore(storage, run, None, target, chunk_bytes=3 * MiB, concurrency=4)
+        result = restore(
+            storage, RestoreRequest(run, None, target, chunk_bytes=3 * MiB, concurrency=4)
+        )
         assert result.path == target / local_dir.name
         assert local_files(result.path) == local_files(local_dir), run
         assert result.downloaded_bytes == result.total_bytes
@@ -230,7 +233,7 @@ def test_lightning_single_file_checkpoint_restores_as_the_file(
     ship_once(tmp_path, root, s3_dest, local_s3.endpoint_url)
     manifest = Repository(s3).resolve("lit", None)
     assert is_single_file(manifest)
-    result = restore(s3, "lit", "epoch=0-step=50.ckpt", tmp_path / "out")
+    result = restore(s3, RestoreRequest("lit", "epoch=0-step=50.ckpt", tmp_path / "out"))
     restored = tmp_path / "out" / "epoch=0-step=50.ckpt"
     assert result.path == restored and restored.is_file()
     assert restored.read_bytes() == data
@@ -256,7 +259,7 @@ def test_tampered_object_fails_verify_and_restore_leaves_nothing_at_name(
 
     target = tmp_path / "out"
     with pytest.raises(RestoreError) as err:
-        restore(s3, "run", "checkpoint-3", target, chunk_bytes=MiB)
+        restore(s3, RestoreRequest("run", "checkpoint-3", target, chunk_bytes=MiB))
     assert [p.path for p in err.value.problems] == ["model.bin"]
     # Decision: only the hidden staging dir is left, holding nothing but verified files,
     # so a rerun after the store is repaired downloads only what failed.
@@ -266,7 +269,7 @@ def test_tampered_object_fails_verify_and_restore_leaves_nothing_at_name(
     assert (staged / "optim.bin").read_bytes() == files["optim.bin"]
 
     put_raw(s3_client, s3_prefix, "run/checkpoint-3/model.bin", files["model.bin"])
-    result = restore(s3, "run", "checkpoint-3", target, chunk_bytes=MiB)
+    result = restore(s3, RestoreRequest("run", "checkpoint-3", target, chunk_bytes=MiB))
     assert result.reused_bytes == len(files["optim.bin"]) + 2
     assert result.downloaded_bytes == len(files["model.bin"])
     assert local_files(target / "checkpoint-3") == files
@@ -284,7 +287,7 @@ def test_object_larger_than_the_manifest_says_is_refused_before_writing(
     assert [p.path for p in problems] == ["model.bin"] and "size" in problems[0].problem
     target = tmp_path / "out"
     with pytest.raises(RestoreError) as err:
-        restore(s3, "run", None, target)
+        restore(s3, RestoreRequest("run", None, target))
     assert "larger" in err.value.problems[0].problem
     assert os.listdir(target) == []  # refused before anything was written
 
@@ -295,7 +298,7 @@ def test_missing_object_is_refused_before_writing(tmp_path: Path) -> None:
     commit_files(storage, "run", "ck-1", {"a": b"aaaa", "b/c": b"cc"}, step=1)
     (shared / "run" / "ck-1" / "b" / "c").unlink()
     with pytest.raises(RestoreError) as err:
-        restore(storage, "run", "ck-1", tmp_path / "out")
+        restore(storage, RestoreRequest("run", "ck-1", tmp_path / "out"))
     assert [(p.path, p.problem) for p in err.value.problems] == [("b/c", "missing")]
     assert os.listdir(tmp_path / "out") == []
 
@@ -343,10 +346,10 @@ def test_hostile_manifest_paths_are_refused_before_anything_is_written(
     target = tmp_path / "target"
     target.mkdir()
     with pytest.raises(ManifestError):
-        restore(s3, "run", "evil-1", target)
+        restore(s3, RestoreRequest("run", "evil-1", target))
     # --latest skips a manifest it cannot trust, and then finds nothing committed.
     with pytest.raises(NotFoundError):
-        restore(s3, "run", None, target)
+        restore(s3, RestoreRequest("run", None, target))
     assert os.listdir(target) == []
     target.rmdir()
     assert tree_snapshot(tmp_path) == before
@@ -367,7 +370,7 @@ def test_unparsable_or_foreign_manifest_is_a_manifest_error(
 ) -> None:
     put_raw(s3_client, s3_prefix, manifest_key("run", "evil-1"), body)
     with pytest.raises(ManifestError):
-        restore(s3, "run", "evil-1", tmp_path / "out")
+        restore(s3, RestoreRequest("run", "evil-1", tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # refused before even the target dir was made
 
 
@@ -380,9 +383,9 @@ def test_existing_target_symlink_to_outside_is_never_written_through(
     os.symlink(sentinel, target / "ck-2")  # DIR/NAME is a link to outside
     before = tree_snapshot(sentinel)
     with pytest.raises(RestoreError, match="already exists"):
-        restore(s3, "run", "ck-2", target)
+        restore(s3, RestoreRequest("run", "ck-2", target))
     with pytest.raises(RestoreError, match="differs"):
-        restore(s3, "run", "ck-2", target, if_missing=True)
+        restore(s3, RestoreRequest("run", "ck-2", target, if_missing=True))
     assert tree_snapshot(sentinel) == before
     assert sorted(os.listdir(target)) == ["ck-2"]
 
@@ -410,7 +413,7 @@ def test_symlinks_planted_in_the_staging_dir_are_discarded_not_followed(
     )
     (sentinel / "b").write_bytes(b"data")  # so that a/b "exists" with the right size
     before = tree_snapshot(sentinel)
-    result = restore(s3, "run", "ck-4", target)
+    result = restore(s3, RestoreRequest("run", "ck-4", target))
     assert tree_snapshot(sentinel) == before
     assert result.reused_bytes == 0
     assert local_files(target / "ck-4") == files
@@ -426,7 +429,7 @@ def test_staging_dir_that_is_a_symlink_is_replaced_not_followed(
     target.mkdir()
     os.symlink(sentinel, target / f"{STAGING_PREFIX}ck-5")
     before = tree_snapshot(sentinel)
-    restore(s3, "run", "ck-5", target)
+    restore(s3, RestoreRequest("run", "ck-5", target))
     assert tree_snapshot(sentinel) == before
     assert local_files(target / "ck-5") == {"x": b"xx"}
 
@@ -451,13 +454,13 @@ def test_failed_restore_resumes_reusing_verified_files(
     )
     target = tmp_path / "out"
     with pytest.raises(RestoreError) as err:
-        restore(storage, "run", None, target, chunk_bytes=MiB, concurrency=3)
+        restore(storage, RestoreRequest("run", None, target, chunk_bytes=MiB, concurrency=3))
     assert [p.path for p in err.value.problems] == ["late.bin"]
     assert not (target / "checkpoint-9").exists()
 
     fault_proxy.clear_faults()
     fault_proxy.reset_counters()
-    result = restore(storage, "run", None, target, chunk_bytes=MiB, concurrency=3)
+    result = restore(storage, RestoreRequest("run", None, target, chunk_bytes=MiB, concurrency=3))
     object_gets = [
         r
         for r in fault_proxy.requests
@@ -483,7 +486,9 @@ def test_a_download_cut_half_way_is_fetched_again_whole_and_verifies(
     )
     fault_proxy.reset_counters()
 
-    result = restore(storage, "run", None, tmp_path / "out", chunk_bytes=4 * MiB, concurrency=2)
+    result = restore(
+        storage, RestoreRequest("run", None, tmp_path / "out", chunk_bytes=4 * MiB, concurrency=2)
+    )
 
     gets = [r for r in fault_proxy.requests if r.path.endswith("/model.bin")]
     assert [r.fault for r in gets] == ["reset-mid-response", None]
@@ -495,10 +500,10 @@ def test_a_download_cut_half_way_is_fetched_again_whole_and_verifies(
 _RESTORE_SCRIPT = """
 import sys
 from pathlib import Path
-from ckptd.store.restore import restore
+from ckptd.store.restore import RestoreRequest, restore
 from ckptd.storage import open_storage
 storage = open_storage(sys.argv[1], endpoint_url=sys.argv[2], max_attempts=1)
-restore(storage, "run", None, Path(sys.argv[3]), chunk_bytes=1 << 20, concurrency=2)
+restore(storage, RestoreRequest("run", None, Path(sys.argv[3]), chunk_bytes=1 << 20, concurrency=2))
 """
 
 
@@ -531,7 +536,7 @@ def test_kill_9_mid_restore_resumes_reusing_fsynced_files(
 
     fault_proxy.clear_faults()
     fault_proxy.reset_counters()
-    result = restore(storage, "run", None, target, chunk_bytes=MiB)
+    result = restore(storage, RestoreRequest("run", None, target, chunk_bytes=MiB))
     assert result.reused_bytes == 3 * 2 * MiB
     assert fault_proxy.bytes_down < 2 * MiB + 64 * 1024
     assert local_files(target / "checkpoint-11") == files
@@ -554,11 +559,13 @@ def test_state_records_are_trusted_only_while_the_staged_size_matches(
         raise Interrupted
 
     with pytest.raises(Interrupted):
-        restore(storage, "run", None, target, on_file=stop_after_first, concurrency=1)
+        restore(
+            storage, RestoreRequest("run", None, target, on_file=stop_after_first, concurrency=1)
+        )
     staged = target / f"{STAGING_PREFIX}ck-3" / "data" / done[0]
     with open(staged, "ab") as fh:  # the file changed after it was recorded
         fh.write(b"!")
-    result = restore(storage, "run", None, target)
+    result = restore(storage, RestoreRequest("run", None, target))
     assert result.reused_bytes == 0
     assert local_files(target / "ck-3") == files
 
@@ -573,21 +580,21 @@ def test_if_missing_returns_at_once_when_present_with_matching_sizes(
     files = {"model.bin": os.urandom(4 * MiB), "n/cfg.json": b"{}"}
     commit_files(storage, "run", "checkpoint-8", files, step=8)
     target = tmp_path / "out"
-    first = restore(storage, "run", None, target, if_missing=True)
+    first = restore(storage, RestoreRequest("run", None, target, if_missing=True))
     assert not first.skipped
     fault_proxy.reset_counters()
-    again = restore(storage, "run", None, target, if_missing=True)
+    again = restore(storage, RestoreRequest("run", None, target, if_missing=True))
     assert again.skipped and again.downloaded_bytes == 0
     # Only LATEST and the manifest were read: no object, no listing, no lease.
     assert fault_proxy.count("GET") == 2 and fault_proxy.count("PUT") == 0
     assert fault_proxy.bytes_down < 4096
     # Without --if-missing an existing checkpoint is never overwritten.
     with pytest.raises(RestoreError, match="already exists"):
-        restore(storage, "run", None, target)
+        restore(storage, RestoreRequest("run", None, target))
     # A size that differs is not "present".
     (target / "checkpoint-8" / "n" / "cfg.json").write_bytes(b"{ }")
     with pytest.raises(RestoreError) as err:
-        restore(storage, "run", None, target, if_missing=True)
+        restore(storage, RestoreRequest("run", None, target, if_missing=True))
     assert [p.path for p in err.value.problems] == ["n/cfg.json"]
 
 
@@ -613,10 +620,12 @@ def test_environment_difference_is_a_warning_not_a_failure(tmp_path: Path) -> No
     with structlog.testing.capture_logs() as logs:
         result = restore(
             storage,
-            "run",
-            None,
-            tmp_path / "out",
-            environment={"torch": "2.6.0+cpu", "python": "3.11.7"},
+            RestoreRequest(
+                "run",
+                None,
+                tmp_path / "out",
+                environment={"torch": "2.6.0+cpu", "python": "3.11.7"},
+            ),
         )
     assert result.environment_differences == {
         "torch": ("2.5.1+cu124", "2.6.0+cpu"),
@@ -641,7 +650,9 @@ def test_retention_never_deletes_a_checkpoint_being_restored(
         assert len(leases) == 1 and f"/{LEASE_DIR}/ck-1-" in leases[0]
         seen.append(apply_retention(s3, "run", keep_last=1, keep_every_steps=0))
 
-    result = restore(s3, "run", "ck-1", tmp_path / "out", on_file=retention_runs_meanwhile)
+    result = restore(
+        s3, RestoreRequest("run", "ck-1", tmp_path / "out", on_file=retention_runs_meanwhile)
+    )
     assert seen[0] == ["ck-2"]  # ck-1 is leased, ck-3 is LATEST
     assert local_files(result.path).keys() == {"a", "b"}
     assert list(s3.list_objects(f"run/{LEASE_DIR}/")) == []
@@ -663,12 +674,12 @@ def test_a_line_cut_short_in_the_state_file_costs_only_that_file(tmp_path: Path)
         raise Interrupted
 
     with pytest.raises(Interrupted):  # a.bin verified and recorded
-        restore(storage, "run", None, target, on_file=stop, concurrency=1)
+        restore(storage, RestoreRequest("run", None, target, on_file=stop, concurrency=1))
     with open(state, "ab") as fh:
         fh.write(b'{"path": "b.b')  # a crash in the middle of writing a record
     with pytest.raises(Interrupted):  # b.bin verified, recorded after the cut line
-        restore(storage, "run", None, target, on_file=stop, concurrency=1)
-    result = restore(storage, "run", None, target)
+        restore(storage, RestoreRequest("run", None, target, on_file=stop, concurrency=1))
+    result = restore(storage, RestoreRequest("run", None, target))
     assert result.reused_bytes == len(files["a.bin"]) + len(files["b.bin"])
     assert result.downloaded_bytes == 1
     assert local_files(target / "ck-6") == files
@@ -684,7 +695,9 @@ def test_concurrent_if_missing_restores_into_one_dir_download_once(tmp_path: Pat
     with ThreadPoolExecutor(4) as pool:  # e.g. every rank of a node at start-up
         results = list(
             pool.map(
-                lambda _: restore(storage, "run", None, target, if_missing=True, progress=False),
+                lambda _: restore(
+                    storage, RestoreRequest("run", None, target, if_missing=True, progress=False)
+                ),
                 range(4),
             )
         )
@@ -696,7 +709,7 @@ def test_concurrent_if_missing_restores_into_one_dir_download_once(tmp_path: Pat
 def test_progress_bar_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     storage = open_storage(f"file://{tmp_path / 'shared'}")
     commit_files(storage, "run", "ck-8", {"w.bin": os.urandom(MiB)}, step=8)
-    restore(storage, "run", None, tmp_path / "out", progress=True)
+    restore(storage, RestoreRequest("run", None, tmp_path / "out", progress=True))
     err = capsys.readouterr().err
     assert "run/ck-8" in err
     # The same binary units as the summary line (rich's defaults count MB and MB/s).

@@ -20,8 +20,8 @@ from ckptd.core import saves
 from ckptd.layouts.base import CheckpointListing, FileEntry, RuleSettings
 from ckptd.sync.scanner import snapshot
 from ckptd.trainer import report_save
-from tests.daemon import Daemon, wait_until
-from tests.writers import write_bytes
+from tests.support.daemon import Daemon, wait_until
+from tests.support.writers import write_bytes
 
 NS = 1_000_000_000
 MiB = 1024 * 1024

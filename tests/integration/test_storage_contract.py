@@ -50,7 +50,7 @@ from ckptd.storage.fs import FileStorage
 from ckptd.storage.s3 import S3Storage
 from ckptd.sync.journal import Journal
 from ckptd.sync.transfer import FileResult, TransferContext, TransferPausedError, Transfers
-from tests.faultproxy import FaultProxy
+from tests.support.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
 T = TypeVar("T")

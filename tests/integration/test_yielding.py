@@ -26,9 +26,9 @@ from ckptd.runtime.yielding import Priority, idle_this_thread, lower_this_thread
 from ckptd.storage.fs import FileStorage
 from ckptd.sync.journal import Journal
 from ckptd.sync.transfer import Transfers
-from tests.daemon import Daemon, wait_until
-from tests.ops_helpers import hf_daemon
-from tests.writers import write_hf
+from tests.support.daemon import Daemon, wait_until
+from tests.support.ops import hf_daemon
+from tests.support.writers import write_hf
 
 MIB = 1024 * 1024
 

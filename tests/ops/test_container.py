@@ -38,9 +38,9 @@ import pytest
 import yaml
 
 from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
-from tests import podman
-from tests.daemon import wait_until
-from tests.ops_helpers import DEPLOY, REPO
+from tests.support import podman
+from tests.support.daemon import wait_until
+from tests.support.ops import DEPLOY, REPO
 
 pytestmark = [
     pytest.mark.container,
@@ -75,7 +75,7 @@ def _dependency_wheels() -> Path:
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The ckptd image, from deploy/Dockerfile on the debootstrap base, as README says:
+    """The ckptd image, from deploy/Dockerfile on the debootstrap base, as docs/operations.md says:
     wheels built on the host into dist/, then the build."""
     base = podman.ensure_base_image()
     context = tmp_path_factory.mktemp("image-context")

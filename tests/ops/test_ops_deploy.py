@@ -25,8 +25,8 @@ import pytest
 import yaml
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import run_cli, wait_until
-from tests.ops_helpers import DEPLOY, hf_daemon, tool
+from tests.support.daemon import run_cli, wait_until
+from tests.support.ops import DEPLOY, hf_daemon, tool
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "docker-compose.yml"
@@ -118,8 +118,8 @@ def test_dockerfile_passes_hadolint() -> None:
 
 
 def test_dockerignore_lets_through_exactly_the_wheels(tmp_path: Path) -> None:
-    """The context the Dockerfile COPYs (dist/, after README's ``pip wheel --wheel-dir
-    dist .``) is all .dockerignore lets through; tests/ops/test_container.py builds it."""
+    """The context the Dockerfile COPYs (dist/, after docs/operations.md's ``pip wheel
+    --wheel-dir dist .``) is all .dockerignore lets through; tests/ops/test_container.py builds it."""
     ignore = [
         line
         for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
@@ -327,7 +327,7 @@ def test_pod_restore_script_starts_fresh_restores_and_fails_on_a_broken_store(
     assert fresh.returncode == 0, fresh.stderr
     assert "starting fresh" in fresh.stdout
     # A committed checkpoint (ckptd run --once), then the restore brings it back.
-    from tests.writers import local_files, write_hf
+    from tests.support.writers import local_files, write_hf
 
     local = write_hf(watch, 10)
     once = subprocess.run(
@@ -413,7 +413,9 @@ def _as_uid(uid: int, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @needs_root_and_setpriv
-def test_daemonset_state_dir_step_lets_uid_10001_open_its_journal(shared_tmp: Path) -> None:
+def test_daemonset_state_dir_step_lets_uid_10001_open_its_journal(
+    shared_tmp: Path, ckptd_for_other_users: list[str]
+) -> None:
     """The DaemonSet's own commands, run as the manifest says: the init step as root with
     only the capabilities it is given, then ckptd as the pod's uid on what a
     ``DirectoryOrCreate`` hostPath is at first (root-owned, 0755)."""
@@ -443,7 +445,7 @@ def test_daemonset_state_dir_step_lets_uid_10001_open_its_journal(shared_tmp: Pa
         f'[state]\ndir = "{state}"\n'
     )
     config.chmod(0o644)
-    run_once = [sys.executable, "-m", "ckptd", "run", "--once", "--config", str(config)]
+    run_once = [*ckptd_for_other_users, "run", "--once", "--config", str(config)]
 
     # Without the step: one line naming the state dir, exit 2, no traceback.
     refused = _as_uid(uid, *run_once)

@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client.metrics_core import Metric
 
 from ckptd.runtime.metrics import Metrics
-from tests.ops_helpers import DEPLOY
+from tests.support.ops import DEPLOY
 
 DASHBOARD = DEPLOY / "grafana" / "ckptd-dashboard.json"
 METRIC_NAME = re.compile(r"\bckptd_[a-z0-9_]+\b")

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from ckptd.devtools.locals3 import LocalS3, free_port
-from tests.daemon import wait_until
-from tests.ops_helpers import DEPLOY, hf_daemon, tool
-from tests.writers import write_hf
+from tests.support.daemon import wait_until
+from tests.support.ops import DEPLOY, hf_daemon, tool
+from tests.support.writers import write_hf
 
 RULES = DEPLOY / "prometheus" / "ckptd-alerts.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "ckptd-alerts.test.yml"

@@ -11,11 +11,11 @@ import pytest
 
 from ckptd.daemon.sdnotify import SystemdNotifier, socket_address, summarize, watchdog_seconds
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import wait_until
-from tests.fakes import free_port
-from tests.fakes.aws_imds import FakeAwsImds
-from tests.ops_helpers import NotifySocket, hf_daemon
-from tests.writers import write_hf
+from tests.support.daemon import wait_until
+from tests.support.fakes import free_port
+from tests.support.fakes.aws_imds import FakeAwsImds
+from tests.support.ops import NotifySocket, hf_daemon
+from tests.support.writers import write_hf
 
 
 @pytest.mark.parametrize("abstract", [False, True], ids=["path", "abstract"])

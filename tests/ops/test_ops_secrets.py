@@ -18,9 +18,9 @@ import pytest
 
 from ckptd.devtools import locals3
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import Daemon, run_cli, wait_until
-from tests.ops_helpers import hf_daemon
-from tests.writers import write_hf
+from tests.support.daemon import Daemon, run_cli, wait_until
+from tests.support.ops import hf_daemon
+from tests.support.writers import write_hf
 
 SECRET_KEY = f"ckptdCanarySecret{uuid.uuid4().hex}"
 SESSION_TOKEN = f"ckptdCanarySession{uuid.uuid4().hex}"

@@ -12,9 +12,9 @@ from rich.console import Console
 from ckptd.cli.statusview import progress_text, render_status
 from ckptd.cli.units import human_bytes, human_seconds
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import run_cli, wait_until
-from tests.ops_helpers import hf_daemon
-from tests.writers import write_hf
+from tests.support.daemon import run_cli, wait_until
+from tests.support.ops import hf_daemon
+from tests.support.writers import write_hf
 
 GiB = 1024**3
 

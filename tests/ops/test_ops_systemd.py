@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import wait_until
-from tests.ops_helpers import SYSTEMD, hf_daemon, tool
-from tests.writers import write_hf
+from tests.support.daemon import wait_until
+from tests.support.ops import SYSTEMD, hf_daemon, tool
+from tests.support.writers import write_hf
 
 UNIT = SYSTEMD / "ckptd.service"
 MAX_EXPOSURE = 2.0  # systemd-analyze security: 0 (locked down) .. 10 (unprotected)
@@ -226,7 +226,9 @@ def test_sysusers_file_creates_the_units_user_with_the_state_dir_as_home(tmp_pat
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or tool("setpriv") is None, reason="needs root and setpriv")
-def test_config_installed_as_the_header_says_is_readable_by_the_service_user() -> None:
+def test_config_installed_as_the_header_says_is_readable_by_the_service_user(
+    ckptd_for_other_users: list[str],
+) -> None:
     """The header installs the config root-owned with the mode it names; the service user
     (not root, no group of root's) must be able to read it, or the unit exits 2 and
     RestartPreventExitStatus=2 never retries."""
@@ -244,9 +246,7 @@ def test_config_installed_as_the_header_says_is_readable_by_the_service_user() -
                 "--reuid=999",
                 "--regid=999",
                 "--clear-groups",
-                sys.executable,
-                "-m",
-                "ckptd",
+                *ckptd_for_other_users,
                 "config",
                 "check",
                 "--config",

@@ -24,7 +24,7 @@ from ckptd.cadence.model import (
 )
 from ckptd.storage.fs import FileStorage
 from ckptd.store.repository import Repository
-from tests.daemon import Daemon, wait_until
+from tests.support.daemon import Daemon, wait_until
 
 HOUR = 3600.0
 

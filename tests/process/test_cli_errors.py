@@ -36,7 +36,7 @@ from ckptd.devtools.locals3 import LocalS3
 from ckptd.storage.base import StorageError
 from ckptd.store.restore import RestoreError
 from ckptd.sync.commit import CommitConflictError
-from tests.daemon import run_cli
+from tests.support.daemon import run_cli
 
 NAME = "checkpoint-1"
 GOOD_RUN = "good"

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import Daemon, committed_manifest, run_cli, wait_until
-from tests.writers import local_files, write_bytes
+from tests.support.daemon import Daemon, committed_manifest, run_cli, wait_until
+from tests.support.writers import local_files, write_bytes
 
 
 def node_daemon(tmp: Path, rank: int, dest: str, endpoint: str) -> tuple[Daemon, Path]:

@@ -24,7 +24,7 @@ from ckptd.runtime.metrics import Metrics
 from ckptd.storage import open_storage
 from ckptd.storage.base import Storage
 from ckptd.store.repository import NOTICE_FORMAT, Repository, notice_key
-from tests.faultproxy import FaultProxy
+from tests.support.faultproxy import FaultProxy
 
 START = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -269,14 +269,14 @@ async def test_the_trainer_is_signalled_while_the_store_still_hangs_on_the_notic
 
     from ckptd.config import load_settings
     from ckptd.notices.responder import Responder
-    from tests.daemon import wait_until
+    from tests.support.daemon import wait_until
 
     pidfile, record = tmp_path / "trainer.pid", tmp_path / "signals"
     trainer = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "tests.trainers.signal_recorder",
+            "tests.support.trainers.signal_recorder",
             *("--pidfile", str(pidfile), "--record", str(record), "--max-seconds", "60"),
         ],
         stdin=subprocess.DEVNULL,

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import Daemon, run_cli, wait_until
-from tests.writers import local_files, write_hf
+from tests.support.daemon import Daemon, run_cli, wait_until
+from tests.support.writers import local_files, write_hf
 
 MiB = 1024 * 1024
 

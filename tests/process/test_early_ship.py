@@ -26,9 +26,9 @@ from ckptd.store.repository import Repository, object_key
 from ckptd.sync import cleanup
 from ckptd.sync.early import ready_files
 from ckptd.sync.journal import Journal
-from tests.daemon import Daemon, committed_manifest, run_cli, wait_until
 from tests.process.test_sync_e2e import _assert_committed_identical, _keys
-from tests.writers import write_bytes
+from tests.support.daemon import Daemon, committed_manifest, run_cli, wait_until
+from tests.support.writers import write_bytes
 
 MiB = 1024 * 1024
 NS = 1_000_000_000

@@ -29,9 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckptd.core.errors import EXIT_FLUSH_FAILED, EXIT_GAVE_UP
 from ckptd.devtools.locals3 import LocalS3
 from ckptd.supervision.supervisor import catches_signal, process_tree, signal_targets
-from tests.daemon import run_cli, wait_until
-from tests.e2e.exec_harness import ExecNode, crash_repeatedly
-from tests.e2e.harness import (
+from tests.support.daemon import run_cli, wait_until
+from tests.support.exec_harness import ExecNode, crash_repeatedly
+from tests.support.fakes.aws_imds import FakeAwsImds
+from tests.support.faultproxy import FaultProxy
+from tests.support.harness import (
     RUN_ID,
     Env,
     TrainerSpec,
@@ -39,8 +41,6 @@ from tests.e2e.harness import (
     finish_reference,
     start_reference,
 )
-from tests.fakes.aws_imds import FakeAwsImds
-from tests.faultproxy import FaultProxy
 
 SEED = 20261203
 # Kills per trainer (6 in the default run; EXEC_CRASHES=30 for a longer one). Not CKPTD_*:
@@ -51,7 +51,7 @@ MAX_STEPS = 10 * (2 * CRASHES + 3)
 
 PLAIN_EXEC = TrainerSpec(
     name="pytorch-dcp",
-    module="tests.e2e.trainers.plain_dcp",
+    module="tests.support.trainers.plain_dcp",
     max_steps=MAX_STEPS,
     save_every=10,
     step_delay=0.02,
@@ -60,7 +60,7 @@ PLAIN_EXEC = TrainerSpec(
 )
 HF_EXEC = TrainerSpec(
     name="hf-trainer",
-    module="tests.e2e.trainers.hf_gpt2",
+    module="tests.support.trainers.hf_gpt2",
     max_steps=MAX_STEPS,
     save_every=10,
     step_delay=0.0,  # a Trainer step already takes ~20 ms here
@@ -69,7 +69,7 @@ HF_EXEC = TrainerSpec(
 )
 SHORT = TrainerSpec(
     name="pytorch-dcp",
-    module="tests.e2e.trainers.plain_dcp",
+    module="tests.support.trainers.plain_dcp",
     max_steps=60,
     save_every=10,
     step_delay=0.05,
@@ -342,7 +342,7 @@ def test_a_notice_signals_the_ranks_that_catch_it_and_spares_the_launcher(
     tmp_path: Path,
 ) -> None:
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "tests.trainers.launcher_like", str(tmp_path)],
+        [sys.executable, "-m", "tests.support.trainers.launcher_like", str(tmp_path)],
         cwd=Path(__file__).resolve().parents[2],
     )
     try:
@@ -389,7 +389,7 @@ def test_exec_on_two_nodes_a_sigterm_on_one_flushes_both(
     for rank in (0, 1):
         directory = tmp_path / f"node-{rank}"
         command = [
-            *(sys.executable, "-m", "tests.trainers.toy_preemptible"),
+            *(sys.executable, "-m", "tests.support.trainers.toy_preemptible"),
             *("--dir", str(directory / "run"), "--pidfile", str(directory / "trainer.pid")),
             *("--mib", "1", "--name", "checkpoint-999"),
             # Node 0 holds the HF commit record and the weights; node 1 one more shard.

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon import Daemon, wait_until
-from tests.writers import write_hf
+from tests.support.daemon import Daemon, wait_until
+from tests.support.writers import write_hf
 
 MiB = 1024 * 1024
 
@@ -94,8 +94,8 @@ def test_a_restore_that_cannot_fit_is_refused_before_a_byte_is_written(
     """80 MiB into a 60 MiB filesystem: one line with what is free and what is needed,
     exit 1, and the target as it was (no staging dir filling the disk)."""
     from ckptd.storage import open_storage
-    from tests.daemon import run_cli
     from tests.integration.test_restore import commit_files
+    from tests.support.daemon import run_cli
 
     dest = f"file://{tmp_path / 'store'}"
     files = {"a.bin": os.urandom(40 * MiB), "b.bin": os.urandom(40 * MiB)}

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import Daemon, wait_until
-from tests.writers import local_files
+from tests.support.daemon import Daemon, wait_until
+from tests.support.writers import local_files
 
 ODD_NAMES = [
     "with space.bin",

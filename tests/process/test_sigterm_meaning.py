@@ -18,8 +18,8 @@ import pytest
 
 from ckptd.devtools.locals3 import LocalS3
 from ckptd.notices.shutdown import sigterm_meaning, system_state
-from tests.daemon import Daemon, wait_until
 from tests.e2e.test_preemption_e2e import Trainer
+from tests.support.daemon import Daemon, wait_until
 
 
 def _fake_systemctl(bin_dir: Path, state_file: Path) -> None:

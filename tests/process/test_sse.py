@@ -28,13 +28,13 @@ from ckptd.devtools.locals3 import LocalS3
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage import open_destination
 from ckptd.store.repository import Repository
-from ckptd.store.restore import restore
+from ckptd.store.restore import RestoreRequest, restore
 from ckptd.store.verify import verify_checkpoint
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from tests.conftest import BUCKET
-from tests.daemon import run_cli
-from tests.faultproxy import FaultProxy, RequestRecord
+from tests.support.daemon import run_cli
+from tests.support.faultproxy import FaultProxy, RequestRecord
 
 MiB = 1024 * 1024
 SSE_HEADER = "x-amz-server-side-encryption"
@@ -146,7 +146,10 @@ def restore_and_verify(storage: Any, watch: Path, tmp_path: Path) -> None:
     for name in ("ck-1", "ck-2"):
         manifest = repo.read_manifest("run", name)
         assert verify_checkpoint(storage, manifest) == []
-    restore(storage, "run", "ck-2", tmp_path / "restored", progress=False, take_lease=False)
+    restore(
+        storage,
+        RestoreRequest("run", "ck-2", tmp_path / "restored", progress=False, take_lease=False),
+    )
     for path in ("weights.bin", "config.json"):
         assert (tmp_path / "restored/ck-2" / path).read_bytes() == (
             watch / "ck-2" / path

@@ -15,9 +15,9 @@ import crc32c as independent_crc  # a second CRC-32C implementation, not the one
 import pytest
 
 from ckptd.devtools.locals3 import LocalS3
-from tests.daemon import Daemon, committed_manifest, run_cli, wait_until
-from tests.faultproxy import FaultProxy
-from tests.writers import (
+from tests.support.daemon import Daemon, committed_manifest, run_cli, wait_until
+from tests.support.faultproxy import FaultProxy
+from tests.support.writers import (
     dcp_steps,
     hf_steps,
     local_files,

@@ -21,8 +21,8 @@ import pytest
 
 from ckptd.devtools.locals3 import LocalS3, free_port
 from tests.conftest import BUCKET
-from tests.daemon import Daemon, committed_manifest, run_cli, wait_until
-from tests.faultproxy import FaultProxy
+from tests.support.daemon import Daemon, committed_manifest, run_cli, wait_until
+from tests.support.faultproxy import FaultProxy
 
 RUN = "run"
 SECOND_BUCKET = "ckpt-tier2"
@@ -286,6 +286,7 @@ def test_restore_takes_the_newest_step_from_the_first_tier_and_skips_a_tampered_
 def test_restore_passes_over_a_tier_that_cannot_be_reached(tmp_path: Path) -> None:
     from ckptd.config import DestinationConfig
     from ckptd.storage import StorageError, open_storage
+    from ckptd.store.restore import RestoreRequest
     from ckptd.store.tiers import TierStore, restore_from_tiers
     from tests.integration.test_retention_age import commit_aged
 
@@ -299,13 +300,15 @@ def test_restore_passes_over_a_tier_that_cannot_be_reached(tmp_path: Path) -> No
     good = TierStore("nfs", open_storage(good_url), DestinationConfig(url=good_url, name="nfs"))
     commit_aged(good.storage, RUN, 100, 1_780_000_000.0)
 
-    done = restore_from_tiers([dead, good], RUN, None, tmp_path / "out", progress=False)
+    done = restore_from_tiers(
+        [dead, good], RestoreRequest(RUN, None, tmp_path / "out", progress=False)
+    )
     assert (done.tier, done.result.checkpoint) == ("nfs", "checkpoint-100")
     assert (tmp_path / "out" / "checkpoint-100" / "model.bin").stat().st_size == 96
     # Only unreachable tiers: the store's error, never "nothing to restore" (a fresh
     # node would train over the run's history).
     with pytest.raises(StorageError):
-        restore_from_tiers([dead], RUN, None, tmp_path / "out2", progress=False)
+        restore_from_tiers([dead], RestoreRequest(RUN, None, tmp_path / "out2", progress=False))
     assert not (tmp_path / "out2" / "checkpoint-100").exists()
 
 
@@ -359,7 +362,7 @@ async def test_a_further_tier_starts_nothing_while_the_first_is_in_emergency(
 
     from ckptd.config import load_settings
     from ckptd.daemon.service import Service
-    from tests.fakes import wait_until as async_wait_until
+    from tests.support.fakes import wait_until as async_wait_until
 
     watch, state = tmp_path / "watch", tmp_path / "state"
     watch.mkdir()

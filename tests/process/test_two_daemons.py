@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon import Daemon, run_cli, wait_until
-from tests.writers import write_hf
+from tests.support.daemon import Daemon, run_cli, wait_until
+from tests.support.writers import write_hf
 
 
 def _daemon(tmp_path: Path, name: str, watch: Path, state: Path) -> Daemon:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.daemon import Daemon, wait_until
-from tests.writers import write_hf
+from tests.support.daemon import Daemon, wait_until
+from tests.support.writers import write_hf
 
 
 def test_checkpoints_in_a_watch_dir_that_appears_later_ship_at_once(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The cadence advice: Young/Daly's interval and its edges (property tests), the expected
-cost, learning the interruption rate, the history under the run, and the trainer helper."""
+cost, learning the interruption rate, and the trainer helper (the history kept in the store:
+tests/integration/test_cadence_history.py)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,6 @@ from ckptd.cadence.model import (
     restart_interval,
     young_interval,
 )
-from ckptd.storage.fs import FileStorage
-from ckptd.store.repository import Repository
 from ckptd.trainer.cadence import AdvisedCadence, advice_url, parse_advice
 
 seconds = st.floats(min_value=1e-3, max_value=1e7, allow_nan=False, allow_infinity=False)
@@ -276,15 +275,6 @@ def test_merge_adds_each_record_once_and_adds_observed_time() -> None:
     assert again.saves == stored.saves and again.interruptions == stored.interruptions
     more = merge_history(stored, interruptions=[Interruption(1.0, "restart")], observed_seconds=5)
     assert len(more.interruptions) == 3 and more.observed_seconds == 105.0
-
-
-def test_the_history_is_never_taken_for_a_checkpoint(tmp_path: Path) -> None:
-    repo = Repository(FileStorage(tmp_path))
-    repo.write_cadence(_history(2, 100.0))
-    assert repo.read_cadence("run") == _history(2, 100.0)
-    assert repo.list_names("run") == []
-    assert repo.list_committed("run") == []
-    assert repo.read_cadence("other") == History("other")
 
 
 # -- what the trainer reports and reads --------------------------------------------------------

@@ -13,6 +13,7 @@ from ckptd.config import (
     ConfigError,
     Settings,
     load_settings,
+    loading,
     render_effective_config,
     require_destination,
     require_watch,
@@ -131,14 +132,14 @@ def test_default_config_path_is_read_when_present(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = write(tmp_path, '[destination]\nurl = "s3://default-file"\n')
-    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", path)
+    monkeypatch.setattr(loading, "DEFAULT_CONFIG_PATH", path)
     assert load_settings(environ={}).destination.url == "s3://default-file"
 
 
 def test_absent_default_config_path_means_defaults(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
+    monkeypatch.setattr(loading, "DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
     assert load_settings(environ={}) == Settings()
 
 

@@ -1,7 +1,8 @@
-"""README's metric table is ckptd/runtime/metrics.py, row for row: name, type, labels and help text.
+"""The metric table in docs/operations.md is ckptd/runtime/metrics.py, row for row: name,
+type, labels and help text.
 
-And every ``ckptd_*`` name README and the Prometheus rules mention is one ckptd exports
-(the Grafana dashboard has its own check, tests/ops/test_ops_grafana.py).
+And every ``ckptd_*`` name README.md, the pages under docs/ and the Prometheus rules mention
+is one ckptd exports (the Grafana dashboard has its own check, tests/ops/test_ops_grafana.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from prometheus_client.metrics import MetricWrapperBase
 from ckptd.runtime.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+TABLE_PAGE = ROOT / "docs" / "operations.md"
+# Every page a reader may meet a metric's name on.
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 PROMETHEUS = ROOT / "deploy" / "prometheus"
 # | `ckptd_name{label,label}` | type | help |
 ROW = re.compile(
@@ -57,14 +60,14 @@ def exported() -> dict[str, Documented]:
 
 
 def documented() -> dict[str, Documented]:
-    """README's metric table, by name; a name twice is a failure."""
+    """docs/operations.md's metric table, by name; a name twice is a failure."""
     out: dict[str, Documented] = {}
-    for line in README.read_text().splitlines():
+    for line in TABLE_PAGE.read_text().splitlines():
         m = ROW.match(line)
         if m is None:
             continue
         labels = tuple(m["labels"].split(",")) if m["labels"] else ()
-        assert m["name"] not in out, f"README lists {m['name']} twice"
+        assert m["name"] not in out, f"docs/operations.md lists {m['name']} twice"
         out[m["name"]] = Documented(m["name"], m["type"], labels, m["help"])
     return out
 
@@ -78,27 +81,28 @@ def sample_names() -> set[str]:
     }
 
 
-def test_readme_table_lists_exactly_the_exported_metrics() -> None:
-    code, readme = exported(), documented()
-    assert len(readme) > 10, "README's metric table not found"
-    assert sorted(code.keys() - readme.keys()) == [], "exported but missing from README"
-    assert sorted(readme.keys() - code.keys()) == [], "in README but not exported"
+def test_the_docs_table_lists_exactly_the_exported_metrics() -> None:
+    code, docs = exported(), documented()
+    assert len(docs) > 10, "docs/operations.md's metric table not found"
+    assert sorted(code.keys() - docs.keys()) == [], "exported but missing from the docs"
+    assert sorted(docs.keys() - code.keys()) == [], "in the docs but not exported"
 
 
-def test_readme_table_rows_match_type_labels_and_help_text() -> None:
-    code, readme = exported(), documented()
+def test_the_docs_table_rows_match_type_labels_and_help_text() -> None:
+    code, docs = exported(), documented()
     differ = {
-        name: {"code": code[name], "README": readme[name]}
-        for name in code.keys() & readme.keys()
-        if code[name] != readme[name]
+        name: {"code": code[name], "docs": docs[name]}
+        for name in code.keys() & docs.keys()
+        if code[name] != docs[name]
     }
     assert differ == {}
 
 
-def test_every_metric_name_readme_mentions_is_exported() -> None:
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_metric_name_the_docs_mention_is_exported(page: Path) -> None:
     # Prose may name a histogram by its family, as the table does.
     known = sample_names() | exported().keys()
-    assert set(METRIC_NAME.findall(README.read_text())) - known == set()
+    assert set(METRIC_NAME.findall(page.read_text())) - known == set()
 
 
 @pytest.mark.parametrize(

@@ -1,1 +1,0 @@
-"""Deterministic trainer scripts for the lossless-resume tests (run as ``python -m``)."""

@@ -1,0 +1,116 @@
+"""A plain PyTorch loop that saves with ``ckptd.trainer.state`` (DCP layout ``step-<N>/``)
+and stops on ckptd's preemption notice.
+
+Randomness from every source the helper must restore: dropout (torch CPU RNG), input
+noise (NumPy), a loss scale (Python ``random``), a shuffled data order across epochs
+(``ResumableSampler``), AdamW moments and a cosine LR schedule.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import ckptd.trainer
+from ckptd.trainer.state import ResumableSampler, load_training_state, save_training_state
+from tests.support.trainers.common import (
+    Reporter,
+    deterministic,
+    hang_forever,
+    parser,
+    pause_until_noticed,
+    write_json,
+)
+
+SAMPLES = 200
+BATCH = 8  # 25 steps an epoch
+
+
+def main() -> None:
+    options = parser().parse_args()
+    ckptd.trainer.install(options.ckpt_dir)  # before the pidfile: the daemon may signal now
+    options.pidfile.write_text(str(os.getpid()))
+    deterministic()
+    random.seed(0)
+    np.random.seed(0)
+
+    data = torch.Generator().manual_seed(1234)
+    inputs = torch.randn(SAMPLES, 16, generator=data)
+    targets = (inputs @ torch.randn(16, 1, generator=data)).tanh()
+    sampler = ResumableSampler(SAMPLES, seed=99)
+    # Its own generator: each iter(DataLoader) otherwise draws a seed from the global torch
+    # RNG, and a resumed run makes its first iter() mid-epoch, where the original did not.
+    loader = DataLoader(
+        TensorDataset(inputs, targets),
+        batch_size=BATCH,
+        sampler=sampler,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=options.max_steps)
+
+    step = 0
+    if options.resume is not None:
+        saved = load_training_state(
+            options.resume, model=model, optimizer=optimizer, scheduler=scheduler
+        )
+        step = saved["step"]
+        sampler.load_state_dict(saved["dataloader_state"])
+    reporter = Reporter(options.progress, step)
+
+    batches = iter(loader)
+    saved_name = None
+    while step < options.max_steps:
+        try:
+            x, y = next(batches)
+        except StopIteration:  # the sampler moved on to the next epoch by itself
+            batches = iter(loader)
+            x, y = next(batches)
+        noise = torch.from_numpy(np.random.standard_normal(x.shape)).float() * 0.01
+        scale = random.uniform(0.9, 1.1)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x + noise), y) * scale
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        if options.step_delay:
+            time.sleep(options.step_delay)
+        reporter.step_done(step)
+        preempted = ckptd.trainer.preempted()
+        if step % options.save_every == 0 or preempted:
+            path = options.ckpt_dir / f"step-{step}"
+            save_training_state(
+                path,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                step=step,
+                dataloader_state=sampler.state_dict(),
+            )
+            saved_name = path.name
+        if preempted:
+            break
+        if step == options.hang_at:
+            hang_forever()
+        if step == options.pause_at:
+            pause_until_noticed()
+
+    if step == options.max_steps:
+        torch.save(model.state_dict(), options.final)
+    write_json(
+        options.result, {"step": step, "saved": saved_name, "preempted": step < options.max_steps}
+    )
+
+
+if __name__ == "__main__":
+    main()
