@@ -234,20 +234,36 @@ def try_commit(
         return AssemblyResult(
             Assembly.WAITING, missing=verdict.missing, reason=reason, announcement=announcement
         )
+    return _commit_union(repo, run, name, announcement, verdict, committer, now=now, keys=keys)
+
+
+def _commit_union(
+    repo: Repository,
+    run: str,
+    name: str,
+    announcement: Announcement,
+    merged: Merged,
+    committer: Committer,
+    *,
+    now: float,
+    keys: KeyRing | None,
+) -> AssemblyResult:
+    """The global manifest of every node's part of the announced save, committed unless
+    an object is not as the parts list it (``try_commit``'s last step)."""
     manifest = build_manifest(
         run_id=run,
         checkpoint=name,
         step=announcement.step,
         layout=announcement.layout,
         host=committer.host,
-        created_at=epoch_of(verdict.created_at) or now,
+        created_at=epoch_of(merged.created_at) or now,
         committed_at=now,
-        files=[(f.path, f.size, f.crc32c) for f in verdict.files],
+        files=[(f.path, f.size, f.crc32c) for f in merged.files],
         environment=committer.environment,
         nodes=committer.nodes,
         save=announcement.save,
         digests=(
-            {f.path: f.digest for f in verdict.files if f.digest} if keys is not None else None
+            {f.path: f.digest for f in merged.files if f.digest} if keys is not None else None
         ),
         digest_algorithm=digest.ALGORITHM,
     )

@@ -52,6 +52,7 @@ from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage import StorageError, open_destination
 from ckptd.store.repository import Repository
+from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from ckptd.sync.resume import find_resume_point
@@ -155,26 +156,35 @@ class Service:
         )
         first = settings.destination.name
         self.destination = DestinationHealth(self.storage, self.metrics, self.log, tier=first)
-        self.pipeline = SyncPipeline(
-            settings, self.storage, self.journal, self.metrics, clock=clock, tier=first
-        )
-        self.responder = Responder(settings, self.metrics, self.pipeline, clock=clock)
-        self.pipeline.on_commit = self.responder.on_commit
-        self.pipeline.on_emergency_complete = self.responder.on_complete
         self.advisor = CadenceAdvisor(
             settings,
             Repository(self.storage),
             self.metrics,
-            {r: s.dir for r, s in self.pipeline.runs.items()},
+            {w.effective_run_id: Path(w.dir) for w in settings.watch},
             clock=clock,
         )
-        self.pipeline.on_cost = self.advisor.record_save
+        # The responder switches the pipeline's emergency mode, and hears of its commits:
+        # these two hooks reach it once it is built, just below.
+        self.pipeline = SyncPipeline(
+            settings,
+            self.storage,
+            self.journal,
+            self.metrics,
+            clock=clock,
+            tier=first,
+            hooks=PipelineHooks(
+                on_commit=lambda run, name, size, emergency: self.responder.on_commit(
+                    run, name, size, emergency
+                ),
+                on_emergency_complete=lambda run, name: self.responder.on_complete(run, name),
+                on_cost=self.advisor.record_save,
+                locally_deletable=self._committed_in_every_tier if settings.tiers else None,
+            ),
+        )
+        self.responder = Responder(settings, self.metrics, self.pipeline.emergency, clock=clock)
         self.tiers: list[Tier] = [Tier(first, self.journal, self.destination, self.pipeline)]
         for tier in settings.tiers:
             self.tiers.append(self._build_tier(tier))
-        if len(self.tiers) > 1:
-            for t in self.tiers:
-                t.pipeline.locally_deletable = self._committed_in_every_tier
         self.watcher = Watcher({r: s.dir for r, s in self.pipeline.runs.items()}, self._hint)
         self.watching: list[str] = []
         self.missing_watch_dirs: list[Path] = []
@@ -204,6 +214,7 @@ class Service:
         health = DestinationHealth(
             storage, private, self.log, tier=tier.name, tier_metrics=self.metrics
         )
+        first = self.pipeline
         pipeline = SyncPipeline(
             own,
             storage,
@@ -212,9 +223,11 @@ class Service:
             clock=self.clock,
             tier=tier.name,
             tier_metrics=self.metrics,
+            hooks=PipelineHooks(
+                locally_deletable=self._committed_in_every_tier,
+                held=lambda: first.emergency.since is not None,
+            ),
         )
-        first = self.pipeline
-        pipeline.held = lambda: first.emergency_since is not None
         return Tier(tier.name, journal, health, pipeline)
 
     def _committed_in_every_tier(self, run: str) -> set[str]:

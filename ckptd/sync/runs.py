@@ -12,14 +12,17 @@ every other node's (``/v1/status``'s ``waiting``).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckptd.cluster.protocol import Announcement
 from ckptd.config import WatchConfig
-from ckptd.core.manifest import Manifest, utc_timestamp
+from ckptd.core.manifest import Manifest, ManifestError, utc_timestamp
 from ckptd.layouts.base import RuleSettings
+from ckptd.storage.base import StorageError
+from ckptd.store.repository import Repository
 from ckptd.sync.queue import ShipQueue
 from ckptd.sync.transfer import TransferContext
 
@@ -144,3 +147,20 @@ class RunState:
         if cluster:
             doc["waiting"] = self.waiting_status()
         return doc
+
+
+async def previous_manifest(repo: Repository, state: RunState, log: Any) -> Manifest | None:
+    """``state.previous``, read from the store (LATEST's manifest) the first time it is
+    asked for; an unreadable one is logged and taken as none."""
+    if not state.previous_loaded:
+        try:
+            latest = await asyncio.to_thread(repo.read_latest, state.run_id)
+            if latest is not None:
+                state.previous = await asyncio.to_thread(
+                    repo.read_manifest, state.run_id, latest.checkpoint
+                )
+        except (StorageError, ManifestError) as exc:
+            log.warning("previous_manifest_unreadable", run=state.run_id, error=str(exc))
+            state.previous = None
+        state.previous_loaded = True
+    return state.previous

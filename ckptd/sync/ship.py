@@ -29,7 +29,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -143,6 +143,13 @@ def unchanged(local: Path, record: ObjectRecord) -> bool:
 def fingerprint(files: tuple[FileEntry, ...]) -> list[tuple[str, int, int]]:
     """What must not change while a checkpoint ships: each file's path, size, mtime."""
     return sorted((f.path, f.size, f.mtime_ns) for f in files)
+
+
+def _local_path(request: ShipRequest, f: FileEntry | str) -> Path:
+    """Where a file of the request's checkpoint lies (a checkpoint may be one file)."""
+    path = f if isinstance(f, str) else f.path
+    name = request.name
+    return request.dir / name / path if request.listing.is_dir else request.dir / name
 
 
 class Shipper:
@@ -324,16 +331,12 @@ class Shipper:
         return result
 
     async def _transfer_all(self, request: ShipRequest, log: Any) -> list[FileResult]:
-        run, name, listing, ctx = request.run, request.name, request.listing, request.context
+        run, name, ctx = request.run, request.name, request.context
         files_to_ship = request.verdict.files
-
-        def local_path(f: FileEntry | str) -> Path:
-            path = f if isinstance(f, str) else f.path
-            return request.dir / name / path if listing.is_dir else request.dir / name
 
         def still_done() -> dict[str, ObjectRecord]:
             records = self.journal.objects_for(run, name)
-            return {p: r for p, r in records.items() if unchanged(local_path(p), r)}
+            return {p: r for p, r in records.items() if unchanged(_local_path(request, p), r)}
 
         done_records = await asyncio.to_thread(still_done)
         done = {p: (r.size, r.mtime_ns) for p, r in done_records.items()}
@@ -353,75 +356,21 @@ class Shipper:
             already_done=len(plan.done),
             early_in_flight=sum(1 for _, f in request.early.values() if not f.done()),
         )
-
-        async def bounded(work: Awaitable[T]) -> T:
-            # Coroutines are created up front but start only here, so at most
-            # file_slots files are open (and hold buffers) at once.
-            async with self._file_slots:
-                return await work
-
-        async def upload(f: FileEntry) -> FileResult:
-            return await bounded(
-                self.transfers.upload(object_key(run, name, f.path), local_path(f), f, ctx)
-            )
-
-        async def after_early(
-            f: FileEntry, sent: FileEntry, future: Awaitable[FileResult | None]
-        ) -> FileResult:
-            # Sent early and maybe still sending: wait for it, then take it only if the
-            # file is still what was read; else send it now.
-            early = await future
-            if early is not None and sent == f:
-                record = (await asyncio.to_thread(self.journal.objects_for, run, name)).get(f.path)
-                if record is not None and await asyncio.to_thread(unchanged, local_path(f), record):
-                    return FileResult(
-                        f.path, f.size, early.crc32c, "early", early.bytes_sent, digest=early.digest
-                    )
-            return await upload(f)
-
-        async def skipped(f: FileEntry) -> FileResult:
-            crc = done_records[f.path].crc32c
-            if not self.transfers.digests:
-                return FileResult(f.path, f.size, crc, "skipped")
-            # Sent by an earlier run of the daemon: read it once more for its digest,
-            # and to prove it is still the bytes that were sent.
-            again, sums = await bounded(self.transfers.crc_of(local_path(f), f, ctx))
-            if again != crc:
-                raise CheckpointChangedError(f"{f.path} changed since it was sent")
-            return FileResult(f.path, f.size, crc, "skipped", digest=sums)
-
-        results: list[FileResult] = list(await asyncio.gather(*(skipped(f) for f in plan.done)))
+        results: list[FileResult] = list(
+            await asyncio.gather(*(self._skipped(request, f, done_records) for f in plan.done))
+        )
         uploads = list(plan.upload)
         jobs: list[Awaitable[FileResult]] = []
         if plan.copy_candidates and previous is not None:
-            crcs = await asyncio.gather(
-                *(
-                    bounded(self.transfers.crc_of(local_path(f), f, ctx))
-                    for f in plan.copy_candidates
-                )
-            )
-            crc_map = {f.path: c for f, (c, _) in zip(plan.copy_candidates, crcs, strict=True)}
-            digest_map = {f.path: d for f, (_, d) in zip(plan.copy_candidates, crcs, strict=True)}
-            copies, more = resolve_copies(
-                plan.copy_candidates, {p: checksum.to_hex(c) for p, c in crc_map.items()}, previous
-            )
+            copies, more = await self._copies(request, plan.copy_candidates, previous)
+            jobs.extend(copies)
             uploads.extend(more)
-            for c in copies:
-                src = object_key(previous.run_id, previous.checkpoint, c.source_path)
-                dst = object_key(run, name, c.file.path)
-                jobs.append(
-                    bounded(
-                        self.transfers.copy(
-                            src, dst, c.file, crc_map[c.file.path], ctx, digest_map[c.file.path]
-                        )
-                    )
-                )
         for f in uploads:
             if f.path in request.early:
                 sent, future = request.early[f.path]
-                jobs.append(after_early(f, sent, future))
+                jobs.append(self._after_early(request, f, sent, future))
             else:
-                jobs.append(upload(f))
+                jobs.append(self._upload(request, f))
         tasks = [asyncio.ensure_future(j) for j in jobs]
         try:
             results.extend(await asyncio.gather(*tasks))
@@ -435,6 +384,81 @@ class Shipper:
             if r.how == "copied":
                 request.on_copied(r.size)
         return results
+
+    async def _bounded(self, work: Awaitable[T]) -> T:
+        # Coroutines are created up front but start only here, so at most
+        # file_slots files are open (and hold buffers) at once.
+        async with self._file_slots:
+            return await work
+
+    async def _upload(self, request: ShipRequest, f: FileEntry) -> FileResult:
+        key = object_key(request.run, request.name, f.path)
+        local = _local_path(request, f)
+        return await self._bounded(self.transfers.upload(key, local, f, request.context))
+
+    async def _after_early(
+        self,
+        request: ShipRequest,
+        f: FileEntry,
+        sent: FileEntry,
+        future: Awaitable[FileResult | None],
+    ) -> FileResult:
+        """Sent early and maybe still sending: wait for it, then take it only if the
+        file is still what was read; else send it now."""
+        early = await future
+        if early is not None and sent == f:
+            records = await asyncio.to_thread(self.journal.objects_for, request.run, request.name)
+            record = records.get(f.path)
+            local = _local_path(request, f)
+            if record is not None and await asyncio.to_thread(unchanged, local, record):
+                return FileResult(
+                    f.path, f.size, early.crc32c, "early", early.bytes_sent, digest=early.digest
+                )
+        return await self._upload(request, f)
+
+    async def _skipped(
+        self, request: ShipRequest, f: FileEntry, done_records: Mapping[str, ObjectRecord]
+    ) -> FileResult:
+        crc = done_records[f.path].crc32c
+        if not self.transfers.digests:
+            return FileResult(f.path, f.size, crc, "skipped")
+        # Sent by an earlier run of the daemon: read it once more for its digest,
+        # and to prove it is still the bytes that were sent.
+        local = _local_path(request, f)
+        again, sums = await self._bounded(self.transfers.crc_of(local, f, request.context))
+        if again != crc:
+            raise CheckpointChangedError(f"{f.path} changed since it was sent")
+        return FileResult(f.path, f.size, crc, "skipped", digest=sums)
+
+    async def _copies(
+        self, request: ShipRequest, candidates: Sequence[FileEntry], previous: Manifest
+    ) -> tuple[list[Awaitable[FileResult]], list[FileEntry]]:
+        """The server-side copies of the candidates whose CRC-32C still matches the
+        previous checkpoint's, and the candidates to upload after all."""
+        run, name, ctx = request.run, request.name, request.context
+        crcs = await asyncio.gather(
+            *(
+                self._bounded(self.transfers.crc_of(_local_path(request, f), f, ctx))
+                for f in candidates
+            )
+        )
+        crc_map = {f.path: c for f, (c, _) in zip(candidates, crcs, strict=True)}
+        digest_map = {f.path: d for f, (_, d) in zip(candidates, crcs, strict=True)}
+        copies, more = resolve_copies(
+            candidates, {p: checksum.to_hex(c) for p, c in crc_map.items()}, previous
+        )
+        jobs: list[Awaitable[FileResult]] = []
+        for c in copies:
+            src = object_key(previous.run_id, previous.checkpoint, c.source_path)
+            dst = object_key(run, name, c.file.path)
+            jobs.append(
+                self._bounded(
+                    self.transfers.copy(
+                        src, dst, c.file, crc_map[c.file.path], ctx, digest_map[c.file.path]
+                    )
+                )
+            )
+        return jobs, list(more)
 
     async def _drop_strays(self, request: ShipRequest, paths: set[str], log: Any) -> None:
         """Delete the objects and abort the uploads of this checkpoint whose file is not

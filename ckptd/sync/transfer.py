@@ -345,62 +345,8 @@ class Transfers:
             opened = os.fstat(fd)
             if not _same_file(opened, entry):
                 raise CheckpointChangedError(f"{entry.path} changed")
-            numbers = range(1, (entry.size + part_size - 1) // part_size + 1)
-            todo = [n for n in numbers if n not in done]
-            failed = threading.Event()
-            blocks: dict[int, list[bytes]] = {}  # part number -> its blocks' digests
-
-            def read_part(number: int, length: int) -> int:
-                """The part's CRC-32C (and its blocks' digests) in 1 MiB reads."""
-                offset = (number - 1) * part_size
-                crc, done_bytes, part_blocks = 0, 0, []
-                while done_bytes < length:
-                    chunk = os.pread(fd, min(_HASH_CHUNK, length - done_bytes), offset + done_bytes)
-                    if not chunk:
-                        raise CheckpointChangedError(f"{entry.path} shrank while read")
-                    crc = checksum.crc32c(chunk, crc)
-                    if self.digests:
-                        part_blocks.append(digest.block_digest(chunk))
-                    done_bytes += len(chunk)
-                blocks[number] = part_blocks
-                return crc
-
-            def reread(number: int) -> None:
-                """A part sent before a restart: its digest, and proof it is unchanged."""
-                ctx.check()
-                if read_part(number, done[number].size) != done[number].crc32c:
-                    raise CheckpointChangedError(f"{entry.path} changed since part {number}")
-                self._drop(fd, (number - 1) * part_size, done[number].size)
-
-            def send(number: int) -> PartInfo:
-                ctx.check()
-                if failed.is_set():
-                    raise CheckpointChangedError("cancelled")
-                offset = (number - 1) * part_size
-                length = min(part_size, entry.size - offset)
-                # First pass: the CRC-32C, in small reads (this is the read from disk).
-                # The store needs it in a header before the body, so the body is then
-                # streamed from the same range (the page cache) rather than held whole:
-                # memory stays at concurrency x one buffer, whatever the part size.
-                crc = read_part(number, length)
-                part = uploads.upload_part(
-                    key, upload_id, number, offset, FileRange(fd, offset, length), crc32c=crc
-                )
-                self._drop(fd, offset, length)  # sent: the trainer's pages matter more
-                self.journal.record_part(key, upload_id, part)
-                self.on_bytes(ctx.run, length)
-                return part
-
-            pool = self._pool_now()
-            futures = [asyncio.wrap_future(pool.submit(send, n)) for n in todo]
-            rereads = [asyncio.wrap_future(pool.submit(reread, n)) for n in done if self.digests]
-            try:
-                sent = await asyncio.gather(*futures)
-                await asyncio.gather(*rereads)
-            except BaseException:
-                failed.set()  # parts not yet started give up at once
-                await asyncio.gather(*futures, *rereads, return_exceptions=True)
-                raise
+            parts_of = _FileParts(self, uploads, key, upload_id, fd, entry, ctx, part_size, done)
+            sent = await self._send_parts(parts_of)
             if not _same_file(os.fstat(fd), entry):
                 raise CheckpointChangedError(f"{entry.path} changed while uploaded")
         finally:
@@ -417,7 +363,7 @@ class Transfers:
         await self._in_pool(finish)
         sent_bytes = sum(p.size for p in sent)
         sums = (
-            digest.file_digest(entry.size, (b for p in parts for b in blocks[p.number]))
+            digest.file_digest(entry.size, (b for p in parts for b in parts_of.blocks[p.number]))
             if self.digests
             else None
         )
@@ -430,6 +376,26 @@ class Transfers:
             parts,
             digest=sums,
         )
+
+    async def _send_parts(self, parts_of: _FileParts) -> list[PartInfo]:
+        """Send the parts not yet sent and (with ``digests``) re-read those sent before a
+        restart, all in the pool; the first failure stops the parts not yet started."""
+        pool = self._pool_now()
+        todo = [n for n in parts_of.numbers() if n not in parts_of.done]
+        futures = [asyncio.wrap_future(pool.submit(parts_of.send, n)) for n in todo]
+        rereads = [
+            asyncio.wrap_future(pool.submit(parts_of.reread, n))
+            for n in parts_of.done
+            if self.digests
+        ]
+        try:
+            sent = await asyncio.gather(*futures)
+            await asyncio.gather(*rereads)
+        except BaseException:
+            parts_of.failed.set()  # parts not yet started give up at once
+            await asyncio.gather(*futures, *rereads, return_exceptions=True)
+            raise
+        return list(sent)
 
     def _resume_or_start(
         self,
@@ -493,6 +459,85 @@ class Transfers:
         if (key, upload_id) not in uploads.list_uploads(key):
             raise NotFoundError(f"upload {upload_id} of {key} gone", code="NoSuchUpload")
         return None
+
+
+class _FileParts:
+    """One file's multipart upload while its parts are read and sent: blocking methods,
+    run in the pool, on a descriptor the caller opened and closes."""
+
+    def __init__(
+        self,
+        transfers: Transfers,
+        uploads: MultipartUpload,
+        key: str,
+        upload_id: str,
+        fd: int,
+        entry: FileEntry,
+        ctx: TransferContext,
+        part_size: int,
+        done: dict[int, PartInfo],
+    ) -> None:
+        self.transfers = transfers
+        self.uploads = uploads
+        self.key = key
+        self.upload_id = upload_id
+        self.fd = fd
+        self.entry = entry
+        self.ctx = ctx
+        self.part_size = part_size
+        self.done = done  # sent before a restart: number -> part
+        self.failed = threading.Event()
+        self.blocks: dict[int, list[bytes]] = {}  # part number -> its blocks' digests
+
+    def numbers(self) -> range:
+        return range(1, (self.entry.size + self.part_size - 1) // self.part_size + 1)
+
+    def read_part(self, number: int, length: int) -> int:
+        """The part's CRC-32C (and its blocks' digests) in 1 MiB reads."""
+        offset = (number - 1) * self.part_size
+        crc, done_bytes, part_blocks = 0, 0, []
+        while done_bytes < length:
+            chunk = os.pread(self.fd, min(_HASH_CHUNK, length - done_bytes), offset + done_bytes)
+            if not chunk:
+                raise CheckpointChangedError(f"{self.entry.path} shrank while read")
+            crc = checksum.crc32c(chunk, crc)
+            if self.transfers.digests:
+                part_blocks.append(digest.block_digest(chunk))
+            done_bytes += len(chunk)
+        self.blocks[number] = part_blocks
+        return crc
+
+    def reread(self, number: int) -> None:
+        """A part sent before a restart: its digest, and proof it is unchanged."""
+        self.ctx.check()
+        sent = self.done[number]
+        if self.read_part(number, sent.size) != sent.crc32c:
+            raise CheckpointChangedError(f"{self.entry.path} changed since part {number}")
+        self.transfers._drop(self.fd, (number - 1) * self.part_size, sent.size)
+
+    def send(self, number: int) -> PartInfo:
+        self.ctx.check()
+        if self.failed.is_set():
+            raise CheckpointChangedError("cancelled")
+        offset = (number - 1) * self.part_size
+        length = min(self.part_size, self.entry.size - offset)
+        # First pass: the CRC-32C, in small reads (this is the read from disk).
+        # The store needs it in a header before the body, so the body is then
+        # streamed from the same range (the page cache) rather than held whole:
+        # memory stays at concurrency x one buffer, whatever the part size.
+        crc = self.read_part(number, length)
+        part = self.uploads.upload_part(
+            self.key,
+            self.upload_id,
+            number,
+            offset,
+            FileRange(self.fd, offset, length),
+            crc32c=crc,
+        )
+        self.transfers._drop(self.fd, offset, length)  # sent: the trainer's pages matter more
+        self.transfers.journal.record_part(self.key, self.upload_id, part)
+        self.transfers.on_bytes(self.ctx.run, length)
+        return part
 
 
 def abort_unrecorded_uploads(storage: Storage, key: str, keep: set[str]) -> int:

@@ -465,7 +465,7 @@ async def test_a_waiting_checkpoint_below_a_newer_commit_is_given_up_after_the_g
     await drive_for([n0, n1], 0.3)
     assert [w["checkpoint"] for w in n0.status()["waiting"]] == ["step-5"]  # type: ignore[attr-defined]
     assert n0.pipeline is not None
-    n0.pipeline.abandon_grace_seconds = 0.2
+    n0.pipeline.cluster.abandon_grace_seconds = 0.2
     await drive([n0], lambda: not n0.status()["waiting"])
     assert "superseded" in str(n0.status()["failed"])
     assert repo.read_manifest(RUN, "step-5") is None
@@ -535,7 +535,7 @@ async def test_a_followers_share_of_an_emergency_save_holds_the_flush_until_anno
 ) -> None:
     n0, n1, repo = pair
     p1 = await n1.start()
-    p1.enter_emergency(None)  # a notice: the trainer saves at once, on both nodes
+    p1.emergency.enter_emergency(None)  # a notice: the trainer saves at once, on both nodes
     dcp_save(n0, n1, name="step-20")
     # Node 1's shards are there, unannounced: the pipeline is idle, yet a SIGTERM flush
     # must not end (service._drain_after_sigterm waits on awaiting_emergency()).

@@ -16,6 +16,7 @@ from ckptd.config import load_settings
 from ckptd.runtime.metrics import FAILURE_REASONS, STORAGE_ERROR_KINDS, Metrics
 from ckptd.storage import open_storage
 from ckptd.store.repository import Repository
+from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from tests.support.fakes import wait_until
@@ -38,15 +39,15 @@ def sent_bytes(pipeline: SyncPipeline) -> float:
     return value or 0.0
 
 
-def record_commits(pipeline: SyncPipeline) -> list[tuple[str, bool]]:
-    """(checkpoint, emergency) of each commit, in order, as the pipeline reports them."""
+def record_commits() -> tuple[list[tuple[str, bool]], PipelineHooks]:
+    """(checkpoint, emergency) of each commit, in order, as a pipeline built with the
+    returned hooks reports them."""
     order: list[tuple[str, bool]] = []
 
     async def on_commit(run: str, name: str, nbytes: int, emergency: bool) -> None:
         order.append((name, emergency))
 
-    pipeline.on_commit = on_commit
-    return order
+    return order, PipelineHooks(on_commit=on_commit)
 
 
 async def ship_until_a_part_is_sent(pipeline: SyncPipeline, name: str) -> None:
@@ -60,7 +61,9 @@ async def ship_until_a_part_is_sent(pipeline: SyncPipeline, name: str) -> None:
     )
 
 
-def make_pipeline(tmp_path: Path, *, mib_per_s: float) -> tuple[SyncPipeline, Journal, Path]:
+def make_pipeline(
+    tmp_path: Path, *, mib_per_s: float, hooks: PipelineHooks | None = None
+) -> tuple[SyncPipeline, Journal, Path]:
     watch, store, state = tmp_path / "watch", tmp_path / "store", tmp_path / "state"
     for d in (watch, store, state):
         d.mkdir()
@@ -77,7 +80,7 @@ def make_pipeline(tmp_path: Path, *, mib_per_s: float) -> tuple[SyncPipeline, Jo
         settings.destination.url, concurrency=1, max_upload_bytes_per_s=mib_per_s * MiB
     )
     journal = Journal(state)
-    return SyncPipeline(settings, storage, journal, Metrics()), journal, watch
+    return SyncPipeline(settings, storage, journal, Metrics(), hooks=hooks), journal, watch
 
 
 async def test_emergency_checkpoint_pauses_an_older_upload_commits_first_and_the_older_resumes(
@@ -85,14 +88,14 @@ async def test_emergency_checkpoint_pauses_an_older_upload_commits_first_and_the
 ) -> None:
     # 8 MiB/s: the 40 MiB older checkpoint takes ~5 s, so it is mid-upload when the
     # notice comes, and with a 1 s deadline both cannot finish: it must make way.
-    pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8)
-    order = record_commits(pipeline)
+    order, hooks = record_commits()
+    pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8, hooks=hooks)
     stop = asyncio.Event()
     worker = asyncio.create_task(pipeline.work(stop))
     try:
         older = write_marked(watch, "ck-1", 8 * PART)
         await ship_until_a_part_is_sent(pipeline, "ck-1")
-        pipeline.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
+        pipeline.emergency.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
         write_marked(watch, "ck-2", MiB)
         await pipeline.evaluate("run", "ck-2")
         assert pipeline.queue.get("run", "ck-2").emergency  # type: ignore[union-attr]
@@ -251,9 +254,9 @@ async def test_on_a_notice_the_checkpoint_being_written_ships_its_files_first(
     """During a notice, the closed files of the checkpoint the trainer is writing go
     before its commit record exists and before an older checkpoint's upload, which
     makes way; an older incomplete checkpoint sends nothing early meanwhile."""
-    pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8)
+    order, hooks = record_commits()
+    pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8, hooks=hooks)
     store = tmp_path / "store"
-    order = record_commits(pipeline)
     long_ago = time.time() - 60
     older = write_marked(watch, "ck-1", 8 * PART)
     stale = watch / "ck-0"  # an older save never finished: no COMPLETE
@@ -265,11 +268,11 @@ async def test_on_a_notice_the_checkpoint_being_written_ships_its_files_first(
     worker = asyncio.create_task(pipeline.work(stop))
     try:
         await ship_until_a_part_is_sent(pipeline, "ck-1")
-        pipeline.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
+        pipeline.emergency.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
         # The notice came 10 s ago (shifted, not slept): the trainer has since written
         # and closed its weights (quiet for 5 s), and not yet its commit record.
-        assert pipeline.emergency_since is not None
-        pipeline.emergency_since -= 10
+        assert pipeline.emergency.since is not None
+        pipeline.emergency.since -= 10
         being_written = watch / "ck-2"
         being_written.mkdir()
         (being_written / "weights.bin").write_bytes(os.urandom(2 * MiB))

@@ -373,7 +373,9 @@ def test_the_pipeline_marks_the_destination_down_by_the_backend_flag_alone(
         denied_key = StorageError("get run/c/a: AccessDenied", transient=False, code="AccessDenied")
         failed = ShipResult(Outcome.FAILED, error=denied_key)
         asyncio.run(
-            pipeline._failed(state, Pending(state.run_id, "c", 1, 0.0), failed, pipeline.log)
+            pipeline.outcomes.failed(
+                state, Pending(state.run_id, "c", 1, 0.0), failed, pipeline.log
+            )
         )
         assert up() == 1
         # A filesystem refusal the backend flagged: down.
@@ -382,7 +384,9 @@ def test_the_pipeline_marks_the_destination_down_by_the_backend_flag_alone(
         )
         failed = ShipResult(Outcome.FAILED, error=refused)
         asyncio.run(
-            pipeline._failed(state, Pending(state.run_id, "c", 1, 0.0), failed, pipeline.log)
+            pipeline.outcomes.failed(
+                state, Pending(state.run_id, "c", 1, 0.0), failed, pipeline.log
+            )
         )
         assert up() == 0
     finally:

@@ -380,14 +380,14 @@ async def test_a_further_tier_starts_nothing_while_the_first_is_in_emergency(
     stop = asyncio.Event()
     worker = asyncio.create_task(far.pipeline.work(stop))
     try:
-        first.pipeline.enter_emergency(datetime.now(UTC) + timedelta(seconds=60))
+        first.pipeline.emergency.enter_emergency(datetime.now(UTC) + timedelta(seconds=60))
         save(watch, 100)
         await far.pipeline.evaluate(RUN, "checkpoint-100")
         assert far.pipeline.queue.get(RUN, "checkpoint-100") is not None
         # A bounded look for something that must not happen: nothing starts in 1 s.
         await asyncio.sleep(1.0)
         assert far.pipeline.runs[RUN].current is None and not in_dir(tmp_path / "far", 100)
-        first.pipeline.leave_emergency()
+        first.pipeline.emergency.leave_emergency()
         far.pipeline.retry_now()  # what a wake-up does; the worker also looks every 0.2 s
         await async_wait_until(
             lambda: in_dir(tmp_path / "far", 100), timeout=30, what="far commits after"

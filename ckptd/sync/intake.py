@@ -1,0 +1,219 @@
+"""From one look at a checkpoint to what follows from it.
+
+A look (``look``, on a hint's timer or a rescan) lists the checkpoint and applies its
+completion rule (with many nodes: ``ClusterCoordination.judge``). A complete one goes
+into the queue, first if it completed during a notice (then older uploads may have to
+make way: ``Emergency.make_way``); one not complete yet has its closed, quiet files sent
+early (``[[watch]] ship_early``, ``ckptd.sync.early``) and is looked at again when the
+rule or the next file to settle says; one that vanished has what it sent early removed
+(``cleanup.discard``) unless it is committed or its part is written. A checkpoint being
+shipped whose files changed has its transfers told to stop at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ckptd.cluster.assemble import ClusterShip
+from ckptd.cluster.coordination import ClusterCoordination
+from ckptd.layouts.base import CheckpointListing, Completion, step_of
+from ckptd.runtime.clock import Clock
+from ckptd.runtime.metrics import Metrics
+from ckptd.sync.early import EarlyUploads
+from ckptd.sync.emergency import Emergency
+from ckptd.sync.hooks import PipelineHooks
+from ckptd.sync.journal import Journal
+from ckptd.sync.queue import Pending, ShipQueue, completed_in_emergency
+from ckptd.sync.runs import RunState
+from ckptd.sync.scanner import snapshot
+from ckptd.sync.ship import fingerprint
+
+
+class Intake:
+    """Looks at checkpoints and queues the complete ones (module doc)."""
+
+    def __init__(
+        self,
+        runs: Mapping[str, RunState],
+        queue: ShipQueue,
+        early: EarlyUploads,
+        cluster: ClusterCoordination,
+        emergency: Emergency,
+        *,
+        journal: Journal,
+        metrics: Metrics,
+        clock: Clock,
+        log: Any,
+        hooks: PipelineHooks,
+        look_again: Callable[[str, str, float], None],
+        changed: Callable[[], None],
+        wake: Callable[[], None],
+        discard: Callable[[str, str], None],
+    ) -> None:
+        self.runs = runs
+        self.queue = queue
+        self.early = early
+        self.cluster = cluster
+        self.emergency = emergency
+        self.journal = journal
+        self.metrics = metrics
+        self.clock = clock
+        self.log = log
+        self.hooks = hooks
+        # The pipeline's ``hint`` (look again after a delay), its gauges' refresh, a
+        # nudge to its worker, and ``cleanup.discard`` of one checkpoint (blocking).
+        self._look_again = look_again
+        self._changed = changed
+        self._wake = wake
+        self._discard = discard
+
+    async def look(self, run_id: str, name: str) -> Completion | None:
+        """Apply the completion rule to one checkpoint now; queue it if complete."""
+        state = self.runs[run_id]
+        if name in state.committed or name in state.failed_for_good:
+            return None
+        listing = await asyncio.to_thread(snapshot, state.dir, name)
+        current, ctx = state.current, state.current_ctx
+        if (ctx is not None and current is not None and current.name == name) and (
+            listing is None or fingerprint(listing.files) != state.current_files
+        ):
+            # Deleted (save_total_limit rotation) or rewritten mid-upload: stop
+            # sending now rather than at the final check.
+            ctx.cancel.set()
+        if listing is None:
+            await self._vanished(state, name)
+            return None
+        if name not in state.seen:
+            state.seen.add(name)
+            self.log.info(
+                "checkpoint_detected", run=run_id, checkpoint=name, files=len(listing.files)
+            )
+        if self.cluster.committer is not None and await self.cluster.superseded(
+            state, name, listing.newest_mtime_ns / 1e9
+        ):
+            return None
+        self._report_unshippable(state, listing)
+        verdict, role = self.cluster.judge(state, listing)
+        await self.cluster.withdraw_if_resaved(state, listing)
+        if not verdict.complete:
+            recheck = verdict.recheck_after
+            early_wait = await self._ship_early(state, listing)
+            if early_wait is not None:
+                recheck = early_wait if recheck is None else min(recheck, early_wait)
+            if recheck is not None:
+                self._look_again(run_id, name, recheck + 0.05)
+            return verdict
+        self._queue_complete(state, listing, verdict, role)
+        return verdict
+
+    async def _vanished(self, state: RunState, name: str) -> None:
+        """Gone locally: nothing left to announce or follow (a part already written
+        stays waiting: the store holds all it needs)."""
+        run_id, current = state.run_id, state.current
+        state.awaiting.pop(name, None)
+        state.announcements.pop(name, None)
+        if self.queue.remove(run_id, name) is not None:
+            self.log.info("checkpoint_vanished", run=run_id, checkpoint=name)
+        state.seen.discard(name)
+        if current is None or current.name != name:
+            await self._discard_unfinished(state, name)
+
+    def _report_unshippable(self, state: RunState, listing: CheckpointListing) -> None:
+        """Log and count a checkpoint's unshippable entries, once for each set of them."""
+        name = listing.name
+        if listing.unshippable and state.reported_unshippable.get(name) != listing.unshippable:
+            state.reported_unshippable[name] = listing.unshippable
+            self.metrics.unshippable.labels(run=state.run_id).inc(len(listing.unshippable))
+            self.log.error(
+                "checkpoint_has_unshippable_entries",
+                run=state.run_id,
+                checkpoint=name,
+                entries=list(listing.unshippable[:10]),
+                count=len(listing.unshippable),
+            )
+
+    def _queue_complete(
+        self,
+        state: RunState,
+        listing: CheckpointListing,
+        verdict: Completion,
+        role: ClusterShip | None,
+    ) -> None:
+        """A complete checkpoint into the queue, unless it is there already, waits for
+        other nodes, or is committed."""
+        run_id, name = state.run_id, listing.name
+        waiting = state.waiting.get(name)
+        if role is not None and waiting is not None and waiting.save == role.save:
+            return  # its part is in the store: the cluster's poll takes it from here
+        if name in state.committed:
+            # Committed by the worker while this look awaited the listing (a rescan
+            # racing a commit): queuing it again would ship and count it twice.
+            return
+        total = sum(f.size for f in verdict.files)
+        pending = Pending(
+            run_id,
+            name,
+            step_of(name),
+            self.clock.time(),
+            emergency=completed_in_emergency(listing.newest_mtime_ns / 1e9, self.emergency.since),
+            total_bytes=total,
+        )
+        if not self.queue.add(pending):
+            return
+        if pending.emergency:
+            self.log.warning("emergency_checkpoint_complete", run=run_id, checkpoint=name)
+            self.hooks.on_emergency_complete(run_id, name)
+            self.emergency.make_way(total)
+        self.log.info(
+            "checkpoint_complete",
+            run=run_id,
+            checkpoint=name,
+            layout=verdict.layout,
+            bytes=total,
+            files=len(verdict.files),
+        )
+        self._changed()
+        self._wake()
+
+    async def _ship_early(self, state: RunState, listing: CheckpointListing) -> float | None:
+        """Send the closed, quiet files of a checkpoint not complete yet (``ckptd.sync.early``);
+        returns when to look again for the next file to settle."""
+        run, name = state.run_id, listing.name
+        current = state.current
+        if (
+            not state.watch.ship_early
+            or (run, name) in self.queue
+            or (current is not None and current.name == name)
+            or name in state.waiting
+        ):
+            return None
+        emergency = completed_in_emergency(listing.newest_mtime_ns / 1e9, self.emergency.since)
+        if self.emergency.since is not None and not emergency:
+            return None  # during a notice only the checkpoint being written goes early
+        started, wait = await self.early.offer(
+            run,
+            state.dir,
+            listing,
+            emergency=emergency,
+            now_ns=int(self.clock.time() * 1e9),
+        )
+        if started and emergency:
+            self.emergency.make_way(started)
+        return wait
+
+    async def _discard_unfinished(self, state: RunState, name: str) -> None:
+        """A checkpoint deleted locally before it was complete (or while queued): stop
+        its early uploads, then delete what it sent and abort its multipart uploads,
+        unless it is committed or (many nodes) its part is written."""
+        run = state.run_id
+        await self.early.cancel(run, name)
+        if name in state.waiting or name in state.committed:
+            return
+        if (run, name) not in await asyncio.to_thread(self.journal.uncommitted):
+            return
+        if await asyncio.to_thread(self.cluster.part_written, run, name):
+            return
+        self.log.info("checkpoint_discarded_before_complete", run=run, checkpoint=name)
+        await asyncio.to_thread(self._discard, run, name)

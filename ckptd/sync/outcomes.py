@@ -1,0 +1,297 @@
+"""Shipping one queued checkpoint, and acting on what became of it.
+
+``ship`` looks at the checkpoint once more (it may have changed since it was queued),
+hands it to the ``Shipper`` (``ckptd.sync.ship``) and acts on the ``Outcome``:
+
+    committed   remembered (journal, run state, metrics), the daemon told (``on_commit``,
+                ``on_cost``), local retention run (never during a notice)
+    paused      left queued: it resumes after the emergency checkpoint
+    changed     dropped and what it sent discarded; looked at again later (``abandon``)
+    conflict    never committed (``ClusterCoordination.conflict``)
+    waiting     many nodes: ``ClusterCoordination`` takes it from here
+    failed      backed off in the queue, counted by why (``failed``); a full store has
+                what this attempt sent discarded
+
+A global commit another node made, or this node's poll found (``ClusterCoordination
+.poll``), is acted on as this node's own commit (``committed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from ckptd.cluster.coordination import ClusterCoordination
+from ckptd.config import Settings
+from ckptd.core.manifest import Manifest
+from ckptd.runtime.clock import Clock
+from ckptd.runtime.metrics import Metrics
+from ckptd.storage.base import NO_SPACE_CODES, StorageError, storage_error_kind
+from ckptd.store.repository import Repository
+from ckptd.sync.early import EarlyUploads
+from ckptd.sync.emergency import Emergency
+from ckptd.sync.hooks import PipelineHooks
+from ckptd.sync.housekeeping import after_commit
+from ckptd.sync.journal import Journal
+from ckptd.sync.queue import Pending, ShipQueue
+from ckptd.sync.runs import Progress, RunState, previous_manifest
+from ckptd.sync.scanner import snapshot
+from ckptd.sync.ship import Outcome, Shipper, ShipRequest, ShipResult, fingerprint
+from ckptd.sync.transfer import TransferContext
+
+
+class LookAgain(Protocol):
+    """The pipeline's ``hint``: look at one checkpoint again (after its debounce)."""
+
+    def __call__(self, run_id: str, name: str | None, delay: float = ...) -> None: ...
+
+
+class Outcomes:
+    """Ships queued checkpoints and acts on each outcome (module doc)."""
+
+    def __init__(
+        self,
+        runs: Mapping[str, RunState],
+        queue: ShipQueue,
+        shipper: Shipper,
+        early: EarlyUploads,
+        cluster: ClusterCoordination,
+        emergency: Emergency,
+        *,
+        repo: Repository,
+        journal: Journal,
+        settings: Settings,
+        metrics: Metrics,
+        tier_metrics: Metrics,
+        tier: str,
+        clock: Clock,
+        log: Any,
+        hooks: PipelineHooks,
+        look_again: LookAgain,
+        changed: Callable[[], None],
+        discard: Callable[[str, str], None],
+    ) -> None:
+        self.runs = runs
+        self.queue = queue
+        self.shipper = shipper
+        self.early = early
+        self.cluster = cluster
+        self.emergency = emergency
+        self.repo = repo
+        self.journal = journal
+        self.settings = settings
+        self.metrics = metrics
+        self.tier_metrics = tier_metrics
+        self.tier = tier
+        self.clock = clock
+        self.log = log
+        self.hooks = hooks
+        self._look_again = look_again
+        self._changed = changed  # the pipeline's gauges' refresh
+        self._discard = discard  # ``cleanup.discard`` of one checkpoint; blocking
+        # The last failure by which the store refused this node itself (credentials,
+        # access, bucket): `ckptd run --once` ends on it. Cleared by a commit.
+        self.unusable: StorageError | None = None
+
+    def _locally_deletable(self, run: str) -> set[str]:
+        if self.hooks.locally_deletable is not None:
+            return self.hooks.locally_deletable(run)
+        return set(self.runs[run].committed)
+
+    async def ship(self, pending: Pending) -> bool:
+        """Ship one queued checkpoint and act on the outcome; True when committed."""
+        state = self.runs[pending.run]
+        run, name = pending.run, pending.name
+        listing = await asyncio.to_thread(snapshot, state.dir, name)
+        verdict, role = self.cluster.judge(state, listing) if listing else (None, None)
+        if listing is None or verdict is None or not verdict.complete:
+            self.queue.remove(run, name)
+            self._changed()
+            if listing is not None:
+                self._look_again(run, name)
+            return False
+        ctx = TransferContext(run, name)
+
+        def started(total_bytes: int) -> None:
+            state.current = Progress(name, self.clock.time(), total_bytes)
+
+        request = ShipRequest(
+            run,
+            state.dir,
+            listing,
+            verdict,
+            await previous_manifest(self.repo, state, self.log),
+            ctx,
+            on_started=started,
+            on_copied=lambda n: self.metrics.copied_bytes.labels(run=run).inc(n),
+            cluster=role,
+            early=self.early.take(run, name),
+        )
+        state.current_files, state.current_ctx = fingerprint(listing.files), ctx
+        # The save as the files tell it: first file written -> last (a trainer that
+        # reports its own save time is believed first, ``ckptd.cadence.advisor``).
+        mtimes = [f.mtime_ns for f in listing.files]
+        write_span = (max(mtimes) - min(mtimes)) / 1e9 if mtimes else 0.0
+        try:
+            result = await self.shipper.ship(request)
+        finally:
+            state.current = state.current_ctx = state.current_files = None
+            # Whatever the outcome, nothing sent early is still sending (a discard
+            # after "changed" must not race an early upload).
+            await self.early.cancel(run, name)
+        log = self.log.bind(run=run, checkpoint=name)
+        if result.outcome is Outcome.COMMITTED:
+            await self.committed(state, pending, result, log)
+            if self.hooks.on_cost is not None and result.commit is not None:
+                upload = max(0.0, self.clock.time() - pending.completed_at)
+                self.hooks.on_cost(
+                    run, name, pending.completed_at, write_span, upload, pending.emergency
+                )
+            return True
+        if result.outcome is Outcome.PAUSED:
+            log.warning("checkpoint_paused")
+        elif result.outcome is Outcome.CHANGED:
+            await self.abandon(state, pending, str(result.error), log)
+        elif result.outcome is Outcome.CONFLICT:
+            self.queue.remove(run, name)
+            self.cluster.conflict(state, name, result.error, log)
+        elif result.outcome is Outcome.WAITING:
+            self.queue.remove(run, name)
+            self.cluster.waiting(
+                state, name, role, result.assembly, log, emergency=pending.emergency
+            )
+        else:
+            await self.failed(state, pending, result, log)
+        return False
+
+    async def committed(
+        self, state: RunState, pending: Pending, result: ShipResult, log: Any
+    ) -> None:
+        """``pending`` is committed (by this ship, or globally by any node)."""
+        manifest = result.manifest
+        assert manifest is not None  # an Outcome.COMMITTED always carries it
+        self.unusable = None
+        self._mark_committed(state, manifest, log, already=result.already_committed)
+        if self.hooks.on_commit is not None:
+            await self.hooks.on_commit(
+                state.run_id, pending.name, manifest.total_bytes, pending.emergency
+            )
+        if result.commit is None:
+            return  # committed before this attempt: nothing was shipped now
+        if self.emergency.since is None:  # never spend a preemption's seconds on deletes
+            protected = (
+                set(self.queue.names(state.run_id))
+                | set(state.waiting)
+                | {n for r, n in self.early.ships if r == state.run_id}
+            )
+            removed = await after_commit(
+                self.repo,
+                self.settings.retention,
+                state.run_id,
+                state.dir,
+                protected=protected,
+                committed_here=self._locally_deletable(state.run_id),
+                log=log,
+                cluster_grace_seconds=None
+                if self.cluster.committer is None
+                else self.cluster.abandon_grace_seconds,
+            )
+            state.seen.difference_update(removed)
+        run = state.run_id
+        self.metrics.upload_duration.labels(run=run).observe(
+            max(0.0, self.clock.time() - pending.completed_at)
+        )
+        self.metrics.checkpoint_bytes.labels(run=run).observe(manifest.total_bytes)
+        files = result.files
+        log.info(
+            "checkpoint_committed",
+            step=manifest.step,
+            bytes=manifest.total_bytes,
+            bytes_sent=sum(r.bytes_sent for r in files),
+            copied=sum(1 for r in files if r.how == "copied"),
+            resumed=sum(1 for r in files if r.how == "resumed"),
+            skipped=sum(1 for r in files if r.how == "skipped"),
+            early=sum(1 for r in files if r.how == "early"),
+            seconds=round(result.seconds, 3),
+            cpu_seconds=round(result.cpu_seconds, 3),
+            latest_moved=result.commit.latest_moved,
+            manifest_crc32c=result.commit.manifest_crc32c,
+        )
+
+    def _mark_committed(
+        self, state: RunState, manifest: Manifest, log: Any, *, already: bool
+    ) -> None:
+        self.journal.mark_committed(state.run_id, manifest.checkpoint, manifest.step)
+        self.queue.remove(state.run_id, manifest.checkpoint)
+        state.forget_cluster(manifest.checkpoint)
+        run = state.run_id
+        if state.record_commit(manifest) and state.last_step is not None:
+            self.metrics.last_step.labels(run=run).set(state.last_step)
+        self.metrics.committed.labels(run=run).inc()
+        self.metrics.last_commit_ts.labels(run=run).set(self.clock.time())
+        self.tier_metrics.tier_committed.labels(run=run, tier=self.tier).inc()
+        self.tier_metrics.tier_last_commit_ts.labels(run=run, tier=self.tier).set(self.clock.time())
+        if state.last_step is not None:
+            self.tier_metrics.tier_last_step.labels(run=run, tier=self.tier).set(state.last_step)
+        if already:
+            log.info("checkpoint_already_committed", step=manifest.step)
+        self._changed()
+
+    async def abandon(self, state: RunState, pending: Pending, reason: str, log: Any) -> None:
+        """Drop a checkpoint that changed under us (``cleanup.discard``), and look at it
+        again later: if it was rewritten rather than deleted, it may become complete."""
+        run, name = state.run_id, pending.name
+        self.queue.remove(run, name)
+        self.metrics.abandoned.labels(run=run).inc()
+        log.warning("checkpoint_abandoned", reason=reason)
+        await asyncio.to_thread(self._discard, run, name)
+        self._changed()
+        self._look_again(run, name, delay=max(1.0, state.rules.settle_seconds))
+
+    async def failed(
+        self,
+        state: RunState,
+        pending: Pending,
+        result: ShipResult,
+        log: Any,
+        *,
+        traceback: bool = False,
+    ) -> None:
+        """Backed off in the queue and counted by why; a full store has what this
+        attempt sent discarded."""
+        exc, code = result.error, result.reason
+        delay = self.queue.failed(pending, self.clock.monotonic())
+        kind = storage_error_kind(exc) if isinstance(exc, StorageError) else None
+        reason = "local" if kind is None else kind if kind in ("unusable", "verify") else "storage"
+        self.metrics.failed.labels(run=state.run_id, reason=reason).inc()
+        self.tier_metrics.tier_failed.labels(run=state.run_id, tier=self.tier).inc()
+        # Counted as a storage error only when the store said no; a local I/O error or
+        # a manifest that would not build is a failed checkpoint, not a storage error.
+        if isinstance(exc, StorageError) and kind is not None:
+            self.metrics.storage_errors.labels(operation="checkpoint", kind=kind).inc()
+            if exc.destination_unusable:  # decided by the backend that saw it
+                self.metrics.destination_up.set(0)
+                self.unusable = exc
+        log.error(
+            "checkpoint_failed",
+            error=str(exc),
+            code=code,
+            reason=reason,
+            attempt=pending.failures,
+            retry_in=round(delay, 1),
+            exc_info=exc if traceback else None,
+        )
+        if isinstance(exc, StorageError) and exc.code in NO_SPACE_CODES:
+            # A full destination: what this attempt sent holds the space a smaller
+            # checkpoint needs, and it cannot commit until space is freed anyway.
+            log.warning("checkpoint_discarded_for_space", code=code)
+            await asyncio.to_thread(self._discard, state.run_id, pending.name)
+        self._changed()
+
+    async def crashed(self, pending: Pending, exc: Exception) -> None:
+        """A bug or an input nobody foresaw: failed and backed off like any other
+        failure (reason "local"), with its traceback in the log."""
+        log = self.log.bind(run=pending.run, checkpoint=pending.name)
+        result = ShipResult(Outcome.FAILED, error=exc)
+        await self.failed(self.runs[pending.run], pending, result, log, traceback=True)
