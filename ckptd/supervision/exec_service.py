@@ -40,10 +40,14 @@ from ckptd.store.restore import RestoreError, RestoreRequest
 from ckptd.store.tiers import TierStore, newest_in_tiers, restore_from_tiers, tier_configs
 from ckptd.supervision.restarts import RestartPolicy
 from ckptd.supervision.supervisor import TrainerSupervisor
+from ckptd.sync.resume import find_resume_point
 
 # After its emergency checkpoint is committed, the trainer gets this long to exit by
 # itself (it usually has already) before SIGTERM, then as long again before SIGKILL.
 TRAINER_STOP_GRACE_SECONDS = 10.0
+# A newer checkpoint complete but for its quiet window (the trainer that wrote it is
+# gone) is waited for this long at most before the trainer starts again.
+RESUME_SETTLE_MAX_SECONDS = 15.0
 
 
 class ExecError(CkptdError):
@@ -85,7 +89,7 @@ class SupervisedService(Service):
             match=settings.trainer.match,
             save_signal=settings.trainer.signal_number,
             # Ship what it left at once: file events can be missed (a watch set up late).
-            on_exit=lambda: self.rescan(self.run_id),
+            on_exit=lambda: self.tiers.rescan(self.run_id),
             on_restart=lambda cause: self.advisor.record_interruption(
                 "restart", cause, self.run_id
             ),
@@ -214,16 +218,34 @@ class SupervisedService(Service):
         self.advisor.record_restore(self.run_id, manifest.checkpoint, skipped=result.skipped)
         self.log.info("exec_restored", **self.restored)
 
+    async def newest_complete(self, run_id: str) -> tuple[Path | None, int | None]:
+        """Path and step of ``run_id``'s newest complete local checkpoint (None, None when
+        there is none): where the trainer resumes. A newer one complete but
+        for a quiet window is waited for, at most ``RESUME_SETTLE_MAX_SECONDS``."""
+        state = self.pipeline.runs[run_id]
+        until = self.clock.monotonic() + RESUME_SETTLE_MAX_SECONDS
+        while True:
+            now_ns = int(self.clock.time() * 1e9)
+            point = await asyncio.to_thread(
+                find_resume_point, state.dir, state.watch.layout, state.rules, now_ns
+            )
+            wait = point.recheck_after
+            if wait is None or self.clock.monotonic() + wait > until:
+                break
+            await asyncio.sleep(wait + 0.05)
+        found = point.checkpoint
+        return (None, None) if found is None else (found.path, found.step)
+
     # -- notices -------------------------------------------------------------------------
 
-    def _sources(self) -> list[NoticeSource]:
-        return [self.sigint_source, *super()._sources()]
+    def _notice_sources(self) -> list[NoticeSource]:
+        return [self.sigint_source, *super()._notice_sources()]
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
         # Held first: a trainer that exits on the signal must not be started again.
         self.supervisor.hold()
         # The many-node rules (no echo of another node's notice) hold here too.
-        await self._respond(notice, source)
+        await self.notices.respond(notice, source)
         self.noticed.set()
 
     async def _flush_on_notice(self, trainer: asyncio.Task[int]) -> int:

@@ -399,7 +399,7 @@ async def test_a_further_tier_starts_nothing_while_the_first_is_in_emergency(
             await t.pipeline.close()
             t.journal.close()
     # Local retention's view: committed in every tier, only once both hold it.
-    assert service._committed_in_every_tier(RUN) == set()  # the first tier never shipped it
+    assert service.tiers.committed_in_every_tier(RUN) == set()  # the first tier never shipped it
     far_state = far.pipeline.runs[RUN]
     assert far_state.committed == {"checkpoint-100"}
 

@@ -56,7 +56,13 @@ TRAINER_MAY_IMPORT = "ckptd.core.handoff"
 # The write side (sync/ and the cluster's assembly) is reached only from the service
 # that runs it and the CLI that starts it; everything else sits below it.
 WRITE_SIDE = ("ckptd.sync", "ckptd.cluster")
-WRITE_SIDE_IMPORTERS = {"ckptd.daemon.service", "ckptd.cli.main"}
+WRITE_SIDE_IMPORTERS = {
+    "ckptd.daemon.build",
+    "ckptd.daemon.service",
+    "ckptd.daemon.tier_set",
+    "ckptd.supervision.exec_service",
+    "ckptd.cli.main",
+}
 
 PURE_FORBIDDEN = {
     "asyncio",
