@@ -101,80 +101,47 @@ def build_daemon(
     locks taken by then are let go)."""
     metrics = Metrics()
     locks = InstanceLocks()
-    # First: a second daemon on this journal or these watch dirs stops here.
-    unlocked = take_instance_locks(settings, locks)
+    stop = threading.Event()  # set at shutdown: the stores' retries end at once
+    opened: list[OpenedTier] = []
     try:
-        stop = threading.Event()
+        # First: a second daemon on this journal or these watch dirs stops here.
+        unlocked = take_instance_locks(settings, locks)
         opened = open_tiers(settings, metrics, log, stop)
-    except BaseException:
-        locks.release()
-        raise
-    try:
-        return wire_daemon(
-            settings,
-            opened,
-            metrics,
+        wired = build_pipelines(settings, opened, metrics, clock)
+        tiers = TierSet(
+            [
+                Tier(o.name, o.journal, health_of(o, log), p)
+                for o, p in zip(opened, wired.pipelines, strict=True)
+            ],
+            clock,
+        )
+        first = tiers.first.pipeline
+        started_at = datetime.fromtimestamp(clock.time(), UTC)
+        cluster = None
+        if settings.cluster.multi_node:
+            cluster = build_cluster_notices(
+                settings, opened[0].storage, first, metrics, clock, started_at
+            )
+            wired.responder.publish_notice = cluster.publisher.publish
+        return DaemonParts(
+            metrics=metrics,
             locks=locks,
-            unlocked=unlocked,
-            stop=stop,
-            shutdown_timeout=shutdown_timeout,
-            clock=clock,
-            log=log,
-            on_repeated_sigterm=on_repeated_sigterm,
+            unlocked_watch_dirs=unlocked,
+            io_stop=stop,
+            tiers=tiers,
+            responder=wired.responder,
+            advisor=wired.advisor,
+            watcher=Watcher({r: s.dir for r, s in first.runs.items()}, tiers.hint),
+            # SIGTERM's deadline is our own grace period: what we may spend flushing.
+            sigterm_source=SigtermSource(grace=shutdown_timeout, on_repeat=on_repeated_sigterm),
+            started_at=started_at,
+            cluster=cluster,
         )
     except BaseException:
         for tier in opened:
             tier.journal.close()
         locks.release()
         raise
-
-
-def wire_daemon(
-    settings: Settings,
-    opened: list[OpenedTier],
-    metrics: Metrics,
-    *,
-    locks: InstanceLocks,
-    unlocked: list[Path],
-    stop: threading.Event,
-    shutdown_timeout: float,
-    clock: Clock,
-    log: Any,
-    on_repeated_sigterm: Callable[[], None],
-) -> DaemonParts:
-    """The opened tiers wired into a daemon: pipelines, responder, advisor, watcher,
-    notice sources."""
-    wired = build_pipelines(settings, opened, metrics, clock)
-    tiers = TierSet(
-        [
-            Tier(o.name, o.journal, health_of(o, log), p)
-            for o, p in zip(opened, wired.pipelines, strict=True)
-        ],
-        clock,
-    )
-    first = tiers.first.pipeline
-    started_at = datetime.fromtimestamp(clock.time(), UTC)
-    cluster = (
-        build_cluster_notices(settings, opened[0].storage, first, metrics, clock, started_at)
-        if settings.cluster.multi_node
-        else None
-    )
-    if cluster is not None:
-        wired.responder.publish_notice = cluster.publisher.publish
-    return DaemonParts(
-        metrics=metrics,
-        locks=locks,
-        unlocked_watch_dirs=unlocked,
-        io_stop=stop,
-        tiers=tiers,
-        responder=wired.responder,
-        advisor=wired.advisor,
-        watcher=Watcher({r: s.dir for r, s in first.runs.items()}, tiers.hint),
-        # SIGTERM's deadline is our own grace period: what we may spend flushing.
-        sigterm_source=SigtermSource(grace=shutdown_timeout, on_repeat=on_repeated_sigterm),
-        started_at=started_at,
-        cluster=cluster,
-    )
 
 
 def take_instance_locks(settings: Settings, locks: InstanceLocks) -> list[Path]:

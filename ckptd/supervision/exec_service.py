@@ -1,5 +1,6 @@
 """``ckptd exec``: the daemon with the trainer as its supervised child.
 
+    build      the daemon's own (``ckptd.daemon.build``), then the trainer's supervisor
     start-up   the daemon's own (SIGTERM, and here SIGINT too, are notices from now on)
     restore    the run's newest committed checkpoint (in any tier) into the watch dir,
                unless a complete local one is as new (a rerun on the same node restores
