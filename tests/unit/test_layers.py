@@ -53,12 +53,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 TRAINER = "ckptd.trainer"
 # ... except the names of the files both sides share (standard library only).
 TRAINER_MAY_IMPORT = "ckptd.core.handoff"
-# The write side (sync/ and the cluster's assembly) is reached only from the service
-# that runs it and the CLI that starts it; everything else sits below it.
+# The write side (sync/ and the cluster's assembly) is reached only from the daemon that
+# runs it (its build and tier set; ckptd exec's service, which finds where the trainer
+# resumes) and the CLI that starts it; everything else sits below it.
 WRITE_SIDE = ("ckptd.sync", "ckptd.cluster")
 WRITE_SIDE_IMPORTERS = {
     "ckptd.daemon.build",
-    "ckptd.daemon.service",
     "ckptd.daemon.tier_set",
     "ckptd.supervision.exec_service",
     "ckptd.cli.main",
