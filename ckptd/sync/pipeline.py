@@ -75,7 +75,7 @@ class SyncPipeline:
     ) -> None:
         self.settings = settings
         self.repo = Repository(storage)
-        # Several tiers: one pipeline each (``ckptd.daemon.service``). ``metrics`` is the first
+        # Several tiers: one pipeline each (``ckptd.daemon.tier_set``). ``metrics`` is the first
         # tier's (the unlabelled contract); every tier also counts under its ``tier``
         # label in ``tier_metrics`` (the exported one).
         self.tier = tier
