@@ -55,13 +55,12 @@ TRAINER = "ckptd.trainer"
 TRAINER_MAY_IMPORT = "ckptd.core.handoff"
 # The write side (sync/ and the cluster's assembly) is reached only from the daemon that
 # runs it (its build and tier set; ckptd exec's service, which finds where the trainer
-# resumes) and the CLI that starts it; everything else sits below it.
+# resumes); everything else, the CLI included, sits below it.
 WRITE_SIDE = ("ckptd.sync", "ckptd.cluster")
 WRITE_SIDE_IMPORTERS = {
     "ckptd.daemon.build",
     "ckptd.daemon.tier_set",
     "ckptd.supervision.exec_service",
-    "ckptd.cli.main",
 }
 
 PURE_FORBIDDEN = {
