@@ -380,18 +380,18 @@ def run_interrupted(
                 if kind == "notice":
                     trainer.wait_step(target, 120)
                     imds.trigger_spot("terminate")
-                    result = trainer.wait_exit(60)
+                    result = trainer.wait_exit(180)
                     assert result["preempted"] and result["saved"], result
                     last_step = trainer.step()
                     assert result["step"] == last_step
                     saved = str(result["saved"])
-                    wait_until(partial(committed, daemon, saved), 60, "emergency commit")
+                    wait_until(partial(committed, daemon, saved), 180, "emergency commit")
                     imds.clear_spot()
                 else:
                     last_step = trainer.wait_step(target, 120)
                     assert last_step == target  # it froze there
                     newest = spec.checkpoint_name.format(target - target % every)
-                    wait_until(partial(committed, daemon, newest), 60, f"commit of {newest}")
+                    wait_until(partial(committed, daemon, newest), 180, f"commit of {newest}")
                     trainer.kill9()
                     daemon.kill9()
                 interruptions.append(Interruption(kind, target, last_step, "", -1, 0.0, 0.0))
