@@ -41,7 +41,7 @@ def error_of(tmp_path: Path, text: str = "", **kwargs: Any) -> ConfigError:
 # --- defaults ----------------------------------------------------------------------------
 
 
-def test_defaults_match_design_md(tmp_path: Path) -> None:
+def test_defaults_are_those_the_configuration_reference_shows(tmp_path: Path) -> None:
     settings = load(tmp_path)
     assert settings == Settings()
     assert settings.watch == []
@@ -70,7 +70,7 @@ def test_defaults_match_design_md(tmp_path: Path) -> None:
     assert str(config.DEFAULT_CONFIG_PATH) == "/etc/ckptd/ckptd.toml"
 
 
-def test_watch_entry_defaults_match_design_md(tmp_path: Path) -> None:
+def test_watch_entry_defaults_are_those_the_configuration_reference_shows(tmp_path: Path) -> None:
     (watch,) = load(tmp_path, '[[watch]]\ndir = "/data/ckpt/run1"\n').watch
     assert watch.dir == Path("/data/ckpt/run1")
     assert watch.run_id is None
@@ -79,7 +79,7 @@ def test_watch_entry_defaults_match_design_md(tmp_path: Path) -> None:
     assert (watch.marker, watch.rescan_seconds) == ("COMPLETE", 30)
 
 
-def test_design_md_example_config_loads(tmp_path: Path) -> None:
+def test_the_original_contracts_example_config_loads(tmp_path: Path) -> None:
     settings = load(
         tmp_path,
         """
