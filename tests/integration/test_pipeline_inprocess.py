@@ -228,9 +228,15 @@ async def test_an_unforeseen_error_in_one_checkpoint_never_stops_the_worker(
     try:
         write_marked(watch, "ck-bad", 1000)
         await pipeline.evaluate("run", "ck-bad")
+        # ck-bad fails first (a loaded machine may wake the worker late: wait for it, or
+        # ck-good, which has no step either, could go first and prove nothing).
+        deadline = asyncio.get_running_loop().time() + 60
+        while (bad := pipeline.queue.get("run", "ck-bad")) is None or bad.failures < 1:
+            assert not worker.done(), worker
+            assert asyncio.get_running_loop().time() < deadline, "ck-bad was never tried"
+            await asyncio.sleep(0.02)
         write_marked(watch, "ck-good", 1000)
         await pipeline.evaluate("run", "ck-good")
-        deadline = asyncio.get_running_loop().time() + 20
         while "ck-good" not in pipeline.runs["run"].committed:
             assert not worker.done(), worker
             assert asyncio.get_running_loop().time() < deadline, "ck-good never committed"
