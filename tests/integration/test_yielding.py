@@ -26,11 +26,20 @@ from ckptd.runtime.yielding import Priority, idle_this_thread, lower_this_thread
 from ckptd.storage.fs import FileStorage
 from ckptd.sync.journal import Journal
 from ckptd.sync.transfer import Transfers
+from tests.conftest import DAEMON_AT_TEST_PRIORITY
 from tests.support.daemon import Daemon, wait_until
 from tests.support.ops import hf_daemon
 from tests.support.writers import write_hf
 
 MIB = 1024 * 1024
+
+
+@pytest.fixture(autouse=True)
+def daemons_at_their_own_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemons here choose their priority themselves, as in production: the suite's
+    override (tests/conftest.py, DAEMON_AT_TEST_PRIORITY) is taken away."""
+    for name in DAEMON_AT_TEST_PRIORITY:
+        monkeypatch.delenv(name, raising=False)
 
 
 def _in_thread(fn: object) -> object:
