@@ -115,7 +115,14 @@ class Daemon:
             env=env,
         )
         log.close()
-        wait_until(lambda: self.alive() and self._http_ok(), 30, "daemon HTTP up")
+        try:
+            wait_until(lambda: self.alive() and self._http_ok(), 30, "daemon HTTP up")
+        except BaseException:
+            # __exit__ never runs when __enter__ (this) raises: a daemon left here would
+            # run on after the test, shipping into a store nobody reads.
+            self.proc.kill()
+            self.proc.wait()
+            raise
         return self
 
     def alive(self) -> bool:
