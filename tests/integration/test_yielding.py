@@ -34,10 +34,13 @@ from tests.support.writers import write_hf
 MIB = 1024 * 1024
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def daemons_at_their_own_priority(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The daemons here choose their priority themselves, as in production: the suite's
-    override (tests/conftest.py, DAEMON_AT_TEST_PRIORITY) is taken away."""
+    """The daemons of the priority tests choose their priority themselves, as in
+    production: the suite's override (tests/conftest.py, DAEMON_AT_TEST_PRIORITY) is taken
+    away. Those daemons yield to any other work by design: while nice-0 work saturates every
+    core, their SCHED_IDLE transfer threads get no CPU and cannot commit. The page-cache
+    tests are about the cache, not the priority, and keep the override."""
     for name in DAEMON_AT_TEST_PRIORITY:
         monkeypatch.delenv(name, raising=False)
 
@@ -144,6 +147,7 @@ def _thread_priorities(pid: int) -> list[tuple[int, int, int]]:
     ],
     ids=["defaults", "off"],
 )
+@pytest.mark.usefixtures("daemons_at_their_own_priority")
 def test_every_daemon_thread_runs_at_the_configured_priority(
     tmp_path: Path,
     local_s3: LocalS3,
@@ -281,6 +285,7 @@ json.dump({"trainer": [me.nice(), *map(int, me.ionice())], "workers": workers(),
 """
 
 
+@pytest.mark.usefixtures("daemons_at_their_own_priority")
 def test_ckptd_exec_lowers_its_workers_but_not_the_trainer_it_starts(tmp_path: Path) -> None:
     from tests.process.test_exec import _quick_node
 
