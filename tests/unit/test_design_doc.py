@@ -21,6 +21,7 @@ from ckptd.runtime import instance
 from ckptd.runtime.metrics import Metrics
 from ckptd.store import repository as repo
 from tests.unit.test_design_recipes import ROOT, design_text, section
+from tests.unit.test_docs_links import anchors_of
 from tests.unit.test_layers import LAYERS, PURE_FORBIDDEN, TRAINER_MAY_IMPORT
 
 # The sections the code cites, and those the design must have whatever cites them.
@@ -197,12 +198,7 @@ def test_every_module_named_exists() -> None:
         assert Path(ROOT, path).exists(), path
 
 
-def slug(title: str) -> str:
-    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to '-'."""
-    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
-
-
 def test_every_anchor_in_the_design_leads_to_a_section() -> None:
     anchors = set(re.findall(r"\]\(#([^)]+)\)", design_text()))
     assert anchors, "the design links its own sections"
-    assert anchors - {slug(title) for title in headings()} == set()
+    assert anchors - anchors_of(design_text()) == set()
