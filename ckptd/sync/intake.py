@@ -198,6 +198,8 @@ class Intake:
             listing,
             emergency=emergency,
             now_ns=int(self.clock.time() * 1e9),
+            # Read at start-up (``SyncPipeline.recover``) and kept by each commit.
+            previous=state.previous,
         )
         if started and emergency:
             self.emergency.make_way(started)

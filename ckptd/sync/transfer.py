@@ -95,7 +95,7 @@ class FileResult:
     path: str
     size: int
     crc32c: int
-    how: str  # "uploaded" | "resumed" | "copied" | "skipped"
+    how: str  # "uploaded" | "resumed" | "copied" | "skipped" | "early"
     bytes_sent: int = 0
     parts: list[PartInfo] = field(default_factory=list)
     digest: str | None = None  # with ``Transfers.digests`` (``ckptd.core.digest``)
