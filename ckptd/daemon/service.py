@@ -248,7 +248,13 @@ class Service:
         refused = self.tiers.refused()
         if refused:
             self.log.error("tiers_not_committed", tiers=refused)
-        return 0 if ok and not refused and not pipeline.cluster_busy() else 1
+        # Logged as checkpoint_has_unshippable_entries already; never committed, so
+        # --once did not ship what is there.
+        unshippable = pipeline.unshippable()
+        if unshippable:
+            self.log.error("checkpoints_not_shipped", checkpoints=unshippable)
+        ok = ok and not refused and not unshippable
+        return 0 if ok and not pipeline.cluster_busy() else 1
 
     async def main_loop(self) -> int:
         """Run until a stop (or SIGTERM's flush), then stop intake and let the work in
