@@ -122,7 +122,11 @@ them): {_LAUNCHER_VARIABLES}.
 
 Every problem of every layer is reported together, one line each under the key it
 concerns, with the closest known key for a misspelt one and the variable a bad value
-came from:
+came from. With this `bad.toml`:
+
+<!-- docs-test: file bad.toml -->
+```toml
+{ERROR_EXAMPLE_FILE}```
 
 ```text
 $ CKPTD_DESTINATON__URL=s3://my-bucket/ckpt ckptd config check --config bad.toml
