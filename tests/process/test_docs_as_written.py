@@ -32,6 +32,7 @@ from tests.support.docsnippets import (
     all_blocks,
     exit_code_tables,
     is_transcript,
+    missing_for_a_whole_config,
     transcript,
 )
 
@@ -58,11 +59,16 @@ def test_config_check_passes_every_config_snippet(tmp_path: Path) -> None:
     for i, block in enumerate(runnable):
         config = tmp_path / f"{i}.toml"
         config.write_text(block.text)
+        no_watch, no_url = missing_for_a_whole_config(block.text)
+        fragment = [
+            *(["--watch", str(tmp_path / "run")] if no_watch else []),
+            *(["--dest", f"file://{tmp_path / 'store'}"] if no_url else []),
+        ]
         running.append(
             (
                 block,
                 subprocess.Popen(
-                    [*CKPTD, "config", "check", "--config", str(config)],
+                    [*CKPTD, "config", "check", "--config", str(config), *fragment],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,

@@ -2,7 +2,8 @@
 
 What counts (docs/development.md, "The docs, tested as written"):
 
-- a fenced ``toml`` block is a configuration: ``config check`` must pass it;
+- a fenced ``toml`` block is a configuration: ``config check`` must pass it (a
+  fragment, short of ``[[watch]]`` or ``[destination] url``, with those given as flags);
 - a fenced ``sh``/``shell``/``bash`` block is commands: each ``ckptd`` line must parse;
 - a fenced ``text``/``console`` block whose first line starts with ``$ `` is a
   transcript: each ``$ `` line is run, and what follows it, up to the next ``$ ``, is
@@ -36,7 +37,7 @@ MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|file|env)\s*(.*?)\s*-->")
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 SHELL_LANGUAGES = {"sh", "shell", "bash"}
 TRANSCRIPT_LANGUAGES = {"text", "console"}
-CODE_SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+CODE_SPAN = re.compile(r"(?<!`)`((?:[^`\n]|\n(?!\s*\n))+)`(?!`)")
 ENV_ASSIGNMENT = re.compile(r"\b(CKPTD_[A-Z0-9_]+)=('[^']*'|\"[^\"]*\"|[^\s`'\"]+)")
 ENV_NAME = re.compile(r"\bCKPTD_[A-Z0-9_]*[A-Z0-9]\b")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
@@ -75,7 +76,7 @@ def documents() -> list[Path]:
 
 
 def _relative(path: Path) -> str:
-    return path.relative_to(ROOT).as_posix()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
 
 
 def blocks(path: Path) -> Iterator[Block]:
@@ -120,20 +121,36 @@ def _marker_before(lines: list[str], fence: int) -> tuple[str, str] | None:
     return found.group(1), found.group(2).strip().removeprefix("(").removesuffix(")")
 
 
+def missing_for_a_whole_config(toml_text: str) -> tuple[bool, bool]:
+    """``(no [[watch]], no destination url)`` of a config block. A block short of either
+    is a *fragment* (one section shown on its own): it is checked with a watch dir and a
+    destination added (``config check --watch DIR --dest URL``), never anything else."""
+    import tomllib
+
+    data = tomllib.loads(toml_text)
+    destination = data.get("destination")
+    has_url = isinstance(destination, dict) and "url" in destination
+    return "watch" not in data, not has_url
+
+
 def all_blocks() -> list[Block]:
     return [b for doc in documents() for b in blocks(doc)]
 
 
 def code_spans(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line, text)`` of every inline code span outside fenced blocks."""
+    """``(line, text)`` of every inline code span outside fenced blocks. A span may run
+    over a line ending (not a blank line), read as a space, as Markdown renders it."""
+    lines = path.read_text().split("\n")
     inside = False
-    for number, line in enumerate(path.read_text().split("\n"), start=1):
-        if FENCE.match(line) or re.match(r"^\s*```\s*$", line):
+    for i, line in enumerate(lines):  # fenced blocks blanked, line numbers kept
+        fence = bool(FENCE.match(line) or re.match(r"^\s*```\s*$", line))
+        if fence or inside:
+            lines[i] = ""
+        if fence:
             inside = not inside
-            continue
-        if not inside:
-            for span in CODE_SPAN.finditer(line):
-                yield number, span.group(1)
+    text = "\n".join(lines)
+    for span in CODE_SPAN.finditer(text):
+        yield text.count("\n", 0, span.start()) + 1, span.group(1).replace("\n", " ")
 
 
 def shell_lines(text: str) -> list[str]:

@@ -16,6 +16,7 @@ import contextlib
 import io
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,10 +34,13 @@ from tests.support.docsnippets import (
     SHELL_LANGUAGES,
     Block,
     all_blocks,
+    blocks,
     ckptd_argv,
     command_mentions,
     environment_mentions,
+    missing_for_a_whole_config,
     shell_lines,
+    transcript,
 )
 
 BLOCKS = all_blocks()
@@ -53,8 +57,14 @@ COMMANDS = command_mentions()
 def check_config(path: Path, environ: dict[str, str]) -> str:
     """What ``ckptd config check --config PATH`` checks, in process, with only
     ``environ`` for the environment: the effective config it would print, or
-    ConfigError."""
-    settings = load_settings(path, environ=environ)
+    ConfigError. A fragment gets what it lacks as ``--watch``/``--dest`` would."""
+    no_watch, no_url = missing_for_a_whole_config(path.read_text())
+    flags: dict[str, Any] = {}
+    if no_watch:
+        flags["watch"] = [{"dir": str(path.parent / "run")}]
+    if no_url:
+        flags["destination"] = {"url": f"file://{path.parent / 'store'}"}
+    settings = load_settings(path, environ=environ, overrides=flags)
     require_destination(settings)
     require_watch(settings)
     return render_effective_config(settings)
@@ -171,3 +181,41 @@ def test_each_ckptd_line_of_a_shell_snippet_parses(block: Block, argv: list[str]
             pytest.fail(
                 f"{block.name}: `ckptd {' '.join(argv)}` exits {exc.code}: {err.getvalue()}"
             )
+
+
+def test_the_finder_reads_markers_transcripts_and_fragments(tmp_path: Path) -> None:
+    """The rules of tests.support.docsnippets on a page made for it."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- docs-test: skip (needs AWS credentials) -->\n\n```sh\nckptd list\n```\n"
+        "<!-- docs-test: file bad.toml -->\n```toml\n[destination]\n```\n"
+        "<!-- docs-test: env NODE_RANK=2 (the launcher's) -->\n```toml\n[cluster]\n```\n"
+        "```text\n$ CKPTD_X=1 ckptd config check\nout\nmore\n$ ckptd -V\nckptd 1\n```\n"
+    )
+    found = list(blocks(page))
+    assert [(b.language, b.skip, b.file, b.environment) for b in found] == [
+        ("sh", "needs AWS credentials", None, ()),
+        ("toml", None, "bad.toml", ()),
+        ("toml", None, None, (("NODE_RANK", "2"),)),
+        ("text", None, None, ()),
+    ]
+    commands = transcript(found[3])
+    assert [(c.environment, c.argv, c.output) for c in commands] == [
+        ({"CKPTD_X": "1"}, ["ckptd", "config", "check"], "out\nmore"),
+        ({}, ["ckptd", "-V"], "ckptd 1"),
+    ]
+    assert missing_for_a_whole_config("[http]\nlisten = 1\n") == (True, True)
+    assert missing_for_a_whole_config('[[watch]]\ndir="/x"\n[destination]\nurl="s3://b/p"') == (
+        False,
+        False,
+    )
+
+
+def test_a_fragment_with_a_bad_key_is_refused(tmp_path: Path) -> None:
+    """A fragment gets a watch dir and a destination, never a pass for its own keys."""
+    config = tmp_path / "fragment.toml"
+    config.write_text("[destination]\nregion = 'us-east-1'\n")
+    assert "[destination]" in check_config(config, {})
+    config.write_text("[destination]\nregoin = 'us-east-1'\n")
+    with pytest.raises(ConfigError, match=r"destination\.regoin"):
+        check_config(config, {})
