@@ -531,6 +531,12 @@ def test_a_linked_file_is_committed_with_its_bytes_and_a_dangling_link_is_refuse
         if line.startswith("{") and '"checkpoints_not_shipped"' in line
     ]
     assert not_shipped["checkpoints"] == ["run/checkpoint-8"]
+    # It can never commit as it is: none of its files was sent ahead either.
+    assert not [
+        line
+        for line in done.stderr.splitlines()
+        if '"early_upload_started"' in line and '"checkpoint-8"' in line
+    ]
     listed = run_cli("list", "--json", config=cfg)
     names = [c["checkpoint"] for c in json.loads(listed.stdout)["checkpoints"]]
     assert names == ["checkpoint-4"]
