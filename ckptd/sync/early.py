@@ -17,7 +17,7 @@ A file whose size and CRC-32C equal a file of the run's last committed checkpoin
 frozen base model beside LoRA adapters) is copied server-side from that checkpoint's
 object instead of uploaded (as the ordinary ship would: ``ckptd.sync.plan``); its CRC
 is read first, so only files whose size matches one there pay that read. A copy's
-journal row has the file's size and mtime.
+journal row has the identity its file had before that read, as an upload's has.
 
 A file goes early when it is not held open for writing (the ``/proc`` check the
 quiescent rule uses; where ``/proc`` cannot tell, nothing goes early) and unchanged for
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,12 +213,17 @@ class EarlyUploads:
             return None
         if not plan_upload([entry], previous, {}).copy_candidates:
             return None  # no file of that size: not worth reading
+        # Taken before the read: a file replaced after it has another identity at
+        # commit (ctime, inode), and is sent again (``ship.unchanged``).
+        identity = await asyncio.to_thread(os.stat, local)
+        if (identity.st_size, identity.st_mtime_ns) != (entry.size, entry.mtime_ns):
+            raise CheckpointChangedError(f"{entry.path} changed")
         crc, sums = await self.transfers.crc_of(local, entry, ship.ctx)
         copies, _ = resolve_copies([entry], {entry.path: checksum.to_hex(crc)}, previous)
         if not copies:
             return None
         src = object_key(previous.run_id, previous.checkpoint, copies[0].source_path)
-        return await self.transfers.copy(src, key, entry, crc, ship.ctx, sums)
+        return await self.transfers.copy(src, key, entry, crc, ship.ctx, sums, identity)
 
     def take(self, run: str, name: str) -> dict[str, EarlyFile]:
         """Hand ``run/name``'s early uploads to the ordinary ship: none starts after this."""

@@ -217,6 +217,44 @@ def test_default_settings_copy_a_file_equal_to_the_last_commits_instead_of_sendi
     assert daemon.events_named("early_copied", checkpoint="checkpoint-300")
 
 
+def test_a_file_replaced_after_its_early_copy_is_sent_again(
+    tmp_path: Path, local_s3: LocalS3, s3_client: Any, s3_prefix: str, s3_dest: str
+) -> None:
+    """Copied early (equal to the last commit's), then replaced by other bytes of the
+    same size with the mtime set back: only ctime and inode differ, and the copy must
+    not commit for it."""
+    root = tmp_path / "run"
+    with _daemon(tmp_path, local_s3, s3_dest, root) as daemon:
+        first = write_hf(root, 200, model_bytes=6 * MiB)
+        wait_until(
+            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-200"),
+            60,
+            "the first commit",
+        )
+        ckpt = root / "checkpoint-300"
+        ckpt.mkdir()
+        shutil.copyfile(first / "model.safetensors", ckpt / "model.safetensors")
+        wait_until(
+            lambda: daemon.events_named("early_copied", checkpoint="checkpoint-300"),
+            30,
+            "the model's early copy",
+            details=daemon.log_text,
+        )
+        old = (ckpt / "model.safetensors").stat()
+        write_bytes(ckpt / "model.new", 6 * MiB)
+        os.utime(ckpt / "model.new", ns=(old.st_atime_ns, old.st_mtime_ns))
+        os.replace(ckpt / "model.new", ckpt / "model.safetensors")
+        (ckpt / "trainer_state.json").write_text('{"global_step": 300}')
+        (committed,) = wait_until(
+            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-300"),
+            60,
+            "the second commit",
+            details=daemon.log_text,
+        )
+    assert committed["copied"] == 0
+    _assert_committed_identical(s3_client, s3_prefix, "run", ckpt)
+
+
 def test_a_closed_file_goes_while_the_next_one_is_still_being_written(
     tmp_path: Path, local_s3: LocalS3, s3_client: Any, s3_prefix: str, s3_dest: str
 ) -> None:
