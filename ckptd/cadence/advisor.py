@@ -182,10 +182,10 @@ class CadenceAdvisor:
         self._add_interruption(Interruption(self.clock.time(), kind, source, self.host), run)
 
     def record_restore(self, run: str, checkpoint: str, *, skipped: bool) -> None:
-        """A restore of ``run`` onto this node (``ckptd exec``); counted as
-        ``restore_interruption`` says."""
+        """A restore of ``run`` onto this node (``ckptd exec``: into its watch dir, so a
+        resume); counted as ``restore_interruption`` says."""
         record = restore_interruption(
-            checkpoint, skipped=skipped, at=self.clock.time(), node=self.host
+            checkpoint, skipped=skipped, resumes=True, at=self.clock.time(), node=self.host
         )
         if record is not None:
             self._add_interruption(record, run)
@@ -324,12 +324,20 @@ class CadenceAdvisor:
 
 
 def record_restore(
-    repo: Repository, run_id: str, checkpoint: str, *, skipped: bool, now: float
+    repo: Repository,
+    run_id: str,
+    checkpoint: str,
+    *,
+    skipped: bool,
+    resumes: bool,
+    now: float,
 ) -> None:
     """Add a restore of ``run_id`` onto this node to the run's history in the store, when
     ``restore_interruption`` counts it (``ckptd restore``, best effort: a store that
     refuses the write costs the record, not the restore)."""
-    record = restore_interruption(checkpoint, skipped=skipped, at=now, node=socket.gethostname())
+    record = restore_interruption(
+        checkpoint, skipped=skipped, resumes=resumes, at=now, node=socket.gethostname()
+    )
     if record is None:
         return
     with contextlib.suppress(StorageError):

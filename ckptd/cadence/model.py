@@ -335,13 +335,15 @@ class Interruption:
 
 
 def restore_interruption(
-    checkpoint: str, *, skipped: bool, at: float, node: str
+    checkpoint: str, *, skipped: bool, resumes: bool, at: float, node: str
 ) -> Interruption | None:
     """The interruption a restore of ``checkpoint`` records, or None. A restore is how a
-    fresh node resumes a run, so one that downloaded counts as one of the run's
-    interruptions (``ckptd restore`` and ``ckptd exec`` alike); one that found the
-    checkpoint already in place (``skipped``) is no sign the run stopped."""
-    if skipped:
+    fresh node resumes a run, so one that downloaded into the run's watch dir
+    (``resumes``: the pod's restore step, ``ckptd exec``) counts as one of the run's
+    interruptions. One that found the checkpoint already in place (``skipped``) is no
+    sign the run stopped, nor is one into any other directory (a look at a checkpoint,
+    a restore tried by hand): the run goes on where it was."""
+    if skipped or not resumes:
         return None
     return Interruption(at, "restore", checkpoint, node)
 

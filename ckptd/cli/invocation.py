@@ -37,7 +37,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
             watch["layout"] = args.layout
         out["watch"] = [watch]
     elif getattr(args, "layout", None) or (
-        args.command in ("run", "exec") and getattr(args, "run_id", None)
+        args.command in ("run", "exec", "config") and getattr(args, "run_id", None)
     ):
         raise UsageError("--run and --layout apply to --watch; give --watch DIR too")
     if getattr(args, "state_dir", None):

@@ -50,3 +50,14 @@ def add_common(parser: argparse.ArgumentParser, log_level: str = "warning") -> N
         choices=["debug", "info", "warning", "error"],
         help="least severe log line written to stderr (default %(default)s)",
     )
+
+
+def add_watch(parser: argparse.ArgumentParser) -> None:
+    """The flags that stand for one ``[[watch]]`` entry and ``[state] dir`` (``run``, and
+    ``config check``, which must check what ``run`` with the same flags would use)."""
+    parser.add_argument("--watch", type=Path, default=None, help="local checkpoint dir (one run)")
+    parser.add_argument(
+        "--run", dest="run_id", default=None, help="run id for --watch (default: its basename)"
+    )
+    parser.add_argument("--layout", default=None, help="completion rule for --watch (default auto)")
+    parser.add_argument("--state-dir", type=Path, default=None, help="journal directory")

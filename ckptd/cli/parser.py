@@ -38,6 +38,23 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+# Commands that talk to the running daemon, never to a store: a destination flag would be
+# accepted and do nothing, so they have none (argparse then says it is unrecognised).
+DAEMON_COMMANDS = ("status", "drill")
+_STORE_FLAGS = ("dest", "endpoint_url")
+
+
+def _without_store_flags(parser: argparse.ArgumentParser) -> None:
+    """Take ``--dest`` and ``--endpoint-url`` (``add_common``'s) off ``parser``."""
+    for action in [a for a in parser._actions if a.dest in _STORE_FLAGS]:
+        parser._remove_action(action)
+        for group in parser._action_groups:
+            if action in group._group_actions:
+                group._group_actions.remove(action)
+        for option in action.option_strings:
+            parser._option_string_actions.pop(option, None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: ``ckptd [-V] COMMAND [options]``."""
     parser = argparse.ArgumentParser(
@@ -47,4 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS.values():
         command.add_parser(sub)
+    for name in DAEMON_COMMANDS:
+        _without_store_flags(sub.choices[name])
     return parser

@@ -79,7 +79,7 @@ keep_within = "30d"
 #: The ConfigError of ``ERROR_EXAMPLE_FILE`` with ``ERROR_EXAMPLE_ENVIRONMENT`` (the CLI
 #: prints it after "ckptd: "); the reference test loads them and compares.
 ERROR_EXAMPLE_FILE = "[destination]\npart_size_mib = 1\n"
-ERROR_EXAMPLE_ENVIRONMENT = {"CKPTD_DESTINATON__URL": "s3://b/p"}
+ERROR_EXAMPLE_ENVIRONMENT = {"CKPTD_DESTINATON__URL": "s3://my-bucket/ckpt"}
 ERROR_EXAMPLE = """\
 invalid config: CKPTD_DESTINATON__URL: unknown setting: no config key 'destinaton.url'; \
 did you mean 'CKPTD_DESTINATION__URL'?
@@ -122,10 +122,14 @@ them): {_LAUNCHER_VARIABLES}.
 
 Every problem of every layer is reported together, one line each under the key it
 concerns, with the closest known key for a misspelt one and the variable a bad value
-came from:
+came from. With this `bad.toml`:
+
+<!-- docs-test: file bad.toml -->
+```toml
+{ERROR_EXAMPLE_FILE}```
 
 ```text
-$ CKPTD_DESTINATON__URL=s3://b/p ckptd config check --config bad.toml
+$ CKPTD_DESTINATON__URL=s3://my-bucket/ckpt ckptd config check --config bad.toml
 ckptd: {ERROR_EXAMPLE}
 ```
 

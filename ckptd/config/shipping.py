@@ -165,8 +165,9 @@ class DestinationConfig(Section):
         default=8,
         ge=1,
         le=100,
-        description="Attempts per request on transient errors (also bounds how long "
-        "`list`, `verify` and `restore` wait on a dead endpoint: about 25 s).",
+        description="Attempts per request on transient errors, with exponential backoff and "
+        "full jitter. Also bounds how long `list`, `verify` and `restore` wait on a dead "
+        "endpoint before they exit 1: with 8, about 13 s, at most 25 s.",
     )
     # SSE-C is not offered: S3 blocks it on new buckets since April 2026.
     sse: Literal["", "AES256", "aws:kms"] = Field(

@@ -198,6 +198,14 @@ def utc_timestamp(epoch_seconds: float) -> str:
     return datetime.fromtimestamp(epoch_seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def epoch_of_timestamp(value: str) -> float | None:
+    """``utc_timestamp``'s inverse (any RFC 3339 time); None for one that is not."""
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
 def build_manifest(
     *,
     run_id: str,

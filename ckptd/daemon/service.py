@@ -248,7 +248,13 @@ class Service:
         refused = self.tiers.refused()
         if refused:
             self.log.error("tiers_not_committed", tiers=refused)
-        return 0 if ok and not refused and not pipeline.cluster_busy() else 1
+        # Logged as checkpoint_has_unshippable_entries already; never committed, so
+        # --once did not ship what is there.
+        unshippable = pipeline.unshippable()
+        if unshippable:
+            self.log.error("checkpoints_not_shipped", checkpoints=unshippable)
+        ok = ok and not refused and not unshippable
+        return 0 if ok and not pipeline.cluster_busy() else 1
 
     async def main_loop(self) -> int:
         """Run until a stop (or SIGTERM's flush), then stop intake and let the work in
@@ -338,10 +344,12 @@ class Service:
             self.sigterm.set()  # the main loop flushes, then stops
         self.notices.end_followed_drill(notice, source, response)
 
-    async def _drain_after_sigterm(self) -> None:
+    async def _drain_after_sigterm(self, why: str = "sigterm") -> None:
         """SIGTERM: keep shipping (the trainer may be saving its emergency checkpoint
         right now), and return once all is committed and quiet, or when
-        ``shutdown_timeout`` runs out (the journal then keeps finished parts)."""
+        ``shutdown_timeout`` runs out (the journal then keeps finished parts). ``why``
+        names the cause in the log (``ckptd exec``: "trainer_exit", its trainer ended)."""
+        flushed = "flushed_on_sigterm" if why == "sigterm" else f"flushed_after_{why}"
         deadline = self.clock.monotonic() + self.shutdown_timeout
         quiet_since: float | None = None
         while self.clock.monotonic() < deadline and not self.stop_event.is_set():
@@ -350,20 +358,20 @@ class Service:
                 # no bucket); the journal keeps what was sent, and waiting out the grace
                 # period helps no one. A store that is merely unreachable may come back
                 # within it: that one is waited for.
-                self.log.error("sigterm_flush_impossible", error=self.destination.error)
+                self.log.error(f"{why}_flush_impossible", error=self.destination.error)
                 return
             # With many nodes, this node's share of an emergency save is idle until the
             # node with the commit record announces it: wait for that too.
             if self.pipeline.idle() and not self.pipeline.awaiting_emergency():
                 quiet_since = quiet_since or self.clock.monotonic()
                 if self.clock.monotonic() - quiet_since >= DRAIN_QUIET_SECONDS:
-                    self.log.info("flushed_on_sigterm")
+                    self.log.info(flushed)
                     return
             else:
                 quiet_since = None
             await asyncio.sleep(0.1)
         if not self.stop_event.is_set():
-            self.log.warning("sigterm_flush_timeout", seconds=self.shutdown_timeout)
+            self.log.warning(f"{why}_flush_timeout", seconds=self.shutdown_timeout)
 
     # -- periodic work -----------------------------------------------------------------
 

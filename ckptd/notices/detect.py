@@ -108,7 +108,7 @@ def make_source(
     cloud: Cloud
     if choice == "auto":
         detected = detect_cloud(dmi_dir)
-        log.info("cloud detection", cloud=detected, dmi_dir=str(dmi_dir))
+        log.info("cloud_detected", cloud=detected, dmi_dir=str(dmi_dir))
         if detected is None:
             return None
         cloud = detected

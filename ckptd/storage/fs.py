@@ -218,7 +218,7 @@ class FileStorage:
         except FileNotFoundError:
             return []
         except OSError as exc:
-            raise _error(exc, f"list {prefix}") from exc
+            raise _error(exc, f"list {base}") from exc
 
     def delete(self, keys: list[str]) -> None:
         parents: set[Path] = set()

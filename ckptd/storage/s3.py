@@ -186,6 +186,11 @@ class S3Storage:
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
+    def _where(self, prefix: str) -> str:
+        """``prefix`` as a user reads it in an error: the whole URL (the destination's
+        own root is otherwise an empty field)."""
+        return f"s3://{self.bucket}/{self._key(prefix)}"
+
     def _rel(self, full: str) -> str:
         return full[len(self.prefix) + 1 :] if self.prefix else full
 
@@ -292,7 +297,7 @@ class S3Storage:
                         self._rel(item["Key"]), int(item["Size"]), "", item.get("ETag", "")
                     )
         except Exception as exc:
-            raise classify(exc, f"list {prefix}") from exc
+            raise classify(exc, f"list {self._where(prefix)}") from exc
 
     def list_children(self, prefix: str) -> list[str]:
         paginator = self._client.get_paginator("list_objects_v2")
@@ -303,7 +308,7 @@ class S3Storage:
                 for cp in page.get("CommonPrefixes", []):
                     names.append(cp["Prefix"][len(full) :].rstrip("/"))
         except Exception as exc:
-            raise classify(exc, f"list {prefix}") from exc
+            raise classify(exc, f"list {self._where(prefix)}") from exc
         return names
 
     def delete(self, keys: list[str]) -> None:
@@ -504,7 +509,7 @@ class S3Storage:
                 for u in page.get("Uploads", []):
                     found.append((self._rel(u["Key"]), str(u["UploadId"])))
         except Exception as exc:
-            raise classify(exc, f"list uploads {prefix}") from exc
+            raise classify(exc, f"list uploads {self._where(prefix)}") from exc
         return found
 
     def expected_checksum(self, parts: list[PartInfo], whole_crc32c: int) -> str:

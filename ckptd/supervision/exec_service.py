@@ -140,7 +140,7 @@ class SupervisedService(Service):
                 code = await self._flush_on_notice(trainer)
             elif trainer.done() and not self.stop_event.is_set():
                 code = trainer.result()
-                await self._drain_after_sigterm()  # ship what the trainer left complete
+                await self._drain_after_sigterm("trainer_exit")  # what it left complete
             else:
                 code = EXIT_FLUSH_FAILED  # told to stop now: nothing was flushed on purpose
         finally:

@@ -13,6 +13,12 @@ the others again, and deletes early objects of files no longer in the checkpoint
 checkpoint deleted before completion has its early objects and uploads removed
 (``cleanup.discard``). So early shipping changes when bytes move, never what commits.
 
+A file whose size and CRC-32C equal a file of the run's last committed checkpoint (a
+frozen base model beside LoRA adapters) is copied server-side from that checkpoint's
+object instead of uploaded (as the ordinary ship would: ``ckptd.sync.plan``); its CRC
+is read first, so only files whose size matches one there pay that read. A copy's
+journal row has the identity its file had before that read, as an upload's has.
+
 A file goes early when it is not held open for writing (the ``/proc`` check the
 quiescent rule uses; where ``/proc`` cannot tell, nothing goes early) and unchanged for
 ``EARLY_SETTLE_SECONDS``. Early uploads share the node's transfers (its workers and
@@ -24,15 +30,19 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptd.core import checksum
+from ckptd.core.manifest import Manifest
 from ckptd.layouts.base import CheckpointListing, FileEntry, shippable
 from ckptd.storage.base import StorageError
 from ckptd.store.repository import object_key
 from ckptd.sync.journal import Journal
+from ckptd.sync.plan import plan_upload, resolve_copies
 from ckptd.sync.queue import InFlight
 from ckptd.sync.transfer import (
     CheckpointChangedError,
@@ -131,9 +141,11 @@ class EarlyUploads:
         emergency: bool,
         now_ns: int,
         settle_seconds: float = EARLY_SETTLE_SECONDS,
+        previous: Manifest | None = None,
     ) -> tuple[int, float | None]:
         """Start the uploads of ``listing``'s files that are ready; returns ``(bytes
-        started, seconds until another file may be ready or None)``."""
+        started, seconds until another file may be ready or None)``. ``previous`` is
+        the run's last committed manifest, the base of server-side copies."""
         key = (run, listing.name)
         ship = self.ships.get(key)
         if ship is not None and ship.closed:
@@ -153,20 +165,27 @@ class EarlyUploads:
         done = {p: (r.size, r.mtime_ns) for p, r in records.items()}
         ready, wait = ready_files(listing, done, ship.busy(listing), now_ns, settle_seconds)
         for f in ready:
-            future = asyncio.ensure_future(self._send(ship, run_dir / listing.name / f.path, f))
+            local = run_dir / listing.name / f.path
+            future = asyncio.ensure_future(self._send(ship, local, f, previous))
             ship.files[f.path] = (f, future)
             self.log.info(
                 "early_upload_started", run=run, checkpoint=listing.name, path=f.path, bytes=f.size
             )
         return sum(f.size for f in ready), wait
 
-    async def _send(self, ship: EarlyShip, local: Path, entry: FileEntry) -> FileResult | None:
-        """One file's early upload; None when it did not finish (the ordinary ship then
-        sends it: paused, changed, or the store failed)."""
+    async def _send(
+        self, ship: EarlyShip, local: Path, entry: FileEntry, previous: Manifest | None
+    ) -> FileResult | None:
+        """One file's early upload, or copy; None when it did not finish (the ordinary
+        ship then sends it: paused, changed, or the store failed)."""
         key = object_key(ship.run, ship.name, entry.path)
         log = self.log.bind(run=ship.run, checkpoint=ship.name, path=entry.path)
         try:
             async with self._slots:
+                copied = await self._copy_if_unchanged(ship, key, local, entry, previous)
+                if copied is not None:
+                    log.info("early_copied", bytes=entry.size)
+                    return copied
                 result = await self.transfers.upload(key, local, entry, ship.ctx)
         except TransferPausedError:
             log.info("early_upload_paused")
@@ -179,6 +198,32 @@ class EarlyUploads:
             return None
         log.info("early_upload_done", bytes=entry.size)
         return result
+
+    async def _copy_if_unchanged(
+        self,
+        ship: EarlyShip,
+        key: str,
+        local: Path,
+        entry: FileEntry,
+        previous: Manifest | None,
+    ) -> FileResult | None:
+        """The server-side copy of ``entry`` from ``previous`` when a file there has its
+        size and CRC-32C; None (nothing done but the read) when none has."""
+        if previous is None or not self.transfers.can_copy:
+            return None
+        if not plan_upload([entry], previous, {}).copy_candidates:
+            return None  # no file of that size: not worth reading
+        # Taken before the read: a file replaced after it has another identity at
+        # commit (ctime, inode), and is sent again (``ship.unchanged``).
+        identity = await asyncio.to_thread(os.stat, local)
+        if (identity.st_size, identity.st_mtime_ns) != (entry.size, entry.mtime_ns):
+            raise CheckpointChangedError(f"{entry.path} changed")
+        crc, sums = await self.transfers.crc_of(local, entry, ship.ctx)
+        copies, _ = resolve_copies([entry], {entry.path: checksum.to_hex(crc)}, previous)
+        if not copies:
+            return None
+        src = object_key(previous.run_id, previous.checkpoint, copies[0].source_path)
+        return await self.transfers.copy(src, key, entry, crc, ship.ctx, sums, identity)
 
     def take(self, run: str, name: str) -> dict[str, EarlyFile]:
         """Hand ``run/name``'s early uploads to the ordinary ship: none starts after this."""

@@ -184,6 +184,8 @@ class Intake:
         current = state.current
         if (
             not state.watch.ship_early
+            # Never committed as it is (a dangling link, say): nothing to send ahead.
+            or listing.unshippable
             or (run, name) in self.queue
             or (current is not None and current.name == name)
             or name in state.waiting
@@ -198,6 +200,8 @@ class Intake:
             listing,
             emergency=emergency,
             now_ns=int(self.clock.time() * 1e9),
+            # Read at start-up (``SyncPipeline.recover``) and kept by each commit.
+            previous=state.previous,
         )
         if started and emergency:
             self.emergency.make_way(started)

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from ckptd.cluster.coordination import ClusterCoordination
 from ckptd.config import Settings
-from ckptd.core.manifest import Manifest
+from ckptd.core.manifest import Manifest, epoch_of_timestamp
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage.base import NO_SPACE_CODES, StorageError, storage_error_kind
@@ -236,6 +236,21 @@ class Outcomes:
             self.tier_metrics.tier_last_step.labels(run=run, tier=self.tier).set(state.last_step)
         if already:
             log.info("checkpoint_already_committed", step=manifest.step)
+        self._changed()
+
+    def found_committed(self, state: RunState, manifest: Manifest) -> None:
+        """``manifest`` is the run's last commit as the store held it at start-up: shown
+        by ``/v1/status`` and the last-commit gauges; no commit is counted (none
+        happened now)."""
+        state.record_commit(manifest)
+        run = state.run_id
+        at = epoch_of_timestamp(manifest.committed_at)
+        if at is not None:
+            self.metrics.last_commit_ts.labels(run=run).set(at)
+            self.tier_metrics.tier_last_commit_ts.labels(run=run, tier=self.tier).set(at)
+        if state.last_step is not None:
+            self.metrics.last_step.labels(run=run).set(state.last_step)
+            self.tier_metrics.tier_last_step.labels(run=run, tier=self.tier).set(state.last_step)
         self._changed()
 
     async def abandon(self, state: RunState, pending: Pending, reason: str, log: Any) -> None:

@@ -46,7 +46,7 @@ from ckptd.sync.outcomes import Outcomes
 from ckptd.sync.priority import ThreadPriority
 from ckptd.sync.queue import ShipQueue
 from ckptd.sync.rate import RateMeter
-from ckptd.sync.runs import RunState
+from ckptd.sync.runs import RunState, previous_manifest
 from ckptd.sync.scanner import list_candidates
 from ckptd.sync.ship import Shipper
 from ckptd.sync.transfer import Transfers
@@ -239,7 +239,8 @@ class SyncPipeline:
 
     async def recover(self) -> None:
         """Settle what a previous process left in the journal (``cleanup.recover``) and
-        learn what is committed already."""
+        learn what is committed already: the journal's names, and the store's last
+        committed manifest of each run."""
         dirs = {run: state.dir for run, state in self.runs.items()}
         await asyncio.to_thread(cleanup.recover, self.repo, self.journal, dirs, self.log)
         await asyncio.to_thread(
@@ -255,6 +256,11 @@ class SyncPipeline:
         )
         for state in self.runs.values():
             state.committed.update(name for name, _ in self.journal.committed(state.run_id))
+            # What the store holds as the run's last commit is shown (/v1/status, the
+            # gauges) before anything new ships, and is the base early copies start from.
+            manifest = await previous_manifest(self.repo, state, self.log)
+            if manifest is not None:
+                self.outcomes.found_committed(state, manifest)
 
     # -- hints -------------------------------------------------------------------------
 
@@ -372,6 +378,16 @@ class SyncPipeline:
                 ok = False
         # Failures left in backoff count as not done.
         return ok and not len(self.queue)
+
+    def unshippable(self) -> list[str]:
+        """``run/name`` of each checkpoint seen with entries that cannot be shipped and
+        not committed (``run --once`` fails on them: they never will be)."""
+        return sorted(
+            f"{run}/{name}"
+            for run, state in self.runs.items()
+            for name, entries in state.reported_unshippable.items()
+            if entries and name not in state.committed
+        )
 
     # -- many nodes (``ckptd.cluster.coordination``) -------------------------------------
 

@@ -151,7 +151,7 @@ class RunState:
 
 async def previous_manifest(repo: Repository, state: RunState, log: Any) -> Manifest | None:
     """``state.previous``, read from the store (LATEST's manifest) the first time it is
-    asked for; an unreadable one is logged and taken as none."""
+    asked for; an unreadable one is logged and taken as none this time."""
     if not state.previous_loaded:
         try:
             latest = await asyncio.to_thread(repo.read_latest, state.run_id)
@@ -160,7 +160,9 @@ async def previous_manifest(repo: Repository, state: RunState, log: Any) -> Mani
                     repo.read_manifest, state.run_id, latest.checkpoint
                 )
         except (StorageError, ManifestError) as exc:
+            # Asked again next time: a store down at start-up must not cost every
+            # later checkpoint its server-side copies.
             log.warning("previous_manifest_unreadable", run=state.run_id, error=str(exc))
-            state.previous = None
+            return None
         state.previous_loaded = True
     return state.previous

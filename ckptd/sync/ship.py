@@ -152,6 +152,19 @@ def _local_path(request: ShipRequest, f: FileEntry | str) -> Path:
     return request.dir / name / path if request.listing.is_dir else request.dir / name
 
 
+def _sent_early_as(request: ShipRequest, f: FileEntry) -> bool:
+    """Whether ``f`` was handed over from early shipping as it is now."""
+    early = request.early.get(f.path)
+    return early is not None and early[0] == f
+
+
+def _taken_early(f: FileEntry, early: FileResult) -> FileResult:
+    """An early transfer's result as the ship reports it: a copy stays a copy (it is
+    counted in ``ckptd_copied_bytes_total``), an upload is "early"."""
+    how = "copied" if early.how == "copied" else "early"
+    return FileResult(f.path, f.size, early.crc32c, how, early.bytes_sent, digest=early.digest)
+
+
 class Shipper:
     """Ships checkpoints to one repository through one set of transfers."""
 
@@ -357,12 +370,16 @@ class Shipper:
             early_in_flight=sum(1 for _, f in request.early.values() if not f.done()),
         )
         results: list[FileResult] = list(
-            await asyncio.gather(*(self._skipped(request, f, done_records) for f in plan.done))
+            await asyncio.gather(*(self._done(request, f, done_records) for f in plan.done))
         )
         uploads = list(plan.upload)
+        # A candidate sent early as it is now is the early transfer's to finish (it copies
+        # what it can, ``ckptd.sync.early``): never a second copy or upload of one key.
+        candidates = [f for f in plan.copy_candidates if not _sent_early_as(request, f)]
+        uploads.extend(f for f in plan.copy_candidates if _sent_early_as(request, f))
         jobs: list[Awaitable[FileResult]] = []
-        if plan.copy_candidates and previous is not None:
-            copies, more = await self._copies(request, plan.copy_candidates, previous)
+        if candidates and previous is not None:
+            copies, more = await self._copies(request, candidates, previous)
             jobs.extend(copies)
             uploads.extend(more)
         for f in uploads:
@@ -411,10 +428,20 @@ class Shipper:
             record = records.get(f.path)
             local = _local_path(request, f)
             if record is not None and await asyncio.to_thread(unchanged, local, record):
-                return FileResult(
-                    f.path, f.size, early.crc32c, "early", early.bytes_sent, digest=early.digest
-                )
+                return _taken_early(f, early)
         return await self._upload(request, f)
+
+    async def _done(
+        self, request: ShipRequest, f: FileEntry, done_records: Mapping[str, ObjectRecord]
+    ) -> FileResult:
+        """A file the journal holds as sent and unchanged: sent (or copied) early by this
+        process, so said as such, or sent by an earlier one (``_skipped``)."""
+        early = request.early.get(f.path)
+        if early is not None and early[0] == f and early[1].done() and not early[1].cancelled():
+            result = early[1].result()
+            if result is not None:
+                return _taken_early(f, result)
+        return await self._skipped(request, f, done_records)
 
     async def _skipped(
         self, request: ShipRequest, f: FileEntry, done_records: Mapping[str, ObjectRecord]

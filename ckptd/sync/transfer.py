@@ -95,7 +95,7 @@ class FileResult:
     path: str
     size: int
     crc32c: int
-    how: str  # "uploaded" | "resumed" | "copied" | "skipped"
+    how: str  # "uploaded" | "resumed" | "copied" | "skipped" | "early"
     bytes_sent: int = 0
     parts: list[PartInfo] = field(default_factory=list)
     digest: str | None = None  # with ``Transfers.digests`` (``ckptd.core.digest``)
@@ -233,7 +233,12 @@ class Transfers:
         crc: int,
         ctx: TransferContext,
         file_digest: str | None = None,
+        identity: os.stat_result | None = None,
     ) -> FileResult:
+        """Copy ``src_key`` to ``dst_key`` for ``entry`` (whose CRC-32C is ``crc``); the
+        journal row carries ``identity`` (the file's stat before its CRC was read) when
+        given, so a copy made before the checkpoint is complete counts only while the
+        file is still that file, as an upload's does."""
         copier = require_capability(self.storage, ServerSideCopy, "copy server-side")
 
         def work() -> FileResult:
@@ -249,7 +254,9 @@ class Transfers:
             self.journal.record_object(
                 ctx.run,
                 ctx.checkpoint,
-                ObjectRecord(dst_key, entry.path, entry.size, entry.mtime_ns, crc),
+                ObjectRecord(dst_key, entry.path, entry.size, entry.mtime_ns, crc)
+                if identity is None
+                else _record(dst_key, entry, crc, identity),
             )
             return FileResult(entry.path, entry.size, crc, "copied", digest=file_digest)
 

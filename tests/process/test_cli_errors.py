@@ -266,9 +266,30 @@ def test_config_check_fails_where_run_would(tmp_path: Path) -> None:
             assert done.returncode == 2, (command, done.stderr)
             assert f"invalid config: {key}" in done.stderr, (command, done.stderr)
             assert "Traceback" not in done.stderr
+            # Nothing on stdout: a script reading it gets a config run takes, or nothing.
+            assert done.stdout == "", (command, done.stdout)
     ok = run_cli("config", "check", "--config", str(whole), env=env)
     assert ok.returncode == 0, ok.stderr
     assert "[destination]" in ok.stdout and "note: no config file" not in ok.stderr
+    # The flags run takes override the file here as they do there (docs/configuration.md).
+    other = tmp_path / "other-run"
+    flagged = run_cli(
+        *("config", "check", "--config", str(no_watch)),
+        *("--watch", str(other), "--run", "r2", "--state-dir", str(tmp_path / "st")),
+        env=env,
+    )
+    assert flagged.returncode == 0, flagged.stderr
+    assert str(other) in flagged.stdout and '"r2"' in flagged.stdout, flagged.stdout
+    assert str(tmp_path / "st") in flagged.stdout
+
+
+def test_status_and_drill_take_no_destination_flags() -> None:
+    """They ask the daemon, never a store: a --dest that did nothing is refused."""
+    for command in ("status", "drill"):
+        for flag in ("--dest", "--endpoint-url"):
+            done = run_cli(command, flag, "s3://my-bucket/ckpt")
+            assert done.returncode == 2, (command, flag, done.stderr)
+            assert f"unrecognized arguments: {flag}" in done.stderr
 
 
 def test_a_metrics_port_in_use_is_one_line_naming_the_key(tmp_path: Path) -> None:
@@ -383,7 +404,8 @@ def test_a_dead_endpoint_is_retried_aloud_and_bounded_by_max_attempts() -> None:
     assert done.returncode == 1, done.stderr
     retries = [json.loads(x) for x in done.stderr.splitlines() if '"store_retry"' in x]
     assert [r["attempt"] for r in retries] == ["1/3", "2/3"]
-    assert done.stderr.strip().splitlines()[-1].startswith("ckptd: ")
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckptd: list s3://ckpt/x/: "), last  # the place, never empty
     assert took < 30
 
 

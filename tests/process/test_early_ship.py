@@ -28,7 +28,8 @@ from ckptd.sync.early import ready_files
 from ckptd.sync.journal import Journal
 from tests.process.test_sync_e2e import _assert_committed_identical, _keys
 from tests.support.daemon import Daemon, committed_manifest, run_cli, wait_until
-from tests.support.writers import write_bytes
+from tests.support.faultproxy import FaultProxy
+from tests.support.writers import write_bytes, write_hf
 
 MiB = 1024 * 1024
 NS = 1_000_000_000
@@ -160,6 +161,98 @@ def test_large_files_go_before_the_commit_record_and_commit_byte_identical(
     assert sent < model + optimizer + 64 * 1024
     _assert_committed_identical(s3_client, s3_prefix, "run", ckpt)
     assert _no_uploads(s3_client, s3_prefix)
+
+
+def test_default_settings_copy_a_file_equal_to_the_last_commits_instead_of_sending_it(
+    tmp_path: Path, local_s3: LocalS3, fault_proxy: FaultProxy, s3_dest: str
+) -> None:
+    """README's promise with its example config (ship_early on, settle_seconds = 2, the
+    defaults): a frozen base model equal to the last commit's is copied server-side
+    even though it is closed and quiet long before the save completes (its early
+    transfer makes the copy). Counted on the wire, by the fault proxy."""
+    root = tmp_path / "run"
+    root.mkdir()
+    daemon = Daemon.configured(
+        tmp_path,
+        watch=[{"dir": root}],  # every [[watch]] setting at its default
+        dest=s3_dest,
+        endpoint_url=fault_proxy.url,
+        state_dir=tmp_path / "state",
+    )
+    model = 24 * MiB
+    with daemon:
+        first = write_hf(root, 200, model_bytes=model)
+        wait_until(
+            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-200"),
+            60,
+            "the first commit",
+            details=daemon.log_text,
+        )
+        fault_proxy.reset_counters()
+        second = root / "checkpoint-300"
+        second.mkdir()
+        shutil.copyfile(first / "model.safetensors", second / "model.safetensors")
+        write_bytes(second / "adapter.safetensors", 256 * 1024)
+        # The model goes early (closed and quiet for 0.5 s; the rule waits 2 s more).
+        wait_until(
+            lambda: daemon.events_named(
+                "early_upload_started", checkpoint="checkpoint-300", path="model.safetensors"
+            ),
+            30,
+            "the model's early transfer",
+            details=daemon.log_text,
+        )
+        (second / "trainer_state.json").write_text('{"global_step": 300}')
+        (committed,) = wait_until(
+            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-300"),
+            60,
+            "the second commit",
+            details=daemon.log_text,
+        )
+        copied = daemon.metric("ckptd_copied_bytes_total", run="run")
+    sent = fault_proxy.bytes_up
+    assert sent < model // 2, f"{sent} bytes sent: the unchanged model was uploaded again"
+    assert copied == model
+    assert committed["copied"] == 1
+    assert daemon.events_named("early_copied", checkpoint="checkpoint-300")
+
+
+def test_a_file_replaced_after_its_early_copy_is_sent_again(
+    tmp_path: Path, local_s3: LocalS3, s3_client: Any, s3_prefix: str, s3_dest: str
+) -> None:
+    """Copied early (equal to the last commit's), then replaced by other bytes of the
+    same size with the mtime set back: only ctime and inode differ, and the copy must
+    not commit for it."""
+    root = tmp_path / "run"
+    with _daemon(tmp_path, local_s3, s3_dest, root) as daemon:
+        first = write_hf(root, 200, model_bytes=6 * MiB)
+        wait_until(
+            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-200"),
+            60,
+            "the first commit",
+        )
+        ckpt = root / "checkpoint-300"
+        ckpt.mkdir()
+        shutil.copyfile(first / "model.safetensors", ckpt / "model.safetensors")
+        wait_until(
+            lambda: daemon.events_named("early_copied", checkpoint="checkpoint-300"),
+            30,
+            "the model's early copy",
+            details=daemon.log_text,
+        )
+        old = (ckpt / "model.safetensors").stat()
+        write_bytes(ckpt / "model.new", 6 * MiB)
+        os.utime(ckpt / "model.new", ns=(old.st_atime_ns, old.st_mtime_ns))
+        os.replace(ckpt / "model.new", ckpt / "model.safetensors")
+        (ckpt / "trainer_state.json").write_text('{"global_step": 300}')
+        (committed,) = wait_until(
+            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-300"),
+            60,
+            "the second commit",
+            details=daemon.log_text,
+        )
+    assert committed["copied"] == 0
+    _assert_committed_identical(s3_client, s3_prefix, "run", ckpt)
 
 
 def test_a_closed_file_goes_while_the_next_one_is_still_being_written(

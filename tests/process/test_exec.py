@@ -295,6 +295,9 @@ def test_the_trainer_gets_its_environment_and_its_own_code_is_the_exit_code(
         "CKPTD_SIGNAL": "SIGUSR1",
         "CKPTD_URL": f"http://127.0.0.1:{node.port}/v1/preemption",
     }
+    # No SIGTERM came: the log says what ended it (the trainer) and nothing about a flush.
+    assert node.events("flushed_after_trainer_exit")
+    assert not node.events("flushed_on_sigterm")
 
 
 def test_bad_usage_exits_2_with_one_line(tmp_path: Path) -> None:

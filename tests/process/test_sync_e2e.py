@@ -506,7 +506,8 @@ def test_a_linked_file_is_committed_with_its_bytes_and_a_dangling_link_is_refuse
     tmp_path: Path,
 ) -> None:
     """Symlinks inside a checkpoint: a link to a file ships that file's bytes (a restore
-    has them); a dangling one keeps the checkpoint from committing, logged by name."""
+    has them); a dangling one keeps the checkpoint from committing, logged by name, and
+    `run --once` exits 1 for it."""
     run, store = tmp_path / "run", tmp_path / "store"
     shared = tmp_path / "shared.bin"
     shared.write_bytes(os.urandom(300_000))
@@ -520,9 +521,22 @@ def test_a_linked_file_is_committed_with_its_bytes_and_a_dangling_link_is_refuse
         f'[destination]\nurl = "file://{store}"\n[state]\ndir = "{tmp_path / "state"}"\n'
     )
     done = run_cli("run", "--once", config=cfg, timeout=120)
-    assert done.returncode == 0, done.stderr
+    # README: "1 if --once failed": checkpoint-8 is there and was not shipped.
+    assert done.returncode == 1, done.stderr
     assert "checkpoint_has_unshippable_entries" in done.stderr
     assert "tokenizer.json" in done.stderr
+    (not_shipped,) = [
+        json.loads(line)
+        for line in done.stderr.splitlines()
+        if line.startswith("{") and '"checkpoints_not_shipped"' in line
+    ]
+    assert not_shipped["checkpoints"] == ["run/checkpoint-8"]
+    # It can never commit as it is: none of its files was sent ahead either.
+    assert not [
+        line
+        for line in done.stderr.splitlines()
+        if '"early_upload_started"' in line and '"checkpoint-8"' in line
+    ]
     listed = run_cli("list", "--json", config=cfg)
     names = [c["checkpoint"] for c in json.loads(listed.stdout)["checkpoints"]]
     assert names == ["checkpoint-4"]
@@ -539,6 +553,37 @@ def test_a_linked_file_is_committed_with_its_bytes_and_a_dangling_link_is_refuse
     assert restored.returncode == 0, restored.stderr
     copy = tmp_path / "r" / "checkpoint-4" / "shared.bin"
     assert not copy.is_symlink() and copy.read_bytes() == shared.read_bytes()
+
+
+def test_a_restarted_daemon_shows_the_last_commit_before_shipping_anything(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    """What the store holds as committed is read at start-up: /v1/status, `ckptd status`
+    and ckptd_last_committed_step show checkpoint-100 before anything new ships."""
+    run = tmp_path / "run"
+    write_hf(run, 100, model_bytes=64 * 1024)
+    watch = [{"dir": run, "settle_seconds": 0}]
+    daemon = _daemon(tmp_path, local_s3, s3_dest, watch)
+    once = run_cli("run", "--once", config=daemon.config, timeout=120)
+    assert once.returncode == 0, once.stderr
+    with daemon:
+        status = daemon.get_json("/v1/status")["runs"]["run"]
+        assert status["last_committed"] is not None, status
+        assert (status["last_committed"]["checkpoint"], status["last_committed"]["step"]) == (
+            "checkpoint-100",
+            100,
+        )
+        assert daemon.metric("ckptd_last_committed_step", run="run") == 100
+        assert daemon.metric("ckptd_last_commit_timestamp_seconds", run="run") > 0
+        # Nothing was committed by this process: the counter says so.
+        assert daemon.metric("ckptd_checkpoints_committed_total", run="run") == 0
+        shown = run_cli("status", "--json", config=daemon.config, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        runs = json.loads(shown.stdout)["runs"]
+        assert runs["run"]["last_committed"]["checkpoint"] == "checkpoint-100"
+        table = run_cli("status", config=daemon.config, timeout=60)
+        assert "checkpoint-100" in table.stdout, table.stdout
+        assert not daemon.events_named("checkpoint_committed")
 
 
 def test_a_notice_file_left_by_an_earlier_daemon_is_removed_at_start(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""``ckptd config check``: validate the configuration and print the effective one."""
+"""``ckptd config check``: validate the configuration (the file, ``CKPTD_*`` and the flags
+``run`` takes) and, once valid, print the effective one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ckptd.cli.errors import EXIT_OK
 from ckptd.cli.invocation import settings_of
-from ckptd.cli.options import add_common
+from ckptd.cli.options import add_common, add_watch
 from ckptd.config import (
     DEFAULT_CONFIG_PATH,
     render_effective_config,
@@ -23,8 +24,11 @@ if TYPE_CHECKING:
 def add_parser(sub: Subparsers) -> None:
     config = sub.add_parser("config", help="configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    check = config_sub.add_parser("check", help="validate and print the effective config")
+    check = config_sub.add_parser(
+        "check", help="validate, then print the effective config (what `run` would use)"
+    )
     add_common(check)
+    add_watch(check)
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -34,8 +38,9 @@ def handle(args: argparse.Namespace) -> int:
             "defaults and CKPTD_* variables only\n"
         )
     settings = settings_of(args)
-    sys.stdout.write(render_effective_config(settings))
     # Valid is what `ckptd run` accepts: the same settings must not pass here and fail there.
+    # Printed only once valid: stdout holds a config `run` takes, or nothing.
     require_destination(settings)
     require_watch(settings)
+    sys.stdout.write(render_effective_config(settings))
     return EXIT_OK

@@ -15,6 +15,7 @@ from ckptd.cli.options import JSON_HELP, add_common, at_least
 
 if TYPE_CHECKING:
     from ckptd.cli.options import Subparsers
+    from ckptd.config import Settings
     from ckptd.store.tiers import TierRestore
 
 
@@ -91,6 +92,7 @@ def handle(args: argparse.Namespace) -> int:
         result.run_id,
         result.checkpoint,
         skipped=result.skipped,
+        resumes=into_watch_dir(settings, result.run_id, request.target_dir),
         now=time.time(),
     )
     if args.json:
@@ -104,6 +106,16 @@ def handle(args: argparse.Namespace) -> int:
             + (f" from tier {done.tier}" if len(tiers) > 1 else "")
         )
     return EXIT_OK
+
+
+def into_watch_dir(settings: Settings, run_id: str, to: Path) -> bool:
+    """Whether ``to`` is the watch dir of ``run_id`` in ``settings``: a restore there is
+    the run resuming on this node (the cadence counts it as an interruption); anywhere
+    else it is a copy (``ckptd.cadence.model.restore_interruption``)."""
+    return any(
+        w.effective_run_id == run_id and Path(w.dir).resolve() == to.resolve()
+        for w in settings.watch
+    )
 
 
 def _document(done: TierRestore) -> dict[str, Any]:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptd.cli.invocation import settings_of
-from ckptd.cli.options import add_common
+from ckptd.cli.options import add_common, add_watch
 from ckptd.config import require_destination, require_watch
 from ckptd.runtime import logs
 from ckptd.runtime.yielding import lower_this_thread, priority_of
@@ -20,12 +19,7 @@ if TYPE_CHECKING:
 def add_parser(sub: Subparsers) -> None:
     run = sub.add_parser("run", help="run the daemon in the foreground")
     add_common(run, log_level="info")
-    run.add_argument("--watch", type=Path, default=None, help="local checkpoint dir (one run)")
-    run.add_argument(
-        "--run", dest="run_id", default=None, help="run id for --watch (default: its basename)"
-    )
-    run.add_argument("--layout", default=None, help="completion rule for --watch (default auto)")
-    run.add_argument("--state-dir", type=Path, default=None, help="journal directory")
+    add_watch(run)
     run.add_argument(
         "--once", action="store_true", help="ship what is complete now, then exit (1 if any failed)"
     )
