@@ -14,6 +14,7 @@ import pytest
 from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
 from ckptd.storage import RetryingStorage, open_storage
 from tests.support.faultproxy import FaultProxy
+from tests.support.slurm import Slurm, SlurmUnavailable
 
 BUCKET = "ckpt"
 
@@ -26,6 +27,21 @@ def local_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
+    """One real one-host Slurm for the session (``tests/support/slurm.py``); the tests
+    that need it skip, with one line, where Slurm is not installed."""
+    try:
+        cluster = Slurm(tmp_path_factory.mktemp("slurm"))
+    except SlurmUnavailable as exc:
+        pytest.skip(str(exc))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -9,10 +9,12 @@ acted on, and the job requeued once its emergency checkpoint is committed.
     notices    the first one is acted on (the time limit, a preemption, the user's signal,
                SIGTERM, a cloud's); any later one is logged and ignored, so the response
                being waited for is never replaced
-    end        as ``ckptd exec``, then ``ckptd.supervision.requeue`` decides; to requeue,
-               SIGTERM is ignored from here on (Slurm sends SIGCONT + SIGTERM to the job
-               within milliseconds of ``scontrol requeue``) and ``scontrol requeue
-               $SLURM_JOB_ID`` is run; the exit code is ``ckptd exec``'s own
+    end        as ``ckptd exec``, then ``ckptd.supervision.requeue`` decides (with many
+               nodes, node 0's alone: one requeue per job); to requeue, SIGTERM is
+               ignored from here on (Slurm sends SIGCONT + SIGTERM to the job within
+               milliseconds of ``scontrol requeue``, to ``scontrol`` too, which inherits
+               the ignoring) and ``scontrol requeue $SLURM_JOB_ID`` is run; the exit
+               code is ``ckptd exec``'s own
 """
 
 from __future__ import annotations
@@ -94,11 +96,15 @@ class SlurmSupervisedService(SupervisedService):
 
     async def serve(self) -> int:
         code = await super().serve()
-        await asyncio.to_thread(self.requeue_if_due, code)
+        if await asyncio.to_thread(self.requeue_due, code):
+            # Slurm's SIGTERM to the job follows at once; ckptd has nothing left to do.
+            # (Here, in the main thread: Python sets handlers nowhere else.)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self.requeued = await asyncio.to_thread(self.requeue)
         return code
 
-    def requeue_if_due(self, code: int) -> bool:
-        """Ask Slurm to requeue this job when ``ckptd.supervision.requeue`` says so."""
+    def requeue_due(self, code: int) -> bool:
+        """Whether ``ckptd.supervision.requeue`` says to requeue this job (logged)."""
         notice = self.interruption
         job = None
         if notice is not None:
@@ -117,8 +123,10 @@ class SlurmSupervisedService(SupervisedService):
         committed = code == 0 and response is not None and response.committed is not None
         step = step_of(response.checkpoint) if response and response.checkpoint else None
         progressed = step is not None and (self.started_step is None or step > self.started_step)
+        cluster = self.settings.cluster
         decision = decide_requeue(
-            self.settings.slurm.requeue,
+            # One requeue per job: node 0's (the others' would be refused as too late).
+            self.settings.slurm.requeue if cluster.rank == 0 else "never",
             kind,
             requeueable=job is not None and job.requeue,
             committed=committed,
@@ -133,17 +141,15 @@ class SlurmSupervisedService(SupervisedService):
             emergency_checkpoint=response.checkpoint if response else None,
             started_step=self.started_step,
         )
-        if not decision.requeue:
-            self.requeued = False
-            return False
-        # Slurm's SIGTERM to the job follows at once; ckptd has nothing left to do.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.requeued = False if not decision.requeue else None
+        return decision.requeue
+
+    def requeue(self) -> bool:
+        """``scontrol requeue $SLURM_JOB_ID``; False (logged) when Slurm refuses."""
         try:
             scontrol("requeue", self.job_id)
         except SlurmError as exc:
             self.log.error("slurm_requeue_failed", job=self.job_id, error=str(exc))
-            self.requeued = False
             return False
-        self.log.warning("slurm_requeued", job=self.job_id, interruption=kind)
-        self.requeued = True
+        self.log.warning("slurm_requeued", job=self.job_id)
         return True
