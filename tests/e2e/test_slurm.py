@@ -60,7 +60,15 @@ class SlurmExecJob:
     """``ckptd exec -- plain_dcp`` submitted as one batch job; every attempt appends its
     log to ``exec.log`` (``--open-mode=append``)."""
 
-    def __init__(self, slurm: Slurm, work: Path, spec: TrainerSpec, env: Env, *sbatch: str):
+    def __init__(
+        self,
+        slurm: Slurm,
+        work: Path,
+        spec: TrainerSpec,
+        env: Env,
+        *sbatch: str,
+        trainer_args: tuple[str, ...] = (),
+    ) -> None:
         self.slurm = slurm
         self.spec = spec
         # The [slurm] section re-reads the job every second (5 s by default) so that the
@@ -83,6 +91,7 @@ class SlurmExecJob:
             "60",
             "--",
             *trainer_command(spec, self.node.dir),
+            *trainer_args,
         ]
         self.script = self.node.dir / "job.sh"
         # `exec`: ckptd is the batch shell, so a B: signal reaches it.
@@ -143,10 +152,12 @@ def event_time(event: dict[str, Any]) -> float:
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def assert_lossless_chain(job: SlurmExecJob, interruptions: int) -> list[dict[str, Any]]:
+def assert_lossless_chain(job: SlurmExecJob) -> tuple[list[str], list[dict[str, Any]]]:
     """Each interrupted attempt committed its emergency checkpoint before the deadline and
     was requeued; the next one resumed from exactly that checkpoint (no step lost); the
-    last finished and was not requeued. The committed events, one per interruption."""
+    last finished and was not requeued. The notices' kinds, and the committed events."""
+    kinds = [n["kind"] for n in job.events("notice_received")]
+    interruptions = len(kinds)
     committed = job.events("emergency_checkpoint_committed")
     requeued = job.events("slurm_requeued")
     decisions = job.events("slurm_requeue_decision")
@@ -161,7 +172,7 @@ def assert_lossless_chain(job: SlurmExecJob, interruptions: int) -> list[dict[st
         assert Path(next_start["resume_from"]).name == commit["checkpoint"], next_start
     assert job.field("JobState") == "COMPLETED"
     assert job.field("Restarts") == str(interruptions)
-    return committed
+    return kinds, committed
 
 
 def assert_bit_identical(job: SlurmExecJob, reference: Any) -> None:
@@ -172,13 +183,15 @@ def assert_bit_identical(job: SlurmExecJob, reference: Any) -> None:
     assert not mismatched, f"final weights differ from the reference: {mismatched[:5]}"
 
 
+@pytest.mark.timeout(900)
 def test_time_limit_then_scancel_signal_each_commit_requeue_and_resume_bit_identical(
     slurm: Slurm, local_s3: Any, s3_dest: str, tmp_path: Path
 ) -> None:
     """No --signal in the script: the time limit (2 min; the trainer needs ~2.2) is read
     from Slurm and the save forced before it; then `scancel --signal=USR1 --batch`; then
-    the trainer finishes and the job ends COMPLETED, not requeued."""
-    work = spec(max_steps=1300)
+    the trainer finishes and the job ends COMPLETED, not requeued. (On a machine slow
+    enough that the last attempt meets its time limit too, that is one more requeue.)"""
+    work = spec(max_steps=1000)
     reference = start_reference(work, tmp_path)
     job = SlurmExecJob(slurm, tmp_path, work, Env(s3_dest, local_s3.endpoint_url)).submit()
     try:
@@ -191,25 +204,26 @@ def test_time_limit_then_scancel_signal_each_commit_requeue_and_resume_bit_ident
             datetime.fromisoformat(end).astimezone()
         )
         job.slurm.command("scancel", "--signal=USR1", "--batch", job.job_id)
-        job.wait_state("COMPLETED", timeout=2 * REQUEUE_TIMEOUT + 120)
-        committed = assert_lossless_chain(job, interruptions=2)
-        kinds = [n["kind"] for n in job.events("notice_received")]
-        assert kinds == ["time-limit", "user-signal"], kinds
-        report(job, committed)
+        job.wait_state("COMPLETED", timeout=4 * REQUEUE_TIMEOUT + 2 * TIME_LIMIT_MINUTES * 60)
+        kinds, committed = assert_lossless_chain(job)
+        assert kinds[:2] == ["time-limit", "user-signal"], kinds
+        assert set(kinds[2:]) <= {"time-limit"}, kinds
+        report(job, kinds, committed)
         assert_bit_identical(job, reference)
     finally:
         job.slurm.command("scancel", job.job_id, check=False)
         reference.kill9()
 
 
+@pytest.mark.timeout(900)
 def test_preemption_within_grace_then_signal_b_usr1_each_requeue_and_resume_bit_identical(
     slurm: Slurm, local_s3: Any, s3_dest: str, tmp_path: Path
 ) -> None:
     """A job in the low partition (GraceTime 30) preempted by one in the high partition:
     the moved EndTime is the notice, committed within the grace, requeued; the next attempt
-    gets `--signal=B:USR1@60` (30-60 s after it starts), requeued again, and the third
-    finishes bit-identical."""
-    work = spec(max_steps=900)
+    gets `--signal=B:USR1@60` (30-60 s after it starts; the trainer waits for it at step
+    200), requeued again; the third needs ~15 s and finishes bit-identical."""
+    work = spec(max_steps=300)
     reference = start_reference(work, tmp_path)
     job = SlurmExecJob(
         slurm,
@@ -218,6 +232,7 @@ def test_preemption_within_grace_then_signal_b_usr1_each_requeue_and_resume_bit_
         Env(s3_dest, local_s3.endpoint_url),
         "--partition=low",
         "--signal=B:USR1@60",
+        trainer_args=("--pause-at", "200"),
     ).submit()
     try:
         job.wait_attempt_progress(0, steps=60, timeout=120)
@@ -230,19 +245,15 @@ def test_preemption_within_grace_then_signal_b_usr1_each_requeue_and_resume_bit_
             "--time=1",
             env=script_env(tmp_path),
         )
-        job.wait_for(
-            "the preemption",
-            60,
-            lambda: job.field("PreemptTime") not in ("", "None") and job.field("PreemptTime"),
-        )
-        job.wait_state("COMPLETED", timeout=3 * REQUEUE_TIMEOUT + TIME_LIMIT_MINUTES * 60)
-        committed = assert_lossless_chain(job, interruptions=2)
-        kinds = [n["kind"] for n in job.events("notice_received")]
-        assert kinds == ["preemption", "user-signal"], kinds
-        preempt = committed[0]
-        assert preempt["seconds_left_at_commit"] > 0
+        job.wait_for("the preemption's notice", 60, lambda: job.events("notice_received"))
+        job.wait_state("COMPLETED", timeout=4 * REQUEUE_TIMEOUT + 2 * TIME_LIMIT_MINUTES * 60)
+        kinds, committed = assert_lossless_chain(job)
+        assert kinds[:2] == ["preemption", "user-signal"], kinds
+        assert set(kinds[2:]) <= {"user-signal", "time-limit"}, kinds
+        preempted = committed[0]
+        assert 0 < preempted["seconds_left_at_commit"] <= GRACE_SECONDS
         assert slurm.job_field(preemptor, "JobState") == "COMPLETED"
-        report(job, committed, grace=GRACE_SECONDS)
+        report(job, kinds, committed)
         assert_bit_identical(job, reference)
     finally:
         job.slurm.command("scancel", job.job_id, check=False)
@@ -271,17 +282,17 @@ def test_a_trainer_failing_at_start_up_is_given_up_on_not_requeued(
         job.slurm.command("scancel", job.job_id, check=False)
 
 
-def report(job: SlurmExecJob, committed: list[dict[str, Any]], grace: float = 0.0) -> None:
+def report(job: SlurmExecJob, kinds: list[str], committed: list[dict[str, Any]]) -> None:
     """The figures docs/slurm.md quotes, in the test's output."""
-    for event in committed:
+    for kind, event in zip(kinds, committed, strict=True):
         print(
             json.dumps(
                 {
                     "job": job.job_id,
+                    "kind": kind,
                     "checkpoint": event["checkpoint"],
                     "committed_after_s": event["committed_after_s"],
                     "seconds_left_at_commit": event["seconds_left_at_commit"],
-                    "grace_s": grace,
                     "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(event_time(event))),
                 }
             )
