@@ -55,7 +55,8 @@ def s3_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     # A CI runner may itself be a systemd unit or a pod: the daemons under test would
     # then decide what SIGTERM means from the runner's systemd (ckptd.notices.shutdown).
     # Tests that are about that set these themselves.
-    for name in ("INVOCATION_ID", "KUBERNETES_SERVICE_HOST"):
+    # So may it be a Slurm job: the daemons under test would then watch that job.
+    for name in ("INVOCATION_ID", "KUBERNETES_SERVICE_HOST", "SLURM_JOB_ID", "SLURM_JOBID"):
         monkeypatch.delenv(name, raising=False)
 
 

@@ -1,7 +1,8 @@
 """``ckptd exec`` inside a Slurm job: SIGTERM's deadline from Slurm, one interruption
 acted on, and the job requeued once its emergency checkpoint is committed.
 
-    start-up   as ``ckptd exec``; then SIGTERM's grace is ``[slurm] grace_seconds``, else
+    start-up   as ``ckptd exec``; ``[slurm] signal`` is caught from here on (only logged
+               until the notice loop's Slurm source starts); SIGTERM's grace is ``[slurm] grace_seconds``, else
                the job's partition's ``GraceTime``, else ``KillWait`` (a preempted
                ``srun`` step gets SIGTERM, then SIGKILL after that grace)
     restore    as on a fresh node; the step it resumes from is kept (``progressed`` below).
@@ -23,6 +24,7 @@ import asyncio
 import signal
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from signal import Signals
 
 from ckptd.config import Settings
 from ckptd.layouts.base import step_of
@@ -59,6 +61,13 @@ class SlurmSupervisedService(SupervisedService):
 
     async def startup(self) -> None:
         await super().startup()
+        # Until the notice loop's Slurm source takes it over, [slurm] signal must not kill
+        # ckptd (its default action) while the restore runs; the time limit and a
+        # preemption are still read from Slurm when the source starts.
+        signum = Signals[self.settings.slurm.signal]
+        asyncio.get_running_loop().add_signal_handler(
+            signum, lambda: self.log.warning("slurm_signal_before_watch", signal=signum.name)
+        )
         grace: float | None = self.settings.slurm.grace_seconds or None
         partition = ""
         try:
