@@ -64,7 +64,8 @@ class SlurmConfig(Section):
         default="auto",
         description="`ckptd exec`, after the emergency checkpoint is committed: `auto` "
         "requeues a requeueable job (`--requeue`) interrupted by its time limit, a "
-        "preemption or `signal`; `always` after any interruption; `never`.",
+        "preemption or `signal`; `always` one interrupted by anything (`scancel`'s SIGTERM "
+        "too); `never`.",
     )
 
     @field_validator("signal")

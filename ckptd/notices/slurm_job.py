@@ -176,6 +176,12 @@ def save_due_at(job: JobState, lead: float) -> datetime | None:
 
 
 def job_id_of(environ: Mapping[str, str]) -> str | None:
-    """The job this process runs in: ``SLURM_JOB_ID`` (or the older ``SLURM_JOBID``)."""
-    value = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or ""
-    return value.strip() or None
+    """The job this process runs in: ``SLURM_JOB_ID`` (or the older ``SLURM_JOBID``); in
+    a job array ``ARRAYID_TASKID``, since ``scontrol`` given the array's own id (which one
+    task's ``SLURM_JOB_ID`` equals) acts on every task of the array."""
+    value = (environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "").strip()
+    if not value:
+        return None
+    array = environ.get("SLURM_ARRAY_JOB_ID", "").strip()
+    task = environ.get("SLURM_ARRAY_TASK_ID", "").strip()
+    return f"{array}_{task}" if array and task else value

@@ -8,11 +8,12 @@ back in the queue at once, to start again from the top of its script with
 checkpoint is committed, by ``[slurm] requeue``:
 
     never    never
-    auto     a requeueable job (``Requeue=1``: ``--requeue``, or ``JobRequeue=1`` by default)
-             interrupted by its time limit, a preemption, or the user's signal
-    always   a job interrupted by anything (a plain SIGTERM too), requeueable or not
+    auto     a job interrupted by its time limit, a preemption, or the user's signal
+    always   a job interrupted by anything (a plain SIGTERM too)
 
 and in every mode never when
+- the job is not requeueable (``Requeue=0``: ``--no-requeue``, or ``JobRequeue=0`` and no
+  ``--requeue``): Slurm refuses ("Requested operation is presently disabled");
 - no interruption came: the trainer finished its work, or was given up on (exit 76: a
   trainer that fails at start-up is not requeued for ever);
 - the emergency checkpoint was not committed (exit 75: the store may be what failed);
@@ -77,12 +78,12 @@ def decide_requeue(
         return RequeueDecision(
             False, "the emergency checkpoint is no newer than the one this attempt started from"
         )
-    if mode == "always":
-        return RequeueDecision(True, f"slurm.requeue = always ({interruption})")
-    if interruption not in SLURM_INTERRUPTIONS:
-        return RequeueDecision(False, "interrupted by something other than Slurm's limits")
     if not requeueable:
         return RequeueDecision(
             False, "the job is not requeueable (sbatch --requeue, or JobRequeue=1)"
         )
+    if mode == "always":
+        return RequeueDecision(True, f"slurm.requeue = always ({interruption})")
+    if interruption not in SLURM_INTERRUPTIONS:
+        return RequeueDecision(False, "interrupted by something other than Slurm's limits")
     return RequeueDecision(True, interruption)

@@ -128,6 +128,9 @@ def test_the_job_id_comes_from_slurm_job_id_or_the_older_name() -> None:
     assert job_id_of({"SLURM_JOBID": "7"}) == "7"
     assert job_id_of({"SLURM_JOB_ID": " "}) is None
     assert job_id_of({}) is None
+    # One task of array 40 has SLURM_JOB_ID 40 too: scontrol would act on them all.
+    array = {"SLURM_JOB_ID": "40", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "0"}
+    assert job_id_of(array) == "40_0"
 
 
 def test_a_sigterm_is_classified_by_what_slurm_says_of_the_job() -> None:
@@ -148,7 +151,6 @@ def test_auto_requeues_a_requeueable_job_after_slurms_interruptions() -> None:
     assert requeue("auto", "preemption")
     assert requeue("auto", "user-signal")
     assert not requeue("auto", "other")  # scancel, a node going down
-    assert not requeue("auto", "time-limit", requeueable=False)
 
 
 def test_a_finished_job_and_a_give_up_are_never_requeued() -> None:
@@ -164,8 +166,14 @@ def test_no_requeue_without_a_committed_and_newer_emergency_checkpoint() -> None
 
 
 def test_always_and_never() -> None:
-    assert requeue("always", "other", requeueable=False)
+    assert requeue("always", "other")
     assert not requeue("never", "preemption")
+
+
+def test_a_job_submitted_with_no_requeue_is_never_requeued() -> None:
+    # Slurm refuses it: "Requested operation is presently disabled".
+    for mode in ("auto", "always"):
+        assert not requeue(mode, "time-limit", requeueable=False)
 
 
 def test_a_preemption_deadline_is_the_moved_end_time() -> None:
