@@ -14,6 +14,7 @@ import pytest
 from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
 from ckptd.storage import RetryingStorage, open_storage
 from tests.support.faultproxy import FaultProxy
+from tests.support.slurm import Slurm, SlurmUnavailable
 
 BUCKET = "ckpt"
 
@@ -28,6 +29,21 @@ def local_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
+    """One real one-host Slurm for the session (``tests/support/slurm.py``); the tests
+    that need it skip, with one line, where Slurm is not installed."""
+    try:
+        cluster = Slurm(tmp_path_factory.mktemp("slurm"))
+    except SlurmUnavailable as exc:
+        pytest.skip(str(exc))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(autouse=True)
 def s3_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     """boto3's normal chain finds the loopback server's identity in the environment."""
@@ -39,7 +55,8 @@ def s3_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     # A CI runner may itself be a systemd unit or a pod: the daemons under test would
     # then decide what SIGTERM means from the runner's systemd (ckptd.notices.shutdown).
     # Tests that are about that set these themselves.
-    for name in ("INVOCATION_ID", "KUBERNETES_SERVICE_HOST"):
+    # So may it be a Slurm job: the daemons under test would then watch that job.
+    for name in ("INVOCATION_ID", "KUBERNETES_SERVICE_HOST", "SLURM_JOB_ID", "SLURM_JOBID"):
         monkeypatch.delenv(name, raising=False)
 
 

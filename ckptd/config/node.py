@@ -128,12 +128,14 @@ class TrainerConfig(Section):
 
 #: Where launchers put this node's index, tried in order when ``cluster.node_rank`` is not
 #: set: torchrun/Lightning (NODE_RANK), torchrun's elastic agent (GROUP_RANK), SkyPilot
-#: (SKYPILOT_NODE_RANK), an indexed Kubernetes Job or JobSet (JOB_COMPLETION_INDEX).
+#: (SKYPILOT_NODE_RANK), an indexed Kubernetes Job or JobSet (JOB_COMPLETION_INDEX), and
+#: last Slurm's node index within the job (SLURM_NODEID, set by srun for each task).
 LAUNCHER_NODE_RANK_VARIABLES: tuple[str, ...] = (
     "NODE_RANK",
     "GROUP_RANK",
     "SKYPILOT_NODE_RANK",
     "JOB_COMPLETION_INDEX",
+    "SLURM_NODEID",
 )
 
 

@@ -30,6 +30,7 @@ from ckptd.config.shipping import (
     TierConfig,
     WatchConfig,
 )
+from ckptd.config.slurm import SlurmConfig
 
 __all__ = ["ENV_NESTED_DELIMITER", "ENV_PREFIX", "Settings"]
 
@@ -61,6 +62,7 @@ class Settings(BaseSettings):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     cadence: CadenceConfig = Field(default_factory=CadenceConfig)
     authentication: AuthenticationConfig = Field(default_factory=AuthenticationConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     tiers: list[TierConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")

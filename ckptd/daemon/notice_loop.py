@@ -25,6 +25,8 @@ from ckptd.notices.detect import make_source
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.responder import NOTICE_FILE, Responder, Response
 from ckptd.notices.shutdown import sigterm_meaning
+from ckptd.notices.slurm import make_slurm_source
+from ckptd.notices.slurm_job import lead_seconds
 from ckptd.runtime.clock import Clock
 
 # What the lifecycle does with one notice from one source.
@@ -66,7 +68,32 @@ class NoticeLoop:
         self.log.info("notice_source", provider=p.provider, source=cloud and cloud.name)
         if cloud is not None:
             sources.append(cloud)
+        s = self.settings.slurm
+        slurm = make_slurm_source(
+            s.enabled,
+            os.environ,
+            lead=self.slurm_lead,
+            poll_interval=s.poll_interval_seconds,
+            signal_name=s.signal,
+        )
+        if slurm is not None:
+            self.log.info("notice_source", provider="slurm", job=slurm.job_id)
+            sources.append(slurm)
         return sources
+
+    def slurm_lead(self) -> float:
+        """Seconds before a Slurm job's end that its forced save starts: from the runs'
+        measured save + upload times (the cadence advice), or ``[slurm] lead_seconds``."""
+        advice = [
+            state.advice or self.advisor.refresh(run) for run, state in self.advisor.runs.items()
+        ]
+        s = self.settings.slurm
+        return lead_seconds(
+            s.lead_seconds,
+            s.lead_margin_seconds,
+            max((a.save_seconds for a in advice), default=0.0),
+            max((a.upload_seconds for a in advice), default=0.0),
+        )
 
     async def run(self, fixed: list[NoticeSource]) -> None:
         """Every notice source, SIGTERM's included, into ``react``."""

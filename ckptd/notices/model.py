@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, runtime_checkable
 
 #: Where a notice came from. "drill" is ``ckptd drill`` (a simulated preemption).
-NoticeSourceName = Literal["aws", "gcp", "azure", "sigterm", "drill"]
+NoticeSourceName = Literal["aws", "gcp", "azure", "sigterm", "slurm", "drill"]
 
 #: What the notice announces. Sources may add kinds; consumers must accept unknown ones.
 KNOWN_KINDS: frozenset[str] = frozenset(
@@ -30,6 +30,8 @@ KNOWN_KINDS: frozenset[str] = frozenset(
         "redeploy",  # Azure Redeploy
         "freeze",  # Azure Freeze
         "sigterm",  # our own SIGTERM (Kubernetes pod termination)
+        "time-limit",  # Slurm: the job's end is near (ckptd.notices.slurm)
+        "user-signal",  # Slurm: sbatch --signal / scancel --signal
         "drill",  # ckptd drill
     }
 )

@@ -32,6 +32,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.cluster.protocol",
             "ckptd.cadence.model",
             "ckptd.supervision.restarts",
+            "ckptd.notices.slurm_job",
+            "ckptd.supervision.requeue",
         ),
     ),
     (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from ckptd.cli.invocation import settings_of
 from ckptd.cli.options import add_common, at_least
 from ckptd.config import ConfigError, require_destination, require_watch
 from ckptd.core.errors import EXIT_FLUSH_FAILED, EXIT_GAVE_UP
+from ckptd.notices.slurm_job import job_id_of
 from ckptd.supervision.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
 
 if TYPE_CHECKING:
@@ -23,7 +25,9 @@ one is as new), then runs CMD with CKPTD_RESUME_FROM (the newest complete local 
 unset when none), CKPTD_RUN and CKPTD_WATCH_DIR, ships its checkpoints, and starts it again
 from the newest complete checkpoint when it exits non-zero or dies by a signal.
 SIGTERM, SIGINT and cloud notices make CMD save (trainer.signal), then ckptd commits that
-checkpoint, stops CMD and exits.
+checkpoint, stops CMD and exits. Inside a Slurm job the time limit, a preemption and
+slurm.signal are notices too, and the job is requeued after its emergency checkpoint is
+committed (slurm.requeue; docs/slurm.md).
 
 exit codes:
   CMD's own     CMD finished by itself (0 included; with --max-restarts 0, any code)
@@ -83,7 +87,21 @@ def handle(args: argparse.Namespace) -> int:
             f"not {len(settings.watch)}; keep one, or give --watch DIR",
         )
     policy = RestartPolicy(max_restarts=args.max_restarts)
-    service = SupervisedService(
-        settings, command, policy=policy, shutdown_timeout=args.shutdown_timeout
-    )
+    job_id = job_id_of(os.environ)
+    if job_id is not None and settings.slurm.enabled != "off":
+        from ckptd.supervision.slurm_exec import SlurmSupervisedService
+
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0").strip()
+        service: SupervisedService = SlurmSupervisedService(
+            settings,
+            command,
+            job_id=job_id,
+            restart_count=int(restarts) if restarts.isdigit() else 0,
+            policy=policy,
+            shutdown_timeout=args.shutdown_timeout,
+        )
+    else:
+        service = SupervisedService(
+            settings, command, policy=policy, shutdown_timeout=args.shutdown_timeout
+        )
     return asyncio.run(service.serve())
