@@ -211,6 +211,8 @@ def environment_mentions() -> tuple[list[Mention], list[tuple[str, str, str]]]:
         for name in ENV_NAME.findall(text):
             names.append(Mention(where, name))
         for name, value in ENV_ASSIGNMENT.findall(text):
+            if "$" in value:
+                continue  # a shell expansion ($SLURM_JOB_NUM_NODES): only the name is checked
             assignments.append((where, name, _unquoted(value)))
 
     for doc in documents():
