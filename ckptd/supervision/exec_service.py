@@ -102,6 +102,7 @@ class SupervisedService(Service):
             grace=shutdown_timeout, signum=signal.SIGINT, on_repeat=self.request_stop
         )
         self.noticed = asyncio.Event()
+        self.responding = False
         self.restored: dict[str, Any] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -243,6 +244,12 @@ class SupervisedService(Service):
         return [self.sigint_source, *super()._notice_sources()]
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
+        if self.responding:
+            # One flush per exec: a second notice (SIGINT after SIGTERM) would replace the
+            # response the flush is waiting on with one no save will ever complete.
+            self.log.info("notice_ignored_already_responding", source=notice.source)
+            return
+        self.responding = True  # before the first await: a notice racing this one is dropped
         # Held first: a trainer that exits on the signal must not be started again.
         self.supervisor.hold()
         # The many-node rules (no echo of another node's notice) hold here too.

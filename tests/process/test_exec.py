@@ -181,6 +181,30 @@ def test_sigterm_commits_the_emergency_checkpoint_and_a_fresh_node_resumes_there
 
 
 @pytest.mark.slow
+def test_a_second_notice_during_the_flush_does_not_undo_it(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    """SIGTERM, then Ctrl-C's SIGINT while the emergency checkpoint is being made: one
+    flush, committed, exit 0, and the second notice logged as ignored. (It once replaced
+    the response the flush waited on, when it came before the flush read it: exec then gave
+    up with 75 although the checkpoint was committed; that race is timing-dependent, the
+    log line is not.)"""
+    node = ExecNode(tmp_path / "node", SHORT, Env(s3_dest, local_s3.endpoint_url))
+    try:
+        node.start()
+        node.wait_progress(lambda d: d["step"] >= 3, 120, "step 3")
+        node.signal(signal.SIGTERM)
+        node.signal(signal.SIGINT)
+        code = node.wait_exit(90)
+    finally:
+        node.close()
+    saved = node.result_doc()["saved"]
+    assert code == 0, node.log_tail()
+    assert saved in [e["checkpoint"] for e in node.events("checkpoint_committed")]
+    assert node.events("notice_ignored_already_responding"), node.log_tail()
+
+
+@pytest.mark.slow
 def test_sigterm_with_the_store_unreachable_exits_75(
     tmp_path: Path, fault_proxy: FaultProxy, s3_dest: str
 ) -> None:
