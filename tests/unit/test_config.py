@@ -161,7 +161,7 @@ BAD_VALUES = [
     ('[[watch]]\ndir = "/d/r"\nmarker = ""', "watch[0].marker"),
     ('[[watch]]\ndir = "/d/r"\nrescan_seconds = 0', "watch[0].rescan_seconds"),
     ('[[watch]]\ndir = "/d/r"\nship_early = "maybe"', "watch[0].ship_early"),
-    ('[destination]\nurl = "gs://bucket"', "destination.url"),
+    ('[destination]\nurl = "ftp://bucket"', "destination.url"),
     ('[destination]\nurl = "s3://Upper_Case"', "destination.url"),
     ('[destination]\nurl = "s3://ab"', "destination.url"),
     ('[destination]\nurl = "s3://192.168.1.1"', "destination.url"),
