@@ -214,12 +214,15 @@ class GCSStorage:
         return copied
 
     def check(self) -> None:
+        # A listing, not a bucket GET: roles/storage.objectUser grants objects.list but
+        # not buckets.get, and it is all ckptd needs.
         try:
             self._request(
                 f"bucket {self.bucket}",
                 "GET",
-                f"{self._api.base}/storage/v1/b/{self.bucket}",
-                params={"fields": "name"},
+                f"{self._api.base}/storage/v1/b/{self.bucket}/o",
+                bucket_level=True,
+                params={"prefix": self._name(""), "maxResults": "1", "fields": "kind"},
             )
         except StorageError as exc:
             if exc.code in ("NotFound", "NoSuchBucket"):
@@ -232,7 +235,7 @@ class GCSStorage:
             if exc.code == "AccessDenied":
                 raise StorageError(
                     f"access to bucket {self.bucket!r} denied: check the credentials ADC found "
-                    "and that they hold roles/storage.objectAdmin on it",
+                    "and that they hold roles/storage.objectUser on it",
                     transient=False,
                     code="AccessDenied",
                     destination_unusable=True,

@@ -37,7 +37,7 @@ def missing_extra() -> StorageError:
     )
 
 
-def _http_error(resp: Any, what: str) -> StorageError:
+def _http_error(resp: Any, what: str, *, bucket_level: bool = False) -> StorageError:
     """A StorageError for a non-2xx response of the JSON API."""
     status = int(resp.status_code)
     try:
@@ -48,7 +48,9 @@ def _http_error(resp: Any, what: str) -> StorageError:
     if status == 412:
         return PreconditionFailedError(text)
     if status == 404:
-        if "bucket" in message.lower():
+        # An upload or a listing names no object that could be missing: its 404 is the
+        # bucket's (GCS says so in the message; an emulator may not).
+        if bucket_level or "bucket" in message.lower():
             return StorageError(
                 text, transient=False, code="NoSuchBucket", destination_unusable=True
             )
@@ -181,14 +183,21 @@ class JsonApi:
         return f"{self.base}/storage/v1/b/{self.bucket}/o/{quote(name, safe='')}"
 
     def request(
-        self, what: str, method: str, url: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any
+        self,
+        what: str,
+        method: str,
+        url: str,
+        *,
+        ok: tuple[int, ...] = (200,),
+        bucket_level: bool = False,
+        **kwargs: Any,
     ) -> Any:
         try:
             resp = self.session().request(method, url, timeout=_TIMEOUT, **kwargs)
         except Exception as exc:
             raise classify(exc, what) from exc
         if resp.status_code not in ok:
-            error = _http_error(resp, what)
+            error = _http_error(resp, what, bucket_level=bucket_level)
             resp.close()
             raise error
         return resp
@@ -209,6 +218,7 @@ class JsonApi:
             what,
             "POST",
             f"{self.base}/upload/storage/v1/b/{self.bucket}/o",
+            bucket_level=True,
             params=params,
             data=body,
             headers={
@@ -245,6 +255,7 @@ class JsonApi:
                 f"list {full_prefix}",
                 "GET",
                 f"{self.base}/storage/v1/b/{self.bucket}/o",
+                bucket_level=True,
                 params=params,
             ).json()
             yield page

@@ -766,3 +766,58 @@ async def test_a_file_beyond_max_parts_goes_in_fewer_larger_parts_and_resumes(
     assert [p.size for p in result.parts] == [8 * MiB, 8 * MiB, 8 * MiB, 6 * MiB]
     assert (result.how, result.bytes_sent) == ("resumed", 14 * MiB)
     assert stack.get_bytes(key) == data
+
+
+# -- two nodes commit one checkpoint at once ------------------------------------------------
+
+
+def test_two_racing_commits_of_one_checkpoint_one_wins_and_the_other_is_a_conflict(
+    storage: Storage,
+) -> None:
+    """Two nodes commit different content under one checkpoint name, at the same moment
+    (a barrier releases both conditional writes together): exactly one commits, the
+    other is told of the conflict, and the stored manifest and LATEST are the winner's."""
+    import threading
+
+    from ckptd.core.manifest import Manifest, build_manifest, parse_manifest
+    from ckptd.store.repository import Repository
+    from ckptd.sync.commit import CommitConflictError, commit
+
+    def manifest_of(host: str, data: bytes) -> Manifest:
+        _put(storage, f"run/checkpoint-7/{host}.bin", data)
+        return build_manifest(
+            run_id="run",
+            checkpoint="checkpoint-7",
+            step=7,
+            layout="hf",
+            host=host,
+            created_at=0,
+            committed_at=1,
+            files=[(f"{host}.bin", len(data), checksum.to_hex(checksum.crc32c(data)))],
+            environment={},
+        )
+
+    manifests = {host: manifest_of(host, os.urandom(100)) for host in ("node-a", "node-b")}
+    barrier = threading.Barrier(2)
+    outcome: dict[str, object] = {}
+
+    def race(host: str) -> None:
+        barrier.wait(timeout=30)
+        try:
+            outcome[host] = commit(storage, manifests[host])
+        except CommitConflictError as exc:
+            outcome[host] = exc
+
+    threads = [threading.Thread(target=race, args=(h,)) for h in manifests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    conflicts = [h for h, o in outcome.items() if isinstance(o, CommitConflictError)]
+    winners = [h for h in outcome if h not in conflicts]
+    assert len(winners) == 1 and len(conflicts) == 1, outcome
+    repo = Repository(storage)
+    stored = repo.read_manifest_bytes("run", "checkpoint-7")
+    assert stored is not None and parse_manifest(stored).host == winners[0]
+    latest = repo.read_latest("run")
+    assert latest is not None and latest.checkpoint == "checkpoint-7"
