@@ -13,7 +13,7 @@ import pytest
 
 from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
 from ckptd.storage import RetryingStorage, open_storage
-from tests.support.emulators import FakeGCS, fake_gcs_binary
+from tests.support.emulators import Azurite, FakeGCS, azurite_binary, fake_gcs_binary
 from tests.support.faultproxy import FaultProxy
 
 BUCKET = "ckpt"
@@ -122,6 +122,23 @@ def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGCS]:
             "(in the dev extra) or set CKPTD_TEST_FAKE_GCS to the binary"
         )
     server = FakeGCS(binary, tmp_path_factory.mktemp("fake-gcs") / "log", (BUCKET,)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
+    """One Azurite blob service (in memory) for the session, with the container ``ckpt``;
+    tests use distinct prefixes. Skipped where Azurite is not installed."""
+    binary = azurite_binary()
+    if binary is None:
+        pytest.skip(
+            "Azurite not found: npm install azurite@3 and set CKPTD_TEST_AZURITE to its "
+            "node_modules/.bin/azurite-blob (.ci/run does), or put azurite-blob on PATH"
+        )
+    server = Azurite(binary, tmp_path_factory.mktemp("azurite"), (BUCKET,)).start()
     try:
         yield server
     finally:

@@ -135,20 +135,22 @@ class WatchConfig(Section):
 
 
 class DestinationConfig(Section):
-    """Where checkpoints go: ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]`` or
-    ``file:///abs/path``."""
+    """Where checkpoints go: ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]``,
+    ``az://container[/prefix]`` or ``file:///abs/path``."""
 
     url: str = Field(
         default="",
-        description="`s3://bucket[/prefix]`, `gs://bucket[/prefix]` or `file:///absolute/path`; "
-        "required by the commands that ship or read checkpoints.",
+        description="`s3://bucket[/prefix]`, `gs://bucket[/prefix]`, `az://container[/prefix]` "
+        "or `file:///absolute/path`; required by the commands that ship or read checkpoints.",
     )
     endpoint_url: str = Field(
         default="",
         description="An S3-compatible endpoint, `http(s)://host[:port]` (e.g. "
         "`http://127.0.0.1:8333`); empty = AWS. For gs://, a GCS endpoint or emulator "
         "(plain HTTP = an emulator, spoken to without credentials); empty = Google's, "
-        "or `STORAGE_EMULATOR_HOST`.",
+        "or `STORAGE_EMULATOR_HOST`. For az://, the account's blob endpoint "
+        "(`https://ACCOUNT.blob.core.windows.net`, Azurite's "
+        "`http://127.0.0.1:10000/devstoreaccount1`); empty = `AZURE_STORAGE_ACCOUNT_NAME`'s.",
     )
     region: str = Field(default="", description="The S3 region; empty = boto3's default.")
     # S3 multipart limits: parts are 5 MiB..5 GiB (the last part may be smaller).
@@ -187,7 +189,8 @@ class DestinationConfig(Section):
         default="",
         description='With `sse = "aws:kms"` only: the KMS key; empty = the account\'s default key. '
         "For gs://: the Cloud KMS key (`projects/P/locations/L/keyRings/R/cryptoKeys/K`) "
-        "every object is written with; empty = the bucket's default.",
+        "every object is written with; empty = the bucket's default. For az://: the "
+        "encryption scope every blob and block is written with.",
     )
     name: str = Field(
         default="primary",
@@ -235,12 +238,13 @@ class DestinationConfig(Section):
     @model_validator(mode="after")
     def _encryption_fits(self) -> DestinationConfig:
         kind = parse_destination(self.url).kind if self.url else ""
-        if kind == "gs":
+        if kind in ("gs", "az"):
             if self.sse:
+                what = "a Cloud KMS key" if kind == "gs" else "an encryption scope"
                 raise keyed_error(
                     ("sse",),
-                    f"applies to s3:// only; {self.url} is encrypted with a Cloud KMS key "
-                    "by sse_kms_key_id alone, or the bucket's default",
+                    f"applies to s3:// only; {self.url} is encrypted with {what} named "
+                    "by sse_kms_key_id alone, or the store's default",
                 )
             return self
         if self.sse_kms_key_id and self.sse != "aws:kms":
@@ -252,7 +256,7 @@ class DestinationConfig(Section):
         if encrypted and kind == "file":
             raise keyed_error(
                 ("sse",),
-                f"server-side encryption applies to s3:// and gs:// destinations, not {self.url!r}; "
+                f"server-side encryption applies to object stores, not {self.url!r}; "
                 "encrypt the filesystem itself, or remove sse",
             )
         return self
@@ -264,12 +268,12 @@ class DestinationConfig(Section):
 
     @property
     def kind(self) -> DestinationKind:
-        """The scheme, "s3", "gs" or "file"; ConfigError (destination.url) when none is set."""
+        """The scheme, "s3", "gs", "az" or "file"; ConfigError (destination.url) when none is set."""
         return self._parsed().kind
 
     @property
     def bucket(self) -> str:
-        """The S3 or GCS bucket; ValueError for a file:// destination."""
+        """The bucket (S3, GCS) or container (Azure); ValueError for a file:// destination."""
         parsed = self._parsed()
         if parsed.kind == "file":
             raise ValueError(f"destination {self.url!r} is a directory: it has no bucket")
@@ -350,7 +354,8 @@ class TierConfig(DestinationConfig):
         "label, and what `restore --tier` takes."
     )
     url: str = Field(
-        description="`s3://bucket[/prefix]`, `gs://bucket[/prefix]` or `file:///absolute/path`."
+        description="`s3://bucket[/prefix]`, `gs://bucket[/prefix]`, `az://container[/prefix]` "
+        "or `file:///absolute/path`."
     )
     retention: TierRetentionConfig = Field(
         default_factory=TierRetentionConfig,

@@ -1,5 +1,6 @@
-"""The destination URL, parsed in one place: ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]``
-or ``file:///abs/path``.
+"""The destination URL, parsed in one place: ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]``,
+``az://container[/prefix]`` (the account from configuration or the environment, as
+adlfs and object_store take it) or ``file:///abs/path``.
 
 Configuration validates with ``parse_destination`` and ``open_backend`` opens what it
 returns, so the two never disagree on a bucket, a prefix or a root. Pure: no I/O.
@@ -14,14 +15,19 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote
 
-DestinationKind = Literal["s3", "gs", "file"]
+DestinationKind = Literal["s3", "gs", "az", "file"]
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # GCS bucket names also take '_' (Cloud Storage, "Bucket naming requirements").
 _GCS_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
 # Google Cloud Storage's endpoints: its S3 (XML) API ignores If-None-Match on a PUT.
 GOOGLE_STORAGE_HOSTS = ("storage.googleapis.com", "storage.cloud.google.com")
-_ALL_FORMS = "must be s3://bucket[/prefix], gs://bucket[/prefix] or file:///absolute/path"
+# Azure container names: 3-63 of a-z 0-9 -, starting with a letter or digit, no "--".
+_CONTAINER = re.compile(r"[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]")
+_ALL_FORMS = (
+    "must be s3://bucket[/prefix], gs://bucket[/prefix], az://container[/prefix] "
+    "or file:///absolute/path"
+)
 
 
 @dataclass(frozen=True)
@@ -30,8 +36,8 @@ class DestinationURL:
     directory."""
 
     kind: DestinationKind
-    bucket: str = ""  # s3 and gs only
-    prefix: str = ""  # s3 and gs only; without leading or trailing '/', "" for none
+    bucket: str = ""  # s3 and gs; for az, the container
+    prefix: str = ""  # s3, gs and az; without leading or trailing '/', "" for none
     root: Path | None = None  # file only; percent-decoded
 
 
@@ -41,6 +47,8 @@ def parse_destination(url: str) -> DestinationURL:
         return _bucket_url(url, "s3", _BUCKET)
     if url.startswith("gs://"):
         return _bucket_url(url, "gs", _GCS_BUCKET)
+    if url.startswith("az://"):
+        return _bucket_url(url, "az", _CONTAINER)
     if url.startswith("file://"):
         path = url[len("file://") :]
         if not path.startswith("/"):
@@ -51,6 +59,11 @@ def parse_destination(url: str) -> DestinationURL:
 
 def _bucket_url(url: str, scheme: DestinationKind, pattern: re.Pattern[str]) -> DestinationURL:
     bucket, _, prefix = url[len(scheme) + 3 :].partition("/")
+    if scheme == "az" and not pattern.fullmatch(bucket):
+        raise ValueError(
+            "must be az://container[/prefix] with a container name of 3-63 characters "
+            "a-z 0-9 -, starting and ending with a letter or digit, without '--'"
+        )
     if not pattern.fullmatch(bucket):
         extra = " _" if scheme == "gs" else ""
         raise ValueError(

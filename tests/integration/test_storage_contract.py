@@ -1,5 +1,5 @@
 """One contract, every backend: SeaweedFS S3, moto's S3 server (a second dialect),
-fake-gcs-server (gs://) and a real directory (file://). What one backend promises, all keep."""
+fake-gcs-server (gs://), Azurite (az://) and a real directory (file://). What one backend promises, all keep."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from ckptd.storage.fs import FileStorage
 from ckptd.storage.s3 import S3Storage
 from ckptd.sync.journal import Journal
 from ckptd.sync.transfer import FileResult, TransferContext, TransferPausedError, Transfers
-from tests.support.emulators import FakeGCS
+from tests.support.emulators import Azurite, FakeGCS
 from tests.support.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
@@ -59,7 +59,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Destination:
-    backend: str  # the fixture's param: "seaweedfs", "moto", "gcs", "file" or "file-other-fs"
+    backend: str  # the fixture's param: "seaweedfs", "moto", "gcs", "azure", "file", ...
     url: str
     endpoint_url: str = ""
 
@@ -69,7 +69,7 @@ class Destination:
 OTHER_FILESYSTEM = Path("/dev/shm")
 
 
-@pytest.fixture(params=["seaweedfs", "moto", "gcs", "file", "file-other-fs"])
+@pytest.fixture(params=["seaweedfs", "moto", "gcs", "azure", "file", "file-other-fs"])
 def destination(request: pytest.FixtureRequest, tmp_path: Path) -> Destination:
     prefix = f"contract-{uuid.uuid4().hex[:8]}"
     if request.param == "seaweedfs":
@@ -81,6 +81,9 @@ def destination(request: pytest.FixtureRequest, tmp_path: Path) -> Destination:
     if request.param == "gcs":
         fake_gcs: FakeGCS = request.getfixturevalue("fake_gcs")
         return Destination(request.param, f"gs://ckpt/{prefix}", fake_gcs.endpoint_url)
+    if request.param == "azure":
+        azurite: Azurite = request.getfixturevalue("azurite")
+        return Destination(request.param, f"az://ckpt/{prefix}", azurite.endpoint_url)
     if request.param == "file-other-fs":
         if (
             not OTHER_FILESYSTEM.is_dir()
@@ -462,9 +465,11 @@ def test_config_and_open_backend_read_an_s3_url_as_the_same_bucket_and_prefix() 
         ("file://host/path", "must be file:///absolute/path (three slashes, no host)"),
         (
             "ftp://bucket",
-            "must be s3://bucket[/prefix], gs://bucket[/prefix] or file:///absolute/path",
+            "must be s3://bucket[/prefix], gs://bucket[/prefix], az://container[/prefix] "
+            "or file:///absolute/path",
         ),
         ("gs://Bucket/x", "must be gs://bucket[/prefix] with a bucket name of 3-63"),
+        ("az://a--b/x", "must be az://container[/prefix] with a container name of 3-63"),
     ],
 )
 def test_config_and_open_backend_refuse_a_malformed_url_for_the_same_reason(
@@ -491,6 +496,8 @@ DECLARED = {
     "seaweedfs": set(CAPABILITIES),
     "moto": set(CAPABILITIES),
     "gcs": set(CAPABILITIES),
+    # Azure keeps no checksum of a blob made of blocks, and none in CRC-32C.
+    "azure": {ConditionalWrite, ServerSideCopy, MultipartUpload, PartListing},
     "file": {ConditionalWrite, ServerSideCopy, MultipartUpload},
     "file-other-fs": {ConditionalWrite, ServerSideCopy, MultipartUpload},
 }

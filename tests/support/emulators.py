@@ -1,10 +1,12 @@
 """The cloud stores' emulators as real processes on loopback: fake-gcs-server for
-``gs://``. Each is found on this machine (an environment variable, the Python wrapper
+``gs://``, Azurite for ``az://``. Each is found on this machine (an environment variable, the Python wrapper
 that bundles it) or the test that needs it is skipped with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -14,6 +16,12 @@ import requests
 from ckptd.devtools.locals3 import free_port
 
 FAKE_GCS_ENV = "CKPTD_TEST_FAKE_GCS"
+AZURITE_ENV = "CKPTD_TEST_AZURITE"
+# Where .ci/run installs Azurite (npm install azurite@3), outside the clone.
+AZURITE_CACHE = (
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    / "ckptd-ci/azurite/node_modules/.bin/azurite-blob"
+)
 
 
 def fake_gcs_binary() -> Path | None:
@@ -70,6 +78,75 @@ class FakeGCS:
         resp = requests.post(f"{self.endpoint_url}/storage/v1/b", json={"name": name}, timeout=10)
         if resp.status_code not in (200, 409):
             resp.raise_for_status()
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def azurite_binary() -> Path | None:
+    """Azurite's blob service: ``$CKPTD_TEST_AZURITE``, else ``azurite-blob`` on PATH,
+    else where .ci/run installs it."""
+    explicit = os.environ.get(AZURITE_ENV)
+    if explicit:
+        return Path(explicit)
+    on_path = shutil.which("azurite-blob")
+    if on_path:
+        return Path(on_path)
+    return AZURITE_CACHE if AZURITE_CACHE.is_file() else None
+
+
+class Azurite:
+    """Azurite's blob service in memory on a free loopback port, with ``containers``
+    made in its development account (``devstoreaccount1``)."""
+
+    def __init__(
+        self, binary: Path, workdir: Path, containers: tuple[str, ...] = ("ckpt",)
+    ) -> None:
+        self.binary, self.workdir, self.containers = binary, workdir, containers
+        self.port = free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}/devstoreaccount1"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> Azurite:
+        log = self.workdir / "azurite.log"
+        with log.open("wb") as out:
+            self._proc = subprocess.Popen(
+                [
+                    str(self.binary),
+                    *("--blobHost", "127.0.0.1", "--blobPort", str(self.port)),
+                    *("--inMemoryPersistence", "--skipApiVersionCheck", "--silent"),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                requests.get(f"{self.endpoint_url}?comp=list", timeout=2)
+                break  # any answer (403 unsigned) means it listens
+            except requests.RequestException as exc:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"Azurite did not come up; see {log}") from exc
+                time.sleep(0.05)
+        from azure.core.exceptions import ResourceExistsError
+        from azure.storage.blob import BlobServiceClient
+
+        from ckptd.storage.azure import DEV_ACCOUNT, DEV_KEY
+
+        service = BlobServiceClient(
+            self.endpoint_url, credential={"account_name": DEV_ACCOUNT, "account_key": DEV_KEY}
+        )
+        for name in self.containers:
+            with contextlib.suppress(ResourceExistsError):
+                service.create_container(name)
+        return self
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
