@@ -221,8 +221,19 @@ class DestinationConfig(Section):
     @classmethod
     def _endpoint_is_http(cls, value: str) -> str:
         if value:
-            check_http_url(value, allow_path=False)
+            check_http_url(value, allow_path=True)  # a path: az:// only (below)
         return value
+
+    @model_validator(mode="after")
+    def _endpoint_path_only_for_azure(self) -> DestinationConfig:
+        path = urlsplit(self.endpoint_url).path
+        if path not in ("", "/") and not self.url.startswith("az://"):
+            raise keyed_error(
+                ("endpoint_url",),
+                "must be http(s)://host[:port], without a path (a path names the account "
+                f"of an az:// destination only, as Azurite's /devstoreaccount1) (got {self.endpoint_url!r})",
+            )
+        return self
 
     @model_validator(mode="after")
     def _not_gcs_through_s3(self) -> DestinationConfig:
