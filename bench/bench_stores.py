@@ -4,7 +4,7 @@
         [--stores gcs,azure] [--concurrency 8]
 
 One fake-gcs-server and one Azurite (``tests/support/emulators.py``; Azurite from
-``$CKPTD_TEST_AZURITE`` or PATH) run for the whole benchmark. The same checkpoint (the
+``$AZURITE_BIN`` or PATH) run for the whole benchmark. The same checkpoint (the
 hf shape of ``bench/common.py``, random bytes, scaled) is sent and fetched by:
 
 - **ckptd**: ``ckptd run --once`` (upload, the store's answers checked, manifest
@@ -215,7 +215,7 @@ def main() -> None:
             else:
                 az = azurite_binary()
                 if az is None:
-                    raise SystemExit("Azurite not found: set CKPTD_TEST_AZURITE")
+                    raise SystemExit("Azurite not found: set AZURITE_BIN")
                 server = Azurite(az, sub).start()
             try:
                 rows += one_store(store, server.endpoint_url, args, sub)

