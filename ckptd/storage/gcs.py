@@ -32,7 +32,6 @@ PartListing, StoreChecksums). Retries are ``RetryingStorage``'s; none happen her
 
 from __future__ import annotations
 
-import importlib.util
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -68,8 +67,10 @@ class GCSStorage:
         max_connections: int = 10,
         kms_key_name: str = "",
     ) -> None:
-        if importlib.util.find_spec("google.auth") is None:
-            raise missing_extra()
+        try:
+            import google.auth  # noqa: F401  (the [gcs] extra; used by gcs_api)
+        except ImportError:
+            raise missing_extra() from None
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"gs://{bucket}/{self.prefix}".rstrip("/")
