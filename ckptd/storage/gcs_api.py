@@ -6,6 +6,7 @@ that carries CRC-32C and preconditions, paged listing and deletion. No retries h
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import threading
@@ -105,31 +106,23 @@ class _Body:
             "Content-Type: application/octet-stream\r\n\r\n"
         ).encode()
         tail = f"\r\n--{boundary}--\r\n".encode()
-        reader: Any = data.reader() if isinstance(data, FileRange) else None
-        self._pieces: list[Any] = [head, reader if reader is not None else data, tail]
+        body: Any = data.reader() if isinstance(data, FileRange) else io.BytesIO(data)
+        # Readers in order; a BytesIO of bytes shares their buffer (no copy of the body).
+        self._pieces: list[Any] = [io.BytesIO(head), body, io.BytesIO(tail)]
         self._length = len(head) + len(data) + len(tail)
 
     def __len__(self) -> int:
         return self._length
 
     def read(self, size: int = -1) -> bytes:
-        out = b""
-        while self._pieces and (size < 0 or len(out) < size):
-            piece = self._pieces[0]
-            want = -1 if size < 0 else size - len(out)
-            if isinstance(piece, bytes | bytearray | memoryview):
-                chunk = bytes(piece) if want < 0 else bytes(piece[:want])
-                rest = b"" if want < 0 else piece[want:]
-                if rest:
-                    self._pieces[0] = rest
-                else:
-                    self._pieces.pop(0)
-            else:
-                chunk = piece.read(want)
-                if not chunk:
-                    self._pieces.pop(0)
-            out += chunk
-        return out
+        if size is None or size < 0:
+            return b"".join(p.read() for p in self._pieces[:])
+        while self._pieces:
+            chunk = self._pieces[0].read(size)
+            if chunk:
+                return bytes(chunk)
+            self._pieces.pop(0)
+        return b""
 
 
 class JsonApi:
