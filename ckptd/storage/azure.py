@@ -63,6 +63,7 @@ from ckptd.storage.base import (
     ShortObjectError,
     StorageError,
 )
+from ckptd.storage.parallel import in_parallel
 
 UPLOADS = ".ckptd-uploads"  # markers of unfinished uploads, hidden from listings
 # Azurite's well-known development account (published in Azurite's README).
@@ -272,8 +273,9 @@ class AzureBlobStorage:
             self._call(f"delete {name}", self._container.delete_blob, name)
 
     def delete(self, keys: list[str]) -> None:
-        for key in keys:
-            self._delete_name(self._name(key))
+        # One Delete Blob per object, several at once (Blob Batch is not in Azurite);
+        # order among ``keys`` is not kept (nor on S3).
+        in_parallel(self._delete_name, [self._name(k) for k in keys])
 
     def _source(self, key: str) -> tuple[str, dict[str, str]]:
         """The URL a copy reads ``key`` from, and how it is authorized: a 1-hour

@@ -49,6 +49,7 @@ from ckptd.storage.base import (
     StorageError,
 )
 from ckptd.storage.gcs_api import JsonApi, classify, missing_extra
+from ckptd.storage.parallel import in_parallel
 
 UPLOADS = ".ckptd-uploads"  # the tree of unfinished uploads, hidden from listings
 _MARKER = "upload"
@@ -185,8 +186,9 @@ class GCSStorage:
         return [n for n in names if not (prefix == "" and n == UPLOADS)]
 
     def delete(self, keys: list[str]) -> None:
-        for key in keys:
-            self._api.delete_name(self._name(key))
+        # One DELETE per object (the JSON API has no multi-object delete outside its
+        # batch endpoint), several at once; order among ``keys`` is not kept (nor on S3).
+        in_parallel(self._api.delete_name, [self._name(k) for k in keys])
 
     def copy(self, src_key: str, dst_key: str) -> ObjectInfo:
         source = self.head(src_key)
@@ -334,8 +336,8 @@ class GCSStorage:
         marker = folder + _MARKER
         # The marker last: while it exists the upload is listed, so an interrupted abort
         # is found and finished again.
-        for name in sorted(names, key=lambda n: n == marker):
-            self._api.delete_name(name)
+        in_parallel(self._api.delete_name, [n for n in names if n != marker])
+        self._api.delete_name(marker)
 
     def list_uploads(self, prefix: str) -> list[tuple[str, str]]:
         root = self._name(UPLOADS + "/")
