@@ -98,3 +98,32 @@ def test_a_missing_bucket_is_permanent_and_marks_the_destination_unusable(
     with pytest.raises(StorageError) as err:
         storage.put_bytes("run/c/a", b"x", crc32c=checksum.crc32c(b"x"))
     assert err.value.destination_unusable and not err.value.transient
+
+
+def test_more_parts_than_one_compose_takes_are_composed_in_a_tree(
+    fake_gcs: FakeGCS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GCS composes at most 32 sources per request; scaled down to 2 here, 5 parts take
+    three levels, and the result is the file, with the file's own CRC-32C, and nothing
+    of the upload (parts or intermediates) is left."""
+    import ckptd.storage.gcs as gcs
+
+    monkeypatch.setattr(gcs, "_COMPOSE_MAX", 2)
+    storage = GCSStorage("ckpt", f"tree-{uuid.uuid4().hex[:8]}", endpoint_url=fake_gcs.endpoint_url)
+    chunks = [os.urandom(1000 + i) for i in range(5)]
+    upload_id = storage.create_upload("run/c/big")
+    parts = [
+        storage.upload_part("run/c/big", upload_id, n, 0, c, crc32c=checksum.crc32c(c))
+        for n, c in enumerate(chunks, start=1)
+    ]
+    info = storage.complete_upload("run/c/big", upload_id, parts)
+    whole = b"".join(chunks)
+    assert storage.get_bytes("run/c/big") == whole
+    assert info.checksum == storage.expected_checksum(parts, checksum.crc32c(whole))
+    assert storage.list_uploads("") == []
+    leftovers = requests.get(
+        f"{fake_gcs.endpoint_url}/storage/v1/b/ckpt/o",
+        params={"prefix": f"{storage.prefix}/.ckptd-uploads/"},
+        timeout=10,
+    ).json()
+    assert leftovers.get("items", []) == []
