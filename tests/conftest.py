@@ -131,7 +131,8 @@ def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGCS]:
 @pytest.fixture(scope="session")
 def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
     """One Azurite blob service (in memory) for the session, with the container ``ckpt``;
-    tests use distinct prefixes. Skipped where Azurite is not installed."""
+    tests use distinct prefixes. Skipped where Azurite or the [azure] extra is missing."""
+    pytest.importorskip("azure.storage.blob", reason="the [azure] extra is not installed")
     binary = azurite_binary()
     if binary is None:
         pytest.skip(
