@@ -114,7 +114,8 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> RetryingStorage:
 @pytest.fixture(scope="session")
 def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGCS]:
     """One fake-gcs-server (in memory) for the session, with the bucket ``ckpt``; tests
-    use distinct prefixes. Skipped where the binary is not installed."""
+    use distinct prefixes. Skipped where the binary or the [gcs] extra is missing."""
+    pytest.importorskip("google.auth", reason="the [gcs] extra is not installed")
     binary = fake_gcs_binary()
     if binary is None:
         pytest.skip(
