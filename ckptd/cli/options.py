@@ -39,10 +39,16 @@ def add_common(parser: argparse.ArgumentParser, log_level: str = "warning") -> N
         "--config", type=Path, default=None, help="TOML config (default /etc/ckptd/ckptd.toml)"
     )
     parser.add_argument(
-        "--dest", default=None, help="destination URL (s3://bucket/prefix or file:///path)"
+        "--dest",
+        default=None,
+        help="destination URL (s3://bucket/prefix, gs://bucket/prefix, az://container/prefix "
+        "or file:///path)",
     )
     parser.add_argument(
-        "--endpoint-url", default=None, help="S3-compatible endpoint, e.g. http://127.0.0.1:8333"
+        "--endpoint-url",
+        default=None,
+        help="S3-compatible endpoint, e.g. http://127.0.0.1:8333 (gs://: a GCS endpoint or "
+        "emulator; az://: the account's blob endpoint)",
     )
     parser.add_argument(
         "--log-level",

@@ -81,7 +81,8 @@ def unset_destination() -> ConfigError:
     return ConfigError(
         "destination.url",
         "is not set; give --dest URL, CKPTD_DESTINATION__URL or [destination] url "
-        "(s3://bucket[/prefix] or file:///absolute/path)",
+        "(s3://bucket[/prefix], gs://bucket[/prefix], az://container[/prefix] or "
+        "file:///absolute/path)",
     )
 
 

@@ -55,7 +55,7 @@ run_id = "run1"                 # the remote namespace (default: the basename of
 layout = "hf"                   # or "auto": recognise the framework from the files
 
 [destination]
-url = "s3://my-bucket/ckpt"     # or file:///mnt/shared/ckpt
+url = "s3://my-bucket/ckpt"     # or gs://my-bucket/ckpt, file:///mnt/shared/ckpt
 region = "us-east-1"            # credentials come from boto3's chain, never from this file
 max_upload_mib_per_s = 400      # leave the trainer its share of the network
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -24,7 +25,12 @@ from ckptd.config.base import (
 )
 from ckptd.config.errors import keyed_error, unset_destination
 from ckptd.core.signing import KeyRing
-from ckptd.storage.url import DestinationKind, DestinationURL, parse_destination
+from ckptd.storage.url import (
+    GOOGLE_STORAGE_HOSTS,
+    DestinationKind,
+    DestinationURL,
+    parse_destination,
+)
 
 __all__ = [
     "AuthenticationConfig",
@@ -129,17 +135,22 @@ class WatchConfig(Section):
 
 
 class DestinationConfig(Section):
-    """Where checkpoints go: ``s3://bucket[/prefix]`` or ``file:///abs/path``."""
+    """Where checkpoints go: ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]``,
+    ``az://container[/prefix]`` or ``file:///abs/path``."""
 
     url: str = Field(
         default="",
-        description="`s3://bucket[/prefix]` or `file:///absolute/path`; required by the "
-        "commands that ship or read checkpoints.",
+        description="`s3://bucket[/prefix]`, `gs://bucket[/prefix]`, `az://container[/prefix]` "
+        "or `file:///absolute/path`; required by the commands that ship or read checkpoints.",
     )
     endpoint_url: str = Field(
         default="",
         description="An S3-compatible endpoint, `http(s)://host[:port]` (e.g. "
-        "`http://127.0.0.1:8333`); empty = AWS.",
+        "`http://127.0.0.1:8333`); empty = AWS. For gs://, a GCS endpoint or emulator "
+        "(plain HTTP = an emulator, spoken to without credentials); empty = Google's, "
+        "or `STORAGE_EMULATOR_HOST`. For az://, the account's blob endpoint "
+        "(`https://ACCOUNT.blob.core.windows.net`, Azurite's "
+        "`http://127.0.0.1:10000/devstoreaccount1`); empty = `AZURE_STORAGE_ACCOUNT_NAME`'s.",
     )
     region: str = Field(default="", description="The S3 region; empty = boto3's default.")
     # S3 multipart limits: parts are 5 MiB..5 GiB (the last part may be smaller).
@@ -177,7 +188,10 @@ class DestinationConfig(Section):
     )
     sse_kms_key_id: str = Field(
         default="",
-        description='With `sse = "aws:kms"` only: the KMS key; empty = the account\'s default key.',
+        description='With `sse = "aws:kms"` only: the KMS key; empty = the account\'s default key. '
+        "For gs://: the Cloud KMS key (`projects/P/locations/L/keyRings/R/cryptoKeys/K`) "
+        "every object is written with; empty = the bucket's default. For az://: the "
+        "encryption scope every blob and block is written with.",
     )
     name: str = Field(
         default="primary",
@@ -208,21 +222,53 @@ class DestinationConfig(Section):
     @classmethod
     def _endpoint_is_http(cls, value: str) -> str:
         if value:
-            check_http_url(value, allow_path=False)
+            check_http_url(value, allow_path=True)  # a path: az:// only (below)
         return value
 
     @model_validator(mode="after")
+    def _endpoint_path_only_for_azure(self) -> DestinationConfig:
+        path = urlsplit(self.endpoint_url).path
+        if path not in ("", "/") and not self.url.startswith("az://"):
+            raise keyed_error(
+                ("endpoint_url",),
+                "must be http(s)://host[:port], without a path (a path names the account "
+                f"of an az:// destination only, as Azurite's /devstoreaccount1) (got {self.endpoint_url!r})",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _not_gcs_through_s3(self) -> DestinationConfig:
+        host = urlsplit(self.endpoint_url).hostname or ""
+        if self.url.startswith("s3://") and host.endswith(GOOGLE_STORAGE_HOSTS):
+            raise keyed_error(
+                ("endpoint_url",),
+                f"is Google Cloud Storage ({host}), whose S3 API ignores the conditional "
+                "write ckptd commits with: use url = gs://bucket[/prefix] and no endpoint_url",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _encryption_fits(self) -> DestinationConfig:
+        kind = parse_destination(self.url).kind if self.url else ""
+        if kind in ("gs", "az"):
+            if self.sse:
+                what = "a Cloud KMS key" if kind == "gs" else "an encryption scope"
+                raise keyed_error(
+                    ("sse",),
+                    f"applies to s3:// only; {self.url} is encrypted with {what} named "
+                    "by sse_kms_key_id alone, or the store's default",
+                )
+            return self
         if self.sse_kms_key_id and self.sse != "aws:kms":
             raise keyed_error(
                 ("sse_kms_key_id",),
                 f'is set, but sse is {self.sse!r}: a KMS key applies only with sse = "aws:kms"',
             )
         encrypted = bool(self.sse or self.sse_kms_key_id)
-        if encrypted and self.url and parse_destination(self.url).kind != "s3":
+        if encrypted and kind == "file":
             raise keyed_error(
                 ("sse",),
-                f"server-side encryption applies to s3:// destinations, not {self.url!r}; "
+                f"server-side encryption applies to object stores, not {self.url!r}; "
                 "encrypt the filesystem itself, or remove sse",
             )
         return self
@@ -234,23 +280,23 @@ class DestinationConfig(Section):
 
     @property
     def kind(self) -> DestinationKind:
-        """The scheme, "s3" or "file"; ConfigError (destination.url) when none is set."""
+        """The scheme, "s3", "gs", "az" or "file"; ConfigError (destination.url) when none is set."""
         return self._parsed().kind
 
     @property
     def bucket(self) -> str:
-        """The S3 bucket; ValueError for a file:// destination."""
+        """The bucket (S3, GCS) or container (Azure); ValueError for a file:// destination."""
         parsed = self._parsed()
-        if parsed.kind != "s3":
-            raise ValueError(f"destination {self.url!r} is not s3://: it has no bucket")
+        if parsed.kind == "file":
+            raise ValueError(f"destination {self.url!r} is a directory: it has no bucket")
         return parsed.bucket
 
     @property
     def prefix(self) -> str:
         """The key prefix under the bucket, without leading or trailing '/' ("" for none)."""
         parsed = self._parsed()
-        if parsed.kind != "s3":
-            raise ValueError(f"destination {self.url!r} is not s3://: it has no prefix")
+        if parsed.kind == "file":
+            raise ValueError(f"destination {self.url!r} is a directory: it has no prefix")
         return parsed.prefix
 
     @property
@@ -319,7 +365,10 @@ class TierConfig(DestinationConfig):
         description="The tier's name, unique among the tiers and `[destination]`: a metric "
         "label, and what `restore --tier` takes."
     )
-    url: str = Field(description="`s3://bucket[/prefix]` or `file:///absolute/path`.")
+    url: str = Field(
+        description="`s3://bucket[/prefix]`, `gs://bucket[/prefix]`, `az://container[/prefix]` "
+        "or `file:///absolute/path`."
+    )
     retention: TierRetentionConfig = Field(
         default_factory=TierRetentionConfig,
         description="This tier's own retention, `[tiers.retention]`: the keys of "

@@ -1,5 +1,5 @@
-"""Where checkpoints go: one small interface with optional capabilities, an S3 and a
-filesystem backend, and the wrappers (retry, bandwidth cap) stacked in ``open_storage``."""
+"""Where checkpoints go: one small interface with optional capabilities, S3, GCS, Azure
+Blob and filesystem backends, and the wrappers (retry, bandwidth cap) stacked in ``open_storage``."""
 
 from __future__ import annotations
 
@@ -66,8 +66,11 @@ def open_backend(
     sse: str = "",
     sse_kms_key_id: str = "",
 ) -> Storage:
-    """The bare backend for ``s3://bucket/prefix`` or ``file:///path``; ValueError for
-    a URL that configuration would refuse (or server-side encryption asked of file://)."""
+    """The bare backend for ``s3://bucket/prefix``, ``gs://bucket/prefix``,
+    ``az://container/prefix`` or ``file:///path``; ValueError for a URL that configuration
+    would refuse (or server-side encryption asked of file://). For gs://,
+    ``sse_kms_key_id`` is the Cloud KMS key (``kmsKeyName``), for az:// the encryption
+    scope, and ``sse`` must be empty."""
     try:
         parsed = parse_destination(url)
     except ValueError as exc:
@@ -78,6 +81,34 @@ def open_backend(
         if sse or sse_kms_key_id:
             raise ValueError(f"server-side encryption applies to s3:// only, not {url!r}")
         return FileStorage(parsed.root)
+    if parsed.kind == "gs":
+        from ckptd.storage.gcs import GCSStorage
+
+        if sse:
+            raise ValueError(
+                f"sse applies to s3:// only; for {url!r} set sse_kms_key_id to a Cloud KMS key"
+            )
+        return GCSStorage(
+            parsed.bucket,
+            parsed.prefix,
+            endpoint_url=endpoint_url,
+            max_connections=max_connections,
+            kms_key_name=sse_kms_key_id,
+        )
+    if parsed.kind == "az":
+        from ckptd.storage.azure import AzureBlobStorage
+
+        if sse:
+            raise ValueError(
+                f"sse applies to s3:// only; for {url!r} set sse_kms_key_id to an encryption scope"
+            )
+        return AzureBlobStorage(
+            parsed.bucket,
+            parsed.prefix,
+            endpoint_url=endpoint_url,
+            max_connections=max_connections,
+            encryption_scope=sse_kms_key_id,
+        )
     from ckptd.storage.s3 import S3Storage
 
     return S3Storage(

@@ -51,3 +51,27 @@ def test_interrupted_run_ends_bit_identical_to_an_uninterrupted_one(
         else:
             assert 0 < it.steps_lost < spec.save_every, it
     assert report.identical, f"final weights differ from the reference: {report.mismatched}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("cloud", "store"), [("gcp", "gcs"), ("azure", "azure")])
+def test_a_hf_run_preempted_by_its_clouds_notice_resumes_bit_identical_from_that_clouds_store(
+    cloud: str, store: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The same proof with the cloud's own notice and store: GCP's notice and gs://
+    (fake-gcs-server), Azure's and az:// (Azurite). Each emergency checkpoint is shipped
+    there and restored onto a fresh node, and the run ends bit-identical."""
+    import uuid
+
+    prefix = f"lossless-{uuid.uuid4().hex[:8]}"
+    if store == "gcs":
+        endpoint = request.getfixturevalue("fake_gcs").endpoint_url
+        dest = f"gs://ckpt/{prefix}"
+    else:
+        endpoint = request.getfixturevalue("azurite").endpoint_url
+        dest = f"az://ckpt/{prefix}"
+    report = lossless_resume(HF, tmp_path, Env(dest, endpoint, cloud), seed=SEED, log=print)
+    print(markdown(report))
+    assert {i.kind for i in report.interruptions} == {"notice", "kill"}
+    assert all(i.steps_lost == 0 for i in report.interruptions if i.kind == "notice")
+    assert report.identical, f"final weights differ from the reference: {report.mismatched}"

@@ -434,3 +434,56 @@ def test_once_commits_to_the_tiers_it_can_and_exits_1_for_one_that_refuses(
     assert in_dir(nfs, 100)  # the first tier was not held back
     assert '"event": "tiers_not_committed"' in once.stderr and '"gone"' in once.stderr
     assert took < 60, f"--once waited {took:.0f} s on a tier that refuses it"
+
+
+def test_a_directory_tier_first_and_gs_and_az_tiers_behind_it_commit_and_restore(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Any mix of stores: an NFS-like directory first, gs:// (fake-gcs-server) and az://
+    (Azurite) behind it. ``run --once`` commits to all three; each cloud tier restores
+    the newest checkpoint byte-identical when asked for by name."""
+    import uuid
+
+    fake_gcs = request.getfixturevalue("fake_gcs")
+    azurite = request.getfixturevalue("azurite")
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    prefix = f"mix-{uuid.uuid4().hex[:8]}"
+    nfs = tmp_path / "nfs"
+    config = write_tier_config(
+        tmp_path / "ckptd.toml",
+        watch=watch,
+        state=tmp_path / "state",
+        port=free_port(),
+        first={"url": f"file://{nfs}", "name": "nfs"},
+        retention={"keep_last": 0},
+        tiers=[
+            {
+                "name": "gcs",
+                "url": f"gs://ckpt/{prefix}",
+                "endpoint_url": fake_gcs.endpoint_url,
+                "retention": {"keep_last": 0},
+            },
+            {
+                "name": "azure",
+                "url": f"az://ckpt/{prefix}",
+                "endpoint_url": azurite.endpoint_url,
+                "retention": {"keep_last": 0},
+            },
+        ],
+    )
+    save(watch, 100)
+    files = save(watch, 200)
+    once = run_cli("run", "--once", config=config)
+    assert once.returncode == 0, once.stderr
+    assert in_dir(nfs, 100) and in_dir(nfs, 200)
+    for tier in ("gcs", "azure"):
+        target = tmp_path / f"restored-{tier}"
+        done = run_cli(
+            "restore", "--run", RUN, "--latest", "--tier", tier, "--to", str(target), "--json",
+            config=config,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["tier"] == tier
+        root = target / "checkpoint-200"
+        assert {rel: (root / rel).read_bytes() for rel in files} == files

@@ -7,7 +7,7 @@ checkpoint dir the daemon watches (``run/``) and the daemon's state dir, a ``ckp
 watching it (provider ``aws`` pointed at the fake IMDS), and the trainer, resumed from
 what ``ckptd restore --latest`` put there. A segment ends by
 
-- ``notice``: the fake publishes a spot interruption; the daemon signals the trainer,
+- ``notice``: the fake publishes a preemption notice; the daemon signals the trainer,
   which saves and exits 0; the daemon commits that checkpoint; then the node is gone
   (daemon killed, directory wiped);
 - ``kill``: the trainer stops at a chosen step (it blocks there: the node froze) once a
@@ -35,6 +35,8 @@ from typing import Any
 from ckptd.layouts.base import step_of
 from tests.support.daemon import Daemon, wait_until
 from tests.support.fakes.aws_imds import FakeAwsImds
+from tests.support.fakes.azure_metadata import FakeAzureMetadata
+from tests.support.fakes.gcp_metadata import FakeGcpMetadata
 from tests.support.trainers.procs import script_env
 
 RUN_ID = "run"
@@ -117,10 +119,43 @@ class ResumeReport:
 
 @dataclass
 class Env:
-    """Where checkpoints go: an S3 destination and its endpoint (SeaweedFS in tests)."""
+    """Where checkpoints go (an S3, gs:// or az:// destination and its endpoint: an
+    emulator in tests), and which cloud's preemption notice interrupts the run."""
 
     dest: str
     endpoint_url: str
+    cloud: str = "aws"  # "aws" | "gcp" | "azure": the fake metadata server and provider
+
+
+class _Notices:
+    """The fake metadata server of ``cloud``: publish a preemption notice, withdraw it."""
+
+    def __init__(self, cloud: str) -> None:
+        self.cloud = cloud
+        self.fake: Any = {"aws": FakeAwsImds, "gcp": FakeGcpMetadata, "azure": FakeAzureMetadata}[
+            cloud
+        ]()
+        self.url = str(self.fake.start_in_thread())
+        self._event = ""
+
+    def trigger(self) -> None:
+        if self.cloud == "aws":
+            self.fake.trigger_spot("terminate")
+        elif self.cloud == "gcp":
+            self.fake.preempt()
+        else:
+            self._event = str(self.fake.add_event("Preempt"))
+
+    def clear(self) -> None:
+        if self.cloud == "aws":
+            self.fake.clear_spot()
+        elif self.cloud == "gcp":
+            self.fake.set_value("preempted", "FALSE")
+        else:
+            self.fake.remove_event(self._event)
+
+    def stop(self) -> None:
+        self.fake.stop_thread()
 
 
 class TrainerProc:
@@ -232,7 +267,7 @@ def _ckptd_config(path: Path, env: Env, state_dir: Path) -> Path:
     return path
 
 
-def _daemon(seg: Path, ckpt_dir: Path, env: Env, imds_url: str, pidfile: Path) -> Daemon:
+def _daemon(seg: Path, ckpt_dir: Path, env: Env, notices_url: str, pidfile: Path) -> Daemon:
     daemon = Daemon.configured(
         seg,
         watch=[{"dir": ckpt_dir, "run_id": RUN_ID, "settle_seconds": 0.2}],
@@ -242,7 +277,8 @@ def _daemon(seg: Path, ckpt_dir: Path, env: Env, imds_url: str, pidfile: Path) -
     )
     text = daemon.config.read_text().replace('[preemption]\nprovider = "none"', "")
     text += (
-        f'[preemption]\nprovider = "aws"\nendpoint = "{imds_url}"\npoll_interval_seconds = 0.2\n'
+        f'[preemption]\nprovider = "{env.cloud}"\nendpoint = "{notices_url}"\n'
+        "poll_interval_seconds = 0.2\n"
         f"[trainer]\npidfile = {json.dumps(str(pidfile))}\n"
     )
     daemon.config.write_text(text)
@@ -318,8 +354,7 @@ def run_interrupted(
     """Train to ``max_steps`` across fresh nodes, interrupted as :func:`plan` says."""
     rng = random.Random(seed)
     kinds = plan(seed, spec.interruptions)
-    imds = FakeAwsImds()
-    imds_url = imds.start_in_thread()
+    notices = _Notices(env.cloud)
     interruptions: list[Interruption] = []
     started = time.monotonic()
     resume: Path | None = None
@@ -361,7 +396,7 @@ def run_interrupted(
                 hang_at=target if kind == "kill" else 0,
                 pause_at=target if kind == "notice" else 0,
             )
-            daemon = _daemon(seg, ckpt_dir, env, imds_url, seg / "trainer.pid")
+            daemon = _daemon(seg, ckpt_dir, env, notices.url, seg / "trainer.pid")
             try:
                 daemon.start()
                 trainer.wait_step(restored_step + 1, spec.start_timeout)
@@ -379,14 +414,14 @@ def run_interrupted(
                     break
                 if kind == "notice":
                     trainer.wait_step(target, 120)
-                    imds.trigger_spot("terminate")
+                    notices.trigger()
                     result = trainer.wait_exit(180)
                     assert result["preempted"] and result["saved"], result
                     last_step = trainer.step()
                     assert result["step"] == last_step
                     saved = str(result["saved"])
                     wait_until(partial(committed, daemon, saved), 180, "emergency commit")
-                    imds.clear_spot()
+                    notices.clear()
                 else:
                     last_step = trainer.wait_step(target, 120)
                     assert last_step == target  # it froze there
@@ -403,7 +438,7 @@ def run_interrupted(
             # The node is gone, and its disk with it.
             shutil.rmtree(ckpt_dir)
     finally:
-        imds.stop_thread()
+        notices.stop()
     assert final is not None
     return final, interruptions, time.monotonic() - started
 

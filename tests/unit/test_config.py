@@ -161,7 +161,7 @@ BAD_VALUES = [
     ('[[watch]]\ndir = "/d/r"\nmarker = ""', "watch[0].marker"),
     ('[[watch]]\ndir = "/d/r"\nrescan_seconds = 0', "watch[0].rescan_seconds"),
     ('[[watch]]\ndir = "/d/r"\nship_early = "maybe"', "watch[0].ship_early"),
-    ('[destination]\nurl = "gs://bucket"', "destination.url"),
+    ('[destination]\nurl = "ftp://bucket"', "destination.url"),
     ('[destination]\nurl = "s3://Upper_Case"', "destination.url"),
     ('[destination]\nurl = "s3://ab"', "destination.url"),
     ('[destination]\nurl = "s3://192.168.1.1"', "destination.url"),
@@ -183,6 +183,8 @@ BAD_VALUES = [
     ('[destination]\nsse = "SSE-C"', "destination.sse"),
     ('[destination]\nurl = "file:///mnt/c"\nsse = "AES256"', "destination.sse"),
     ('[destination]\nsse = "AES256"\nsse_kms_key_id = "k"', "destination.sse_kms_key_id"),
+    ('[destination]\nurl = "gs://b-1/x"\nsse = "aws:kms"', "destination.sse"),
+    ('[destination]\nurl = "gs://B/x"', "destination.url"),
     ('[authentication]\nkey_file = "relative.key"', "authentication.key_file"),
     ('[authentication]\nkey_file = "/nonexistent/ckptd.key"', "authentication.key_file"),
     ('[authentication]\nverify_key_files = "/etc/old.key"', "authentication.verify_key_files"),
@@ -298,6 +300,23 @@ def test_every_key_has_a_bad_value_case() -> None:
         for name in model.model_fields:
             wanted = name if section == "watch" else f"{section}.{name}"
             assert wanted in covered, f"no bad-value test for {wanted}"
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["https://storage.googleapis.com", "https://storage.googleapis.com:443"]
+)
+def test_an_s3_destination_at_googles_endpoint_is_refused_pointing_to_gs(
+    tmp_path: Path, endpoint: str
+) -> None:
+    err = error_of(tmp_path, f'[destination]\nurl = "s3://b-1/x"\nendpoint_url = "{endpoint}"')
+    assert err.key == "destination.endpoint_url"
+    assert "gs://" in str(err) and "\n" not in str(err)
+
+
+def test_a_gs_destination_takes_a_cloud_kms_key_alone(tmp_path: Path) -> None:
+    key = "projects/p/locations/l/keyRings/r/cryptoKeys/k"
+    dest = config.DestinationConfig(url="gs://b_1/x", sse_kms_key_id=key)
+    assert (dest.kind, dest.bucket, dest.prefix) == ("gs", "b_1", "x")
 
 
 def test_message_says_what_is_wrong_and_what_was_given(tmp_path: Path) -> None:
