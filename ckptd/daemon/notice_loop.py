@@ -22,10 +22,12 @@ from ckptd.cadence.advisor import CadenceAdvisor
 from ckptd.config import Settings
 from ckptd.notices.cluster import ClusterNoticeSource
 from ckptd.notices.detect import make_source
+from ckptd.notices.health import SourceHealth
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.responder import NOTICE_FILE, Responder, Response
 from ckptd.notices.shutdown import sigterm_meaning
 from ckptd.runtime.clock import Clock
+from ckptd.runtime.metrics import Metrics
 
 # What the lifecycle does with one notice from one source.
 Reaction = Callable[[Notice, NoticeSource], Awaitable[None]]
@@ -53,20 +55,37 @@ class NoticeLoop:
         self.clock = clock
         self.log = log
         self._followed_drills: set[asyncio.Task[None]] = set()
+        self.cloud = self._cloud_source()
 
-    def sources(self, fixed: list[NoticeSource]) -> list[NoticeSource]:
-        """``fixed`` (the signals, another node's NOTICE), then the cloud's, if any."""
-        sources = list(fixed)
+    def _cloud_source(self) -> NoticeSource | None:
+        """The cloud's notice source, if any (made once: construction does no I/O)."""
         p = self.settings.preemption
         try:
             cloud = make_source(p.provider, p.endpoint, p.poll_interval_seconds, p.imdsv1_fallback)
         except (ValueError, OSError) as exc:
             self.log.error("notice_source_unavailable", provider=p.provider, error=str(exc))
-            return sources
+            return None
         self.log.info("notice_source", provider=p.provider, source=cloud and cloud.name)
-        if cloud is not None:
-            sources.append(cloud)
-        return sources
+        return cloud
+
+    def sources(self, fixed: list[NoticeSource]) -> list[NoticeSource]:
+        """``fixed`` (the signals, another node's NOTICE), then the cloud's, if any."""
+        return [*fixed, self.cloud] if self.cloud is not None else list(fixed)
+
+    def health(self) -> dict[str, SourceHealth]:
+        """The health of each source that reads a metadata service, by name."""
+        found = getattr(self.cloud, "health", None)
+        return {found.source: found} if isinstance(found, SourceHealth) else {}
+
+    def export_health(self, metrics: Metrics) -> dict[str, Any]:
+        """Each source's health into ``metrics``; returns it for ``/v1/status``."""
+        out = {}
+        for name, health in self.health().items():
+            metrics.notice_source_up.labels(source=name).set(1 if health.up else 0)
+            metrics.notice_source_last_success.labels(source=name).set(health.last_success or 0)
+            metrics.notice_source_failures.labels(source=name).set(health.consecutive_failures)
+            out[name] = health.to_json()
+        return out
 
     async def run(self, fixed: list[NoticeSource]) -> None:
         """Every notice source, SIGTERM's included, into ``react``."""

@@ -11,7 +11,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ckptd.notices.health import SourceHealth
 
 #: Where a notice came from. "drill" is ``ckptd drill`` (a simulated preemption).
 NoticeSourceName = Literal["aws", "gcp", "azure", "sigterm", "drill"]
@@ -153,7 +156,9 @@ class RateLimitedLog:
         logger: Any,
         interval: float = 60.0,
         monotonic: Callable[[], float] = time.monotonic,
+        health: SourceHealth | None = None,
     ) -> None:
+        self._health = health  # told of every failure and success, logged or not
         self._log = logger
         self._interval = interval
         self._monotonic = monotonic
@@ -162,6 +167,8 @@ class RateLimitedLog:
 
     def warning(self, key: str, event: str, **kw: Any) -> None:
         """Log ``event`` unless ``key`` logged the same event less than ``interval`` ago."""
+        if self._health is not None:
+            self._health.failed(key, str(kw.get("error") or event))
         now = self._monotonic()
         last = self._last.get(key)
         if last is not None and last[1] == event and now - last[0] < self._interval:
@@ -175,6 +182,8 @@ class RateLimitedLog:
 
     def recovered(self, key: str, event: str, **kw: Any) -> None:
         """Log ``event`` at info level if ``key`` had been failing."""
+        if self._health is not None:
+            self._health.succeeded(key)
         if self._last.pop(key, None) is not None:
             suppressed = self._suppressed.pop(key, 0)
             self._log.info(event, endpoint=key, suppressed=suppressed, **kw)

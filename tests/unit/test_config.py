@@ -250,6 +250,10 @@ BAD_VALUES = [
     ('[metrics]\nlisten = "::1:9464"', "metrics.listen"),
     ('[metrics]\nlisten = "[nope]:9464"', "metrics.listen"),
     ("[http]\ntoken = 5", "http.token"),
+    ('[http]\nlisten = "unix:relative.sock"', "http.listen"),
+    ('[http]\nlisten = "0.0.0.0:9465"', "http.listen"),  # reachable, and no token
+    ('[http]\ntoken_file = "token"', "http.token_file"),
+    ('[http]\ntoken = "a"\ntoken_file = "/run/secrets/token"', "http.token_file"),
     ('[state]\ndir = "relative"', "state.dir"),
     ("[cluster]\nnodes = 0", "cluster.nodes"),
     ("[cluster]\nnodes = 2\nnode_rank = 2", "cluster.node_rank"),
