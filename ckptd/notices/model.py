@@ -146,7 +146,7 @@ class RateLimitedLog:
 
     A metadata endpoint that is down answers the same error every second; logging each
     one buries everything else. Per key (one endpoint, say) the first warning is logged
-    at once, and so is one whose event differs from the last; a repeat is logged at most
+    at once, and so is one whose event or error differs from the last; a repeat is logged at most
     every ``interval`` seconds, with the count suppressed in between. The first success
     after a failure is logged at info level, so the outage has an end in the log.
     """
@@ -171,11 +171,13 @@ class RateLimitedLog:
             self._health.failed(key, str(kw.get("error") or event))
         now = self._monotonic()
         last = self._last.get(key)
-        if last is not None and last[1] == event and now - last[0] < self._interval:
+        # A new cause (403 after a timeout, say) is news, however soon it comes.
+        what = f"{event}\0{kw.get('error', '')}"
+        if last is not None and last[1] == what and now - last[0] < self._interval:
             self._suppressed[key] = self._suppressed.get(key, 0) + 1
             return
         suppressed = self._suppressed.pop(key, 0)
-        self._last[key] = (now, event)
+        self._last[key] = (now, what)
         if suppressed:
             kw["suppressed"] = suppressed
         self._log.warning(event, endpoint=key, **kw)
