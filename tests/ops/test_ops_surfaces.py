@@ -275,3 +275,26 @@ def test_token_file_guards_the_control_api_and_never_shows(
                 continue
         assert trainer.poll() is None
         assert daemon.stop() == 0
+
+
+def test_a_drill_with_no_trainer_says_none_was_signalled(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    helped = run_cli("drill", "--help")
+    assert "default 120" in helped.stdout
+    daemon, _ = token_daemon(tmp_path, local_s3, s3_dest, token_file=str(tmp_path / "token"))
+    (tmp_path / "token").write_text(TOKEN)
+    with daemon:
+        drill = run_cli("drill", "--deadline", "1", config=daemon.config)  # the socket
+        assert drill.returncode == 1, drill.stderr  # nothing committed: no trainer saved
+        (line,) = [ln for ln in drill.stdout.splitlines() if "trainer signalled" in ln]
+        assert "no process signalled" in line and "0.000" not in line
+        assert "none found" in drill.stdout
+        # Over TCP with no token at hand: the daemon answered, and asked for one.
+        bare = tmp_path / "bare.toml"
+        bare.write_text(daemon.config.read_text().replace(f'token_file = "{tmp_path}/token"', ""))
+        asked = run_cli("status", "--url", f"http://127.0.0.1:{daemon.port}", config=bare)
+        assert asked.returncode == 1
+        assert "answered but asks for a token" in asked.stderr, asked.stderr
+        assert "HTTP Error" not in asked.stderr
+        assert daemon.stop() == 0
