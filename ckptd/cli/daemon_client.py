@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,11 @@ def daemon_request(
 
 
 def _endpoints(args: argparse.Namespace, settings: Settings) -> list[Endpoint]:
+    sock = control_socket(settings)
+    if not args.url and sock is not None and os.access(sock, os.W_OK):
+        # On the node, as the daemon's user or root: no token needed (nor read: this
+        # user may not be allowed to read the token file).
+        return [Endpoint(f"unix:{sock}", socket=sock)]
     token = read_token(settings.http)
     if args.url:
         url: str = args.url
@@ -82,9 +88,6 @@ def _endpoints(args: argparse.Namespace, settings: Settings) -> list[Endpoint]:
             return [Endpoint(url, socket=Path(url[5:]))]
         return [_tcp(url, token)]
     found: list[Endpoint] = []
-    sock = control_socket(settings)
-    if sock is not None and sock.exists():
-        found.append(Endpoint(f"unix:{sock}", socket=sock))
     tcp = control_tcp(settings)
     if tcp is not None:
         found.append(_tcp(f"http://{url_host(tcp[0])}:{tcp[1]}", token))

@@ -12,7 +12,8 @@ Two listeners, one ``HttpServer`` each:
 
 Invariant: a request that can stop training or read the store's status is answered only
 on a listener only the node can reach (loopback, the socket), or with the bearer token,
-compared in constant time. Elsewhere those paths answer 404 and do nothing.
+compared in constant time. Elsewhere every path but the public ones answers 404 and
+does nothing.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from ckptd.runtime.metrics import Metrics
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-#: The control API: what a listener that any pod may reach serves only with a token.
-CONTROL_PATHS = ("/v1/status", "/v1/drill", "/v1/advice")
+#: What every listener serves to anyone: nothing here changes state or shows the store.
+PUBLIC_PATHS = frozenset({"/metrics", "/healthz", "/readyz", "/v1/preemption"})
 NOT_HERE = {
     "error": "not served on this listener: use `ckptd status` / `ckptd drill` on the node, "
     "or configure an [http] token (docs/security.md)"
@@ -80,7 +81,8 @@ class HttpServer:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in CONTROL_PATHS:
+        # Deny by default: any path not public is the control API's, present or future.
+        if request.path not in PUBLIC_PATHS:
             if not self.control:
                 return web.json_response(NOT_HERE, status=404)
             if self._token:
@@ -134,7 +136,8 @@ class HttpServer:
 
     async def start_unix(self, path: Path) -> None:
         """Listen on the Unix socket ``path`` (mode 0600), replacing a stale one."""
-        path.unlink(missing_ok=True)  # a socket left by a daemon that died
+        if path.is_socket():
+            path.unlink()  # left by a daemon that died (the instance lock says none runs)
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         await web.UnixSite(self._runner, str(path)).start()

@@ -164,7 +164,9 @@ def test_shipped_scrape_port_cannot_stop_training_and_the_node_still_can(
                 assert secret not in body, (path, body)
         assert not daemon.events_named("notice_received")
         assert trainer.poll() is None and bystander.poll() is None
-        assert not list(root.glob("checkpoint-*"))  # the trainer was not told to save
+        # No notice, so no signal (the toy trainer also saves every 30 s on its own).
+        assert not (root / ".ckptd" / "preemption.json").exists()
+        assert daemon.metric("ckptd_preemption_notice") == 0.0
         # What the scrape port is for still works.
         code, metrics = http("GET", base + "/metrics")
         assert code == 200 and "ckptd_destination_up 1.0" in metrics
@@ -249,7 +251,7 @@ def test_token_file_guards_the_control_api_and_never_shows(
                 assert (code, json.loads(body)) == (401, {"error": "unauthorized"})
                 assert http("GET", base + "/v1/status", token)[0] == 401
             assert not daemon.events_named("notice_received")
-            assert not list(root.glob("checkpoint-*"))
+            assert not (root / ".ckptd" / "preemption.json").exists()
             code, body = http("GET", base + "/v1/status", TOKEN)
             assert code == 200 and "run1" in json.loads(body)["runs"]
             assert TOKEN not in body
