@@ -13,7 +13,7 @@ from typing import Any
 
 from ckptd.devtools.locals3 import LocalS3
 from tests.ops.test_ops_prometheus import needs_prometheus, prometheus_factory  # noqa: F401
-from tests.support.daemon import Daemon, wait_until
+from tests.support.daemon import Daemon, run_cli, wait_until
 from tests.support.fakes.aws_imds import FakeAwsImds
 from tests.support.ops import hf_daemon
 
@@ -68,6 +68,17 @@ def test_a_deaf_notice_source_is_loud_and_recovers(
     try:
         with daemon:
             wait_until(lambda: source(daemon)["up"], 30, "aws source up")
+            # A run with nothing committed yet: how long, and what its watch dir holds.
+            run = wait_until(
+                lambda: (
+                    (r := daemon.get_json("/v1/status")["runs"]["run1"])["watch_dir_seen"] and r
+                ),
+                30,
+                "the watch dir looked at",
+            )
+            assert run["watch_dir_seen"] == {"exists": True, "entries": 0, "newest": []}
+            assert run["seconds_without_commit"] >= 0
+            assert ("ckptd_seconds_without_commit", (("run", "run1"),)) in daemon.metrics()
             heard = daemon.metric(
                 "ckptd_notice_source_last_success_timestamp_seconds", source="aws"
             )
@@ -97,6 +108,10 @@ def test_a_deaf_notice_source_is_loud_and_recovers(
                 )
 
             wait_until(alert_active, 60, "CkptdNoticeSourceDown active in Prometheus", 0.5)
+            shown = run_cli("status", config=daemon.config)
+            assert shown.returncode == 0, shown.stderr
+            assert "notices from aws: NOT HEARD" in shown.stdout, shown.stdout
+            assert "token: timeout" in shown.stdout
 
             # 2. IMDS turned off: 403, said as such.
             imds.set_token_mode("forbidden")
