@@ -223,13 +223,17 @@ class Responder:
         # discard on ext4 with `discard`), so it goes second and does not hold up the
         # poller (measured by bench/bench_preemption.py).
         trainer = self.settings.trainer
-        if self.trainer_pids is not None:
-            pids = await asyncio.to_thread(self.trainer_pids)
-        else:
-            pids = await asyncio.to_thread(find_trainer_pids, trainer.pidfile, trainer.match)
         signum = trainer.signal_number
-        handles = await asyncio.to_thread(lambda: [catches_signal(p, signum) for p in pids])
-        for pid, handled in zip(pids, handles, strict=True):
+
+        def targets() -> list[tuple[int, bool]]:
+            """Each matched PID, and whether it handles the signal (one thread hop)."""
+            if self.trainer_pids is not None:
+                found = self.trainer_pids()
+            else:
+                found = find_trainer_pids(trainer.pidfile, trainer.match)
+            return [(pid, catches_signal(pid, signum)) for pid in found]
+
+        for pid, handled in await asyncio.to_thread(targets):
             if not handled:
                 self._spare(pid, trainer.signal)
                 response.skipped.append(pid)
