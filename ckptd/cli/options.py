@@ -13,7 +13,10 @@ if TYPE_CHECKING:
 
 JSON_HELP = "one JSON document on stdout (logs stay on stderr)"
 TIER_HELP = "only this tier (a [destination] or [[tiers]] name; default: every tier)"
-DAEMON_URL_HELP = "daemon base URL (default from metrics.listen)"
+DAEMON_URL_HELP = (
+    "the daemon: http://host:port (with the [http] token) or unix:/path (default: the "
+    "control socket, http.listen, else metrics.listen)"
+)
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

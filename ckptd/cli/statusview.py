@@ -10,6 +10,7 @@ asks nothing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,8 @@ from rich.text import Text
 from ckptd.cli.humanize import human_bytes, human_seconds
 
 BAR_WIDTH = 16
+# A run quiet for longer than this gets a line naming its watch dir and what it holds.
+QUIET_SHOWN_SECONDS = 3600.0
 
 
 def progress_text(uploading: Mapping[str, Any] | None) -> Text:
@@ -88,6 +91,51 @@ def notice_text(preemption: Mapping[str, Any] | None) -> Text:
     text.append(f"  noticed {preemption.get('noticed_at') or '?'}")
     text.append(f"  deadline {preemption.get('deadline') or 'unknown'}")
     return text
+
+
+def notice_sources_text(doc: Mapping[str, Any]) -> list[Text]:
+    """One line per cloud notice source: listening, or DEAF with its last error."""
+    lines = []
+    for name, health in sorted((doc.get("notice_sources") or {}).items()):
+        text = Text.assemble(("notices from ", "bold"), (name, "bold"), ": ")
+        last = health.get("last_success")
+        when = _ago(float(last)) if last else "never"
+        if health.get("up"):
+            text.append("listening", style="green")
+            text.append(f"  last read {when}", style="dim")
+        else:
+            text.append("NOT HEARD", style="bold red")
+            failures = health.get("consecutive_failures") or 0
+            text.append(f"  {failures} failed reads, last success {when}: ")
+            text.append(str(health.get("error") or "no read yet"), style="red")
+        lines.append(text)
+    return lines
+
+
+def quiet_runs_text(doc: Mapping[str, Any]) -> list[Text]:
+    """A run with no commit for over an hour: its watch dir and what was seen there."""
+    lines = []
+    for run, body in sorted((doc.get("runs") or {}).items()):
+        quiet = float(body.get("seconds_without_commit") or 0)
+        if quiet < QUIET_SHOWN_SECONDS:
+            continue
+        seen = body.get("watch_dir_seen") or {}
+        text = Text.assemble(
+            ("no commit ", "bold yellow"), f"of {run} for {human_seconds(quiet)}: "
+        )
+        if not seen:
+            text.append(f"{body.get('dir')} not looked at yet")
+        elif not seen.get("exists"):
+            text.append(f"{body.get('dir')} does not exist", style="red")
+        else:
+            names = ", ".join(e["name"] for e in seen.get("newest") or []) or "nothing"
+            text.append(f"{body.get('dir')} holds {seen.get('entries', 0)} entries ({names})")
+        lines.append(text)
+    return lines
+
+
+def _ago(unix_time: float) -> str:
+    return f"{max(0.0, time.time() - unix_time):.0f}s ago"
 
 
 def trainer_text(trainer: Mapping[str, Any] | None) -> Text | None:
@@ -195,6 +243,8 @@ def render_status(doc: Mapping[str, Any], console: Console) -> None:
     for line in waiting_text(doc):
         console.print(line)
     console.print(notice_text(doc.get("preemption")))
+    for line in [*notice_sources_text(doc), *quiet_runs_text(doc)]:
+        console.print(line)
     for line in advice_text(doc):
         console.print(line)
     trainer = trainer_text(doc.get("trainer"))

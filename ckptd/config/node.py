@@ -8,6 +8,7 @@ here and nowhere else.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from signal import Signals
 from typing import Literal
@@ -18,6 +19,7 @@ from ckptd.config.base import Section, absolute_path, check_http_url, parse_list
 from ckptd.config.errors import keyed_error
 
 __all__ = [
+    "CONTROL_SOCKET_NAME",
     "LAUNCHER_NODE_RANK_VARIABLES",
     "CadenceConfig",
     "ClusterConfig",
@@ -29,6 +31,7 @@ __all__ = [
     "SigtermMode",
     "StateConfig",
     "TrainerConfig",
+    "is_loopback",
 ]
 
 Provider = Literal["auto", "aws", "gcp", "azure", "none"]
@@ -275,12 +278,14 @@ class CadenceConfig(Section):
 
 
 class MetricsConfig(Section):
-    """The HTTP listener for /metrics, /healthz and /v1/*."""
+    """The scrape listener: /metrics, /healthz, /readyz and /v1/preemption."""
 
     listen: str = Field(
         default="127.0.0.1:9464",
-        description="`host:port` or `[ipv6]:port` of the HTTP listener (/metrics, "
-        "/healthz, /readyz, /v1/*); loopback by default; port 0 = any free port.",
+        description="`host:port` or `[ipv6]:port` of the scrape listener (/metrics, "
+        "/healthz, /readyz, /v1/preemption); loopback by default; port 0 = any free port. "
+        "The control API (/v1/status, /v1/drill, /v1/advice) is served here too only on "
+        "loopback or with an `[http]` token.",
     )
 
     @field_validator("listen")
@@ -299,16 +304,86 @@ class MetricsConfig(Section):
         """The port part of ``listen`` (0 = any free port)."""
         return parse_listen(self.listen)[1]
 
+    @property
+    def loopback(self) -> bool:
+        """Whether only this machine can reach the listener."""
+        return is_loopback(self.host)
+
+
+#: The control socket's name under ``state.dir`` when ``http.listen`` is empty.
+CONTROL_SOCKET_NAME = "ckptd.sock"
+
 
 class HttpConfig(Section):
-    """Access control for the /v1/* endpoints."""
+    """The control and status API (/v1/status, /v1/drill, /v1/advice), and its token."""
 
+    listen: str = Field(
+        default="",
+        description="Where the control and status API listens: empty = the Unix socket "
+        f"`<state.dir>/{CONTROL_SOCKET_NAME}` (mode 0600: the daemon's user and root "
+        "only), `unix:/absolute/path`, or `host:port` (anything but loopback needs "
+        "`token_file` or `token`). `ckptd status`, `drill` and `exec` find it here.",
+    )
     # A secret, so it is never printed (SecretStr masks it).
     token: SecretStr = Field(
         default=SecretStr(""),
-        description="Optional bearer token: when set, /v1/* require `Authorization: "
-        "Bearer <token>`. Never printed.",
+        description="Bearer token: when set (or `token_file`), the control API on a TCP "
+        "listener requires `Authorization: Bearer <token>`; the Unix socket is guarded by "
+        "its file mode instead. Never printed; prefer `token_file`.",
     )
+    token_file: str = Field(
+        default="",
+        description="An absolute path to a file holding the token (a Kubernetes Secret "
+        "mounted as a file); under systemd a `LoadCredential=` of the same file name, in "
+        "`$CREDENTIALS_DIRECTORY`, is read in its place. Read by the daemon and the CLI; "
+        "never printed.",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_is_socket_or_host_port(cls, value: str) -> str:
+        if value.startswith("unix:"):
+            if not Path(value[5:]).is_absolute():
+                raise ValueError("must be unix:/absolute/path, or host:port")
+        elif value:
+            parse_listen(value)
+        return value
+
+    @field_validator("token_file")
+    @classmethod
+    def _token_file_is_absolute(cls, value: str) -> str:
+        if value and not Path(value).is_absolute():
+            raise ValueError(f"must be an absolute path, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _remote_control_needs_a_token(self) -> HttpConfig:
+        if self.token_file and self.token.get_secret_value():
+            raise keyed_error(("token_file",), "set http.token_file or http.token, not both")
+        tcp = self.listen and not self.listen.startswith("unix:")
+        if tcp and not is_loopback(parse_listen(self.listen)[0]) and not self.has_token:
+            raise keyed_error(
+                ("listen",),
+                f"{self.listen} would let anyone who reaches it stop training (POST "
+                "/v1/drill) and read the store's status: set http.token_file (or "
+                "http.token), or listen on loopback or a Unix socket (empty = "
+                f"<state.dir>/{CONTROL_SOCKET_NAME})",
+            )
+        return self
+
+    @property
+    def has_token(self) -> bool:
+        return bool(self.token.get_secret_value() or self.token_file)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class StateConfig(Section):

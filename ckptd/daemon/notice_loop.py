@@ -22,12 +22,14 @@ from ckptd.cadence.advisor import CadenceAdvisor
 from ckptd.config import Settings
 from ckptd.notices.cluster import ClusterNoticeSource
 from ckptd.notices.detect import make_source
+from ckptd.notices.health import SourceHealth
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.responder import NOTICE_FILE, Responder, Response
 from ckptd.notices.shutdown import sigterm_meaning
 from ckptd.notices.slurm import make_slurm_source
 from ckptd.notices.slurm_job import lead_seconds
 from ckptd.runtime.clock import Clock
+from ckptd.runtime.metrics import Metrics
 
 # What the lifecycle does with one notice from one source.
 Reaction = Callable[[Notice, NoticeSource], Awaitable[None]]
@@ -55,19 +57,22 @@ class NoticeLoop:
         self.clock = clock
         self.log = log
         self._followed_drills: set[asyncio.Task[None]] = set()
+        self.cloud = self._cloud_source()
+        self.slurm = self._slurm_source()
 
-    def sources(self, fixed: list[NoticeSource]) -> list[NoticeSource]:
-        """``fixed`` (the signals, another node's NOTICE), then the cloud's, if any."""
-        sources = list(fixed)
+    def _cloud_source(self) -> NoticeSource | None:
+        """The cloud's notice source, if any (made once: construction does no I/O)."""
         p = self.settings.preemption
         try:
             cloud = make_source(p.provider, p.endpoint, p.poll_interval_seconds, p.imdsv1_fallback)
         except (ValueError, OSError) as exc:
             self.log.error("notice_source_unavailable", provider=p.provider, error=str(exc))
-            return sources
+            return None
         self.log.info("notice_source", provider=p.provider, source=cloud and cloud.name)
-        if cloud is not None:
-            sources.append(cloud)
+        return cloud
+
+    def _slurm_source(self) -> NoticeSource | None:
+        """The Slurm job's source inside a Slurm job (``SLURM_JOB_ID``), else None."""
         s = self.settings.slurm
         slurm = make_slurm_source(
             s.enabled,
@@ -78,8 +83,27 @@ class NoticeLoop:
         )
         if slurm is not None:
             self.log.info("notice_source", provider="slurm", job=slurm.job_id)
-            sources.append(slurm)
-        return sources
+        return slurm
+
+    def sources(self, fixed: list[NoticeSource]) -> list[NoticeSource]:
+        """``fixed`` (the signals, another node's NOTICE), then the cloud's and the Slurm
+        job's, where there are."""
+        return [*fixed, *(s for s in (self.cloud, self.slurm) if s is not None)]
+
+    def health(self) -> dict[str, SourceHealth]:
+        """The health of each source that reads a metadata service, by name."""
+        found = getattr(self.cloud, "health", None)
+        return {found.source: found} if isinstance(found, SourceHealth) else {}
+
+    def export_health(self, metrics: Metrics) -> dict[str, Any]:
+        """Each source's health into ``metrics``; returns it for ``/v1/status``."""
+        out = {}
+        for name, health in self.health().items():
+            metrics.notice_source_up.labels(source=name).set(1 if health.up else 0)
+            metrics.notice_source_last_success.labels(source=name).set(health.last_success or 0)
+            metrics.notice_source_failures.labels(source=name).set(health.consecutive_failures)
+            out[name] = health.to_json()
+        return out
 
     def slurm_lead(self) -> float:
         """Seconds before a Slurm job's end that its forced save starts: from the runs'

@@ -33,11 +33,12 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ckptd.config import ConfigError, Settings
+from ckptd.config import Settings
 from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import ManifestError
 from ckptd.daemon.build import build_daemon
 from ckptd.daemon.notice_loop import NoticeLoop, remove_stale_notice_files
+from ckptd.daemon.quiet import QuietRuns, sight
 from ckptd.daemon.sdnotify import SystemdNotifier, summarize
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
@@ -122,9 +123,12 @@ class Service:
             clock=clock,
             log=self.log,
         )
+        self.notices.export_health(self.metrics)  # every source's series, from the start
+        self.quiet = QuietRuns(clock.time())
         # What start-up and the main loop learn.
         self.http: Any = None  # ckptd.daemon.http.HttpServer, imported only when serving
         self.http_port: int | None = None
+        self.control_http: Any = None  # the control listener's HttpServer
         self.watching: list[str] = []
         self.missing_watch_dirs: list[Path] = []
         # The cadence history's store I/O (start-up read, periodic writes) in flight; a
@@ -178,30 +182,11 @@ class Service:
             await self._start_http()
 
     async def _start_http(self) -> None:
-        from ckptd.daemon.http import (
-            HttpServer,  # aiohttp costs ~0.3 s of start-up; --once needs none
-        )
+        """The scrape listener, then the control listener (``ckptd.daemon.surfaces``)."""
+        from ckptd.daemon.surfaces import start_surfaces  # aiohttp: --once needs none
 
-        self.http = HttpServer(
-            self.metrics,
-            status=self.status,
-            ready=self.ready,
-            preemption=self.responder.preemption_json,
-            advice=self.advisor.advice_json,
-            drill=self.responder.drill,
-            token=self.settings.http.token.get_secret_value(),
-        )
-        try:
-            port = await self.http.start(self.settings.metrics.host, self.settings.metrics.port)
-        except OSError as exc:
-            raise ConfigError(
-                "metrics.listen",
-                f"cannot listen on {self.settings.metrics.listen} "
-                f"({exc.strerror or exc}); another ckptd or program may hold it: choose a "
-                "free port (metrics.listen, CKPTD_METRICS__LISTEN; port 0 = any)",
-            ) from None
-        self.http_port = port
-        self.log.info("http_listening", host=self.settings.metrics.host, port=port)
+        self.http, self.control_http = await start_surfaces(self, self.settings, self.log)
+        self.http_port = self.http.port
 
     def _report_missing_watch_dirs(self) -> list[Path]:
         """A watch dir that does not exist yet is watched from when it appears (a fresh
@@ -306,8 +291,9 @@ class Service:
         close every tier, let the locks go."""
         self.io_stop.set()
         self.watcher.stop()
-        if self.http is not None:
-            await self.http.stop()
+        for server in (self.http, self.control_http):
+            if server is not None:
+                await server.stop()
         if self.publisher is not None:
             await self.publisher.drain(PUBLISH_DRAIN_SECONDS)
         if not self.once:
@@ -389,6 +375,8 @@ class Service:
             if now - last_stats >= JOURNAL_STATS_SECONDS:
                 last_stats = now
                 stats = await asyncio.to_thread(self.journal.stats)
+                for run_id, state in pipeline.runs.items():
+                    self.quiet.sights[run_id] = await asyncio.to_thread(sight, state.dir)
                 for table, rows in stats.items():
                     self.metrics.journal_rows.labels(table=table).set(rows)
             before, self.watching = set(self.watching), self.watcher.refresh()
@@ -425,14 +413,18 @@ class Service:
     # -- what HTTP shows -----------------------------------------------------------------
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
-        """Ready: config loaded, destination reachable, watcher running."""
+        """Ready: config loaded, destination reachable, watcher running, and the cloud's
+        notice source not deaf (``DEAF_AFTER_FAILURES`` failed reads in a row): a node
+        that cannot hear a preemption is as unprotected as one that cannot ship."""
         runs = list(self.pipeline.runs)
-        ok = self.destination.ok and set(self.watching) == set(runs)
+        deaf = {name: h.error for name, h in self.notices.health().items() if h.deaf}
+        ok = self.destination.ok and set(self.watching) == set(runs) and not deaf
         return ok, {
             "destination": self.destination.ok,
             "destination_error": self.destination.error,
             "watching": self.watching,
             "runs": runs,
+            "notice_sources_down": deaf,
         }
 
     def status(self) -> dict[str, Any]:
@@ -441,4 +433,6 @@ class Service:
         body["tiers"] = self.tiers.status(body["runs"])
         body["preemption"] = self.responder.preemption_json()
         body["advice"] = self.advisor.advice_json()["runs"]
+        body["notice_sources"] = self.notices.export_health(self.metrics)
+        self.quiet.annotate(body["runs"], self.clock.time(), self.metrics)
         return body

@@ -41,7 +41,7 @@ import aiohttp
 import structlog
 
 from ckptd.notices.client import BadResponse, MetadataSource, describe_error, session_scope
-from ckptd.notices.model import Clock, Notice, Sleep, parse_time, utc_now
+from ckptd.notices.model import Clock, Notice, RateLimitedLog, Sleep, parse_time, utc_now
 
 TOKEN_PATH = "/latest/api/token"
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
@@ -51,6 +51,7 @@ REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 SCHEDULED_PATH = "/latest/meta-data/events/maintenance/scheduled"
 
 MAX_TOKEN_TTL = 21600  # six hours, the documented maximum
+HINT_INTERVAL_SECONDS = 300.0
 
 #: instance-action "action" -> Notice.kind
 SPOT_KINDS: dict[str, str] = {
@@ -111,6 +112,8 @@ class AwsImdsSource(MetadataSource):
         self._skip_token_until = 0.0
         self._token_lock = asyncio.Lock()
         self._seen: set[str] = set()
+        # The hop-limit hint: once, then at most every HINT_INTERVAL_SECONDS.
+        self._hint = RateLimitedLog(log, HINT_INTERVAL_SECONDS, monotonic)
 
     async def acknowledge(self, notice: Notice) -> None:
         """AWS has nothing to acknowledge."""
@@ -172,9 +175,20 @@ class AwsImdsSource(MetadataSource):
                     timeout=aiohttp.ClientTimeout(total=self.request_timeout),
                 ) as resp:
                     body = await resp.text()
+                    if resp.status == 403:
+                        raise BadResponse(
+                            "token PUT answered HTTP 403: the instance metadata service is "
+                            "turned off (aws ec2 modify-instance-metadata-options "
+                            "--http-endpoint enabled)"
+                        )
                     if resp.status != 200:
                         raise BadResponse(f"token PUT answered HTTP {resp.status}")
-            except (aiohttp.ClientError, TimeoutError, BadResponse) as exc:
+            except TimeoutError:
+                self._token_timed_out(url)
+                if self.imdsv1_fallback:
+                    self._skip_token_until = self._monotonic() + self.token_retry_interval
+                return None
+            except (aiohttp.ClientError, BadResponse) as exc:
                 self._warn.warning(
                     "token",
                     "imds token request failed",
@@ -196,6 +210,21 @@ class AwsImdsSource(MetadataSource):
             self._token = token
             self._token_refresh_at = self._monotonic() + lifetime
             return token
+
+    def _token_timed_out(self, url: str) -> None:
+        """The token PUT got no answer: most often the hop limit, said with its fix."""
+        self.health.failed("token", "timeout")
+        self._hint.warning(
+            "token-timeout",
+            "imds_token_timeout",
+            url=url,
+            why="the IMDSv2 token PUT got no answer: from a container behind a bridge the "
+            "instance's metadata hop limit of 1 drops the reply, so no notice can be heard",
+            fix="aws ec2 modify-instance-metadata-options --instance-id <id> "
+            "--http-put-response-hop-limit 2 (or hostNetwork, or [preemption] "
+            "imdsv1_fallback = true)",
+            fallback="imdsv1" if self.imdsv1_fallback else None,
+        )
 
     async def _invalidate_token(self, stale: str | None) -> None:
         async with self._token_lock:

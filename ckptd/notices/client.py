@@ -10,13 +10,15 @@ from typing import Any
 
 import aiohttp
 
+from ckptd.notices.health import SourceHealth
 from ckptd.notices.model import Clock, Notice, RateLimitedLog, Sleep
 
 
 class MetadataSource:
     """The state every cloud metadata source keeps: its endpoint, the caller's session
     (None: one of its own per poll), time as injected by the tests (wall clock, sleep,
-    monotonic), and warnings rate-limited to one per ``log_interval`` per failure."""
+    monotonic), warnings rate-limited to one per ``log_interval`` per failure, and its
+    ``health`` (``ckptd.notices.health``), told of every failure and success."""
 
     name: str  # "aws", "gcp", "azure": the ``source`` of its log lines
 
@@ -37,7 +39,8 @@ class MetadataSource:
         self._sleep = sleep
         self._monotonic = monotonic
         self._log = log
-        self._warn = RateLimitedLog(log, log_interval, monotonic)
+        self.health = SourceHealth(self.name)
+        self._warn = RateLimitedLog(log, log_interval, monotonic, self.health)
 
     def _announce(self, notice: Notice) -> None:
         """Log a notice seen for the first time."""

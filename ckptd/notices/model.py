@@ -11,7 +11,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ckptd.notices.health import SourceHealth
 
 #: Where a notice came from. "drill" is ``ckptd drill`` (a simulated preemption).
 NoticeSourceName = Literal["aws", "gcp", "azure", "sigterm", "slurm", "drill"]
@@ -145,7 +148,7 @@ class RateLimitedLog:
 
     A metadata endpoint that is down answers the same error every second; logging each
     one buries everything else. Per key (one endpoint, say) the first warning is logged
-    at once, and so is one whose event differs from the last; a repeat is logged at most
+    at once, and so is one whose event or error differs from the last; a repeat is logged at most
     every ``interval`` seconds, with the count suppressed in between. The first success
     after a failure is logged at info level, so the outage has an end in the log.
     """
@@ -155,7 +158,9 @@ class RateLimitedLog:
         logger: Any,
         interval: float = 60.0,
         monotonic: Callable[[], float] = time.monotonic,
+        health: SourceHealth | None = None,
     ) -> None:
+        self._health = health  # told of every failure and success, logged or not
         self._log = logger
         self._interval = interval
         self._monotonic = monotonic
@@ -164,19 +169,25 @@ class RateLimitedLog:
 
     def warning(self, key: str, event: str, **kw: Any) -> None:
         """Log ``event`` unless ``key`` logged the same event less than ``interval`` ago."""
+        if self._health is not None:
+            self._health.failed(key, str(kw.get("error") or event))
         now = self._monotonic()
         last = self._last.get(key)
-        if last is not None and last[1] == event and now - last[0] < self._interval:
+        # A new cause (403 after a timeout, say) is news, however soon it comes.
+        what = f"{event}\0{kw.get('error', '')}"
+        if last is not None and last[1] == what and now - last[0] < self._interval:
             self._suppressed[key] = self._suppressed.get(key, 0) + 1
             return
         suppressed = self._suppressed.pop(key, 0)
-        self._last[key] = (now, event)
+        self._last[key] = (now, what)
         if suppressed:
             kw["suppressed"] = suppressed
         self._log.warning(event, endpoint=key, **kw)
 
     def recovered(self, key: str, event: str, **kw: Any) -> None:
         """Log ``event`` at info level if ``key`` had been failing."""
+        if self._health is not None:
+            self._health.succeeded(key)
         if self._last.pop(key, None) is not None:
             suppressed = self._suppressed.pop(key, 0)
             self._log.info(event, endpoint=key, suppressed=suppressed, **kw)

@@ -3,7 +3,11 @@
 Within one poll interval of a notice the responder
   1. writes ``<watch dir>/.ckptd/preemption.json`` (atomically) for every watched run,
   2. sends ``trainer.signal`` to the trainer (pidfile, or every process whose command
-     line contains ``trainer.match`` — every rank on the node),
+     line contains ``trainer.match`` — every rank on the node; ``ckptd exec``: its
+     trainer's tree), but only to a process that has a handler for it (``SigCgt``): a
+     launcher such as torchrun, or a pager on the script, would die of it. A process
+     spared is logged once (``trainer_signal_skipped``, with its command line) and
+     counted (``ckptd_trainer_signal_skipped_total``),
   3. answers ``GET /v1/preemption`` with the same JSON,
   4. puts the pipeline in emergency mode: the first checkpoint completed after the
      notice jumps the queue, and an older upload that cannot also finish is paused,
@@ -34,6 +38,7 @@ from ckptd.notices.model import Notice, NoticeSource, format_time
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
+from ckptd.runtime.processes import catches_signal, cmdline_of
 
 NOTICE_FILE = handoff.NOTICE
 
@@ -93,6 +98,7 @@ class Response:
     noticed: float
     signalled: float | None = None
     pids: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
     complete: float | None = None
     committed: float | None = None
     checkpoint: str | None = None
@@ -111,6 +117,8 @@ class Response:
             "notice": self.notice.to_json(),
             "signalled_after_s": rel(self.signalled),
             "trainer_pids": self.pids,
+            # Matched but spared: no handler for the signal (it would have died of it).
+            "skipped_pids": self.skipped,
             "checkpoint": self.checkpoint,
             "run": self.run,
             "bytes": self.bytes,
@@ -165,6 +173,7 @@ class Responder:
         self.clock = clock
         self.current: Response | None = None
         self.handled: set[str] = set()
+        self.skipped_logged: set[int] = set()  # PIDs already logged as spared
         self._background: set[asyncio.Task[None]] = set()
         self._files_lock = asyncio.Lock()  # notice-file writes and removals, in order
         self.log = get_logger()
@@ -214,19 +223,36 @@ class Responder:
         # discard on ext4 with `discard`), so it goes second and does not hold up the
         # poller (measured by bench/bench_preemption.py).
         trainer = self.settings.trainer
-        if self.trainer_pids is not None:
-            pids = await asyncio.to_thread(self.trainer_pids)
-        else:
-            pids = await asyncio.to_thread(find_trainer_pids, trainer.pidfile, trainer.match)
-        for pid in pids:
+        signum = trainer.signal_number
+
+        def targets() -> list[tuple[int, bool]]:
+            """Each matched PID, and whether it handles the signal (one thread hop)."""
+            if self.trainer_pids is not None:
+                found = self.trainer_pids()
+            else:
+                found = find_trainer_pids(trainer.pidfile, trainer.match)
+            return [(pid, catches_signal(pid, signum)) for pid in found]
+
+        for pid, handled in await asyncio.to_thread(targets):
+            if not handled:
+                self._spare(pid, trainer.signal)
+                response.skipped.append(pid)
+                continue
             try:
-                os.kill(pid, trainer.signal_number)
+                os.kill(pid, signum)
                 response.pids.append(pid)
             except OSError as exc:
                 self.log.error("trainer_signal_failed", pid=pid, error=str(exc))
-        response.signalled = self.clock.monotonic()
+        response.signalled = self.clock.monotonic() if response.pids else None
         if response.pids:
             self.log.warning("trainer_signalled", pids=response.pids, signal=trainer.signal)
+        elif response.skipped:
+            self.log.error(
+                "trainer_not_signalled",
+                skipped=response.skipped,
+                why=f"no matched process handles {trainer.signal}; the notice file and "
+                "/v1/preemption still carry the notice",
+            )
         elif trainer.pidfile or trainer.match or self.trainer_pids is not None:
             self.log.error("trainer_not_found", pidfile=trainer.pidfile, match=trainer.match)
         task = asyncio.get_running_loop().create_task(self._write_notice_files(body))
@@ -234,6 +260,21 @@ class Responder:
         task.add_done_callback(self._background.discard)
         self.pipeline.enter_emergency(notice.deadline)
         return response
+
+    def _spare(self, pid: int, signal_name: str) -> None:
+        """A matched process with no handler for the signal: never signalled; logged
+        once per PID, counted every time."""
+        self.metrics.trainer_signal_skipped.inc()
+        if pid in self.skipped_logged:
+            return
+        self.skipped_logged.add(pid)
+        self.log.warning(
+            "trainer_signal_skipped",
+            pid=pid,
+            cmdline=cmdline_of(pid),
+            signal=signal_name,
+            why="it has no handler for the signal, whose default action would end it",
+        )
 
     async def _write_notice_files(self, body: dict[str, Any]) -> None:
         async with self._files_lock:

@@ -95,6 +95,12 @@ class Metrics:
             ["run"],
             registry=r,
         )
+        self.seconds_without_commit = Gauge(
+            "ckptd_seconds_without_commit",
+            "Seconds since the run's last commit, or since the daemon began watching it.",
+            ["run"],
+            registry=r,
+        )
         self.advised_interval = Gauge(
             "ckptd_advised_checkpoint_interval_seconds",
             "Advised training time between checkpoints (Young/Daly, from measured save "
@@ -114,6 +120,30 @@ class Metrics:
         self.preemption_deadline = Gauge(
             "ckptd_preemption_deadline_seconds",
             "Unix time of the active notice's deadline (0 when none or unknown).",
+            registry=r,
+        )
+        self.notice_source_up = Gauge(
+            "ckptd_notice_source_up",
+            "1 while the cloud's notice source reads its metadata service (0 until the "
+            "first read, and from the first failed one).",
+            ["source"],
+            registry=r,
+        )
+        self.notice_source_last_success = Gauge(
+            "ckptd_notice_source_last_success_timestamp_seconds",
+            "Unix time of the notice source's last successful read (0: none yet).",
+            ["source"],
+            registry=r,
+        )
+        self.notice_source_failures = Gauge(
+            "ckptd_notice_source_consecutive_failures",
+            "Failed reads of the notice source since its last success.",
+            ["source"],
+            registry=r,
+        )
+        self.trainer_signal_skipped = Counter(
+            "ckptd_trainer_signal_skipped",
+            "Matched trainer processes not sent the save signal: no handler for it.",
             registry=r,
         )
         self.emergency_eta = Gauge(

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.config import Settings
+from ckptd.config.control import read_token
 from ckptd.core.errors import EXIT_FLUSH_FAILED, CkptdError
 from ckptd.core.manifest import ManifestError
 from ckptd.daemon.service import DRAIN_QUIET_SECONDS, Service
@@ -77,7 +78,7 @@ class SupervisedService(Service):
             "CKPTD_WATCH_DIR": str(self.watch_dir),
             "CKPTD_SIGNAL": settings.trainer.signal,
         }
-        token = settings.http.token.get_secret_value()
+        token = read_token(settings.http)  # token_file too; never on a command line
         if token:
             env["CKPTD_TOKEN"] = token
         self.supervisor = TrainerSupervisor(

@@ -26,6 +26,7 @@ from ckptd.core.errors import EXIT_GAVE_UP, EXIT_USAGE, CkptdError
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
+from ckptd.runtime.processes import catches_signal, cmdline_of
 from ckptd.supervision.restarts import Attempt, RestartPolicy, cause_of, decide, shell_code
 
 #: What a resume-point lookup answers: the checkpoint's path and step (path None: none).
@@ -58,32 +59,13 @@ def process_tree(root: int, *, proc: Path = _PROC) -> list[int]:
     return [p for p in found if p == root or (proc / str(p)).exists()]
 
 
-def catches_signal(pid: int, signum: int, *, proc: Path = _PROC) -> bool:
-    """Whether ``pid`` has a handler installed for ``signum`` (``SigCgt`` in
-    /proc/PID/status, a hex mask with bit ``signum - 1``); False when it is gone."""
-    try:
-        for line in (proc / str(pid) / "status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
-
-
 def signal_targets(root: int, signum: int, match: str = "", *, proc: Path = _PROC) -> list[int]:
-    """Whom a notice signals in ``root``'s tree (``TrainerSupervisor.trainer_pids``)."""
+    """Whom a notice may signal in ``root``'s tree (``TrainerSupervisor.trainer_pids``);
+    the responder still spares any of them that has no handler for the signal."""
     tree = process_tree(root, proc=proc)
     if match:
-        return [p for p in tree if match in _cmdline(p, proc)]
+        return [p for p in tree if match in cmdline_of(p, proc=proc)]
     return [p for p in tree if catches_signal(p, signum, proc=proc)] or [root]
-
-
-def _cmdline(pid: int, proc: Path = _PROC) -> str:
-    try:
-        raw = (proc / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return ""
-    return " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
 
 
 class TrainerStartError(CkptdError):
@@ -149,7 +131,8 @@ class TrainerSupervisor:
         installed: the ranks' listeners) are signalled, so a launcher that would die of
         it, such as torchrun (it handles SIGTERM, SIGINT, SIGHUP, SIGQUIT, not SIGUSR1), is
         left out; when none catches it yet (a trainer still starting), the trainer itself
-        is signalled, as ``ckptd run`` would."""
+        is named, and the responder spares it as it spares any process without a handler
+        (it learns of the notice from its notice file)."""
         pid = self.pid
         if pid is None:
             return []

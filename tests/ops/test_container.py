@@ -249,11 +249,15 @@ def test_compose_scenario_ships_drills_and_flushes_on_stop(
     status, metrics = _http(port, "/metrics")
     assert status == 200 and b"ckptd_checkpoints_committed_total" in metrics
 
-    # A drill: ckptd finds the trainer in the shared PID namespace (trainer.match) and
-    # signals it; the trainer saves and the save is committed before the deadline.
-    status, body = _http(port, "/v1/drill?deadline=60", method="POST", timeout=120)
-    drill = json.loads(body)
-    assert status == 200 and drill["trainer_pids"], drill
+    # A drill, as an operator runs it (`docker compose exec ckptd ckptd drill`: the
+    # control socket in the container's state dir): ckptd finds the trainer in the
+    # shared PID namespace (trainer.match) and signals it; the trainer saves and the
+    # save is committed before the deadline.
+    drilled = podman.podman(
+        "exec", names["ckptd"], "ckptd", "drill", "--deadline", "60", "--json", timeout=120
+    )
+    drill = json.loads(drilled.stdout)
+    assert drill["trainer_pids"], drill
     assert drill["committed_before_deadline"], drill
     wait_until(lambda: _committed(local_s3, s3_dest, run), 30, "the drill's checkpoint in S3")
     before = _committed(local_s3, s3_dest, run)

@@ -30,6 +30,8 @@ ALERTS = {
     "CkptdUploadsFailing",
     "CkptdNoticeWithoutCommit",
     "CkptdDestinationDown",
+    "CkptdNoticeSourceDown",
+    "CkptdNoCheckpoint",
     "CkptdDown",
 }
 

@@ -28,7 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.core.errors import EXIT_FLUSH_FAILED, EXIT_GAVE_UP
 from ckptd.devtools.locals3 import LocalS3
-from ckptd.supervision.supervisor import catches_signal, process_tree, signal_targets
+from ckptd.runtime.processes import catches_signal
+from ckptd.supervision.supervisor import process_tree, signal_targets
 from tests.support.daemon import run_cli, wait_until
 from tests.support.exec_harness import ExecNode, crash_repeatedly
 from tests.support.fakes.aws_imds import FakeAwsImds

@@ -236,7 +236,9 @@ def command_mentions() -> list[tuple[Mention, str, list[str]]]:
     found: list[tuple[Mention, str, list[str]]] = []
 
     def take(where: str, text: str) -> None:
-        for start in re.finditer(r"(?<![\w/.-])ckptd ([a-z]+)(?: (check))?", text):
+        for start in re.finditer(
+            r"(?<![\w/.-])ckptd (?!ckptd )([a-z]+)(?: (check))?(?![\w/.-])", text
+        ):
             rest = text[start.end() :]
             # Up to the trainer's command (`-- CMD`) or the next ckptd on the line.
             rest = re.split(r"(?:^|\s)--(?:\s|$)|(?<![\w/.-])ckptd ", rest, maxsplit=1)[0]

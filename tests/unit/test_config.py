@@ -252,6 +252,10 @@ BAD_VALUES = [
     ('[metrics]\nlisten = "::1:9464"', "metrics.listen"),
     ('[metrics]\nlisten = "[nope]:9464"', "metrics.listen"),
     ("[http]\ntoken = 5", "http.token"),
+    ('[http]\nlisten = "unix:relative.sock"', "http.listen"),
+    ('[http]\nlisten = "0.0.0.0:9465"', "http.listen"),  # reachable, and no token
+    ('[http]\ntoken_file = "token"', "http.token_file"),
+    ('[http]\ntoken = "a"\ntoken_file = "/run/secrets/token"', "http.token_file"),
     ('[state]\ndir = "relative"', "state.dir"),
     ("[cluster]\nnodes = 0", "cluster.nodes"),
     ("[cluster]\nnodes = 2\nnode_rank = 2", "cluster.node_rank"),
@@ -810,3 +814,50 @@ def test_one_destination_is_unchanged_by_tiers(tmp_path: Path) -> None:
     settings = load(tmp_path, '[destination]\nurl = "s3://bkt/p"\n')
     assert settings.tiers == [] and settings.destination.name == "primary"
     assert settings.retention.keep_within == "0"
+
+
+# -- the control API's token and listener (issue #31) -------------------------------------
+
+
+def test_token_file_is_read_and_a_systemd_credential_of_its_name_wins(tmp_path: Path) -> None:
+    from ckptd.config.control import read_token
+
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "creds").mkdir()
+    (tmp_path / "etc" / "http-token").write_text("from-the-file\n")
+    (tmp_path / "creds" / "http-token").write_text("from-systemd\n")
+    http = config.HttpConfig(token_file=str(tmp_path / "etc" / "http-token"))
+    assert read_token(http, {}) == "from-the-file"
+    assert read_token(http, {"CREDENTIALS_DIRECTORY": str(tmp_path / "creds")}) == "from-systemd"
+    assert read_token(http, {"CREDENTIALS_DIRECTORY": str(tmp_path / "none")}) == "from-the-file"
+
+
+@pytest.mark.parametrize("content", [None, "", "two words\n"])
+def test_an_unusable_token_file_is_a_config_error_naming_the_key(
+    tmp_path: Path, content: str | None
+) -> None:
+    from ckptd.config.control import read_token
+
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError) as err:
+        read_token(config.HttpConfig(token_file=str(path)), {})
+    assert err.value.key == "http.token_file" and str(path) in str(err.value)
+
+
+def test_config_check_notes_a_reachable_scrape_listener_that_lost_the_control_api(
+    tmp_path: Path,
+) -> None:
+    from ckptd.config.control import meaning_changes
+
+    def changes(toml: str) -> list[str]:
+        path = tmp_path / "c.toml"
+        path.write_text(toml)
+        return meaning_changes(load_settings(path, environ={}))
+
+    (note,) = changes('[metrics]\nlisten = "0.0.0.0:9464"\n')
+    assert "metrics.listen = 0.0.0.0:9464" in note and "http.listen" in note
+    assert changes('[metrics]\nlisten = "127.0.0.1:9464"\n') == []  # loopback: as before
+    # listen + token: the control API stays on the scrape listener, behind the token.
+    assert changes('[metrics]\nlisten = "0.0.0.0:9464"\n[http]\ntoken = "x"\n') == []

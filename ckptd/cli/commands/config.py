@@ -16,6 +16,7 @@ from ckptd.config import (
     require_destination,
     require_watch,
 )
+from ckptd.config.control import meaning_changes, read_token
 
 if TYPE_CHECKING:
     from ckptd.cli.options import Subparsers
@@ -38,9 +39,12 @@ def handle(args: argparse.Namespace) -> int:
             "defaults and CKPTD_* variables only\n"
         )
     settings = settings_of(args)
+    read_token(settings.http)  # a token file `run` could not read fails here too
     # Valid is what `ckptd run` accepts: the same settings must not pass here and fail there.
     # Printed only once valid: stdout holds a config `run` takes, or nothing.
     require_destination(settings)
     require_watch(settings)
     sys.stdout.write(render_effective_config(settings))
+    for line in meaning_changes(settings):
+        sys.stderr.write(f"ckptd: note: {line}\n")
     return EXIT_OK

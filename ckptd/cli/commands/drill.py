@@ -23,7 +23,10 @@ def add_parser(sub: Subparsers) -> None:
     )
     add_common(drill)
     drill.add_argument(
-        "--deadline", type=float, default=120.0, help="seconds the simulated notice gives"
+        "--deadline",
+        type=float,
+        default=120.0,
+        help="seconds the simulated notice gives (default %(default)g)",
     )
     drill.add_argument("--url", default=None, help=DAEMON_URL_HELP)
     drill.add_argument("--json", action="store_true", help=JSON_HELP)
@@ -33,7 +36,7 @@ def handle(args: argparse.Namespace) -> int:
     _, doc = daemon_request(
         args,
         f"/v1/drill?deadline={args.deadline}",
-        failure="drill failed: daemon not reachable or refused",
+        failure="drill failed",
         method="POST",
         timeout=args.deadline + 30,
     )
@@ -50,11 +53,17 @@ def _print_timings(deadline: float, doc: dict[str, Any], ok: bool) -> None:
         value = doc.get(key)
         return "-" if value is None else f"{value:8.3f} s"
 
-    print(
-        f"drill: deadline {deadline:.0f} s, trainer pids {doc.get('trainer_pids') or 'none found'}"
-    )
+    pids, skipped = doc.get("trainer_pids") or [], doc.get("skipped_pids") or []
+    found = pids or ("none signalled" if skipped else "none found")
+    print(f"drill: deadline {deadline:.0f} s, trainer pids {found}")
     print(f"  {'noticed':<22} {0:8.3f} s")
-    print(f"  {'trainer signalled':<22} {at('signalled_after_s')}")
+    if pids:
+        print(f"  {'trainer signalled':<22} {at('signalled_after_s')}")
+    else:
+        # Nothing was sent: a time here would read as if a trainer had been told.
+        print(f"  {'trainer signalled':<22} {'no process signalled':>10}")
+    if skipped:
+        print(f"  {'spared (no handler)':<22} pids {skipped}")
     print(f"  {'checkpoint complete':<22} {at('complete_after_s')}   {doc.get('checkpoint') or ''}")
     print(
         f"  {'committed':<22} {at('committed_after_s')}   {human_bytes(int(doc.get('bytes') or 0))}"

@@ -22,7 +22,7 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    _base, doc = daemon_request(args, "/v1/status", failure="daemon not reachable")
+    _base, doc = daemon_request(args, "/v1/status", failure="status failed")
     if args.json:
         print_json(doc)
         return EXIT_OK

@@ -181,7 +181,9 @@ class FakeAwsImds(FakeServer):
         if token_mode == "hang":
             while self._token_mode == "hang":
                 await self.wait_for_change(self._version, 1.0)
-        elif token_mode == "forbidden":
+            with self._lock:
+                token_mode = self._token_mode  # what it answers once it stops hanging
+        if token_mode == "forbidden":
             return _text(403, "Forbidden")
         elif token_mode == "500":
             return _text(500, "Internal Server Error")

@@ -1,0 +1,86 @@
+"""Where the control API listens and which token guards it, resolved the same way by the
+daemon (to serve) and by the CLI (to ask).
+
+The token is read from ``http.token_file`` at the moment it is needed, never carried on a
+command line or in an environment variable the CLI sets; under systemd a credential of
+the same file name in ``$CREDENTIALS_DIRECTORY`` (``LoadCredential=``) is read in its
+place, so the unit's user needs no access to the file itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from ckptd.config.base import parse_listen
+from ckptd.config.errors import ConfigError
+from ckptd.config.node import CONTROL_SOCKET_NAME, HttpConfig
+from ckptd.config.settings import Settings
+
+__all__ = ["control_socket", "control_tcp", "meaning_changes", "read_token", "token_source"]
+
+
+def control_socket(settings: Settings) -> Path | None:
+    """The control API's Unix socket (None: it listens on TCP, ``control_tcp``)."""
+    listen = settings.http.listen
+    if not listen:
+        return settings.state.dir / CONTROL_SOCKET_NAME
+    return Path(listen[5:]) if listen.startswith("unix:") else None
+
+
+def control_tcp(settings: Settings) -> tuple[str, int] | None:
+    """(host, port) of a TCP control listener (None: a Unix socket)."""
+    listen = settings.http.listen
+    return parse_listen(listen) if listen and not listen.startswith("unix:") else None
+
+
+def token_source(http: HttpConfig, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The file the token is read from: the systemd credential of the same name when
+    there is one, else ``token_file`` (None: no token file)."""
+    if not http.token_file:
+        return None
+    environ = os.environ if environ is None else environ
+    credentials = environ.get("CREDENTIALS_DIRECTORY", "")
+    if credentials:
+        credential = Path(credentials) / Path(http.token_file).name
+        if credential.is_file():
+            return credential
+    return Path(http.token_file)
+
+
+def read_token(http: HttpConfig, environ: Mapping[str, str] | None = None) -> str:
+    """The bearer token ("" when none is configured); ConfigError (exit 2) naming
+    ``http.token_file`` when the file cannot be read or holds no token."""
+    source = token_source(http, environ)
+    if source is None:
+        return http.token.get_secret_value()
+    try:
+        token = source.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            "http.token_file",
+            f"cannot read {source} ({why}): mount the token there (a Kubernetes Secret, "
+            "a systemd LoadCredential=) or run as a user who may read it",
+        ) from None
+    if not token or any(c.isspace() for c in token):
+        raise ConfigError(
+            "http.token_file",
+            f"{source} holds no token (it must hold one line with no spaces)",
+        )
+    return token
+
+
+def meaning_changes(settings: Settings) -> list[str]:
+    """One line for each setting whose meaning changed when the control API moved off
+    the scrape listener (``ckptd config check`` prints them)."""
+    metrics = settings.metrics
+    if metrics.loopback or settings.http.has_token:
+        return []  # the scrape listener serves the control API as before
+    where = settings.http.listen or f"unix:{control_socket(settings)}"
+    return [
+        f"metrics.listen = {metrics.listen} now serves only /metrics, /healthz, /readyz "
+        f"and /v1/preemption; /v1/status, /v1/drill and /v1/advice moved to http.listen "
+        f"({where}), where `ckptd status` and `ckptd drill` find them"
+    ]

@@ -1,0 +1,35 @@
+"""What /proc says about another process: its command line, and whether it has a
+handler for a signal.
+
+Invariant: a save signal is only ever sent to a process whose ``SigCgt`` mask has the
+signal's bit set (``catches_signal``): for any other process the default action of
+SIGUSR1 and most save signals is to terminate, which is what a notice must never do.
+Both answers are a snapshot (a process may install its handler a moment later, or exit).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def catches_signal(pid: int, signum: int, *, proc: Path = PROC) -> bool:
+    """Whether ``pid`` has a handler installed for ``signum`` (``SigCgt`` in
+    /proc/PID/status, a hex mask with bit ``signum - 1``); False when it is gone."""
+    try:
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def cmdline_of(pid: int, *, proc: Path = PROC) -> str:
+    """``pid``'s command line, its arguments joined by spaces ("" when gone or unreadable)."""
+    try:
+        raw = (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return ""
+    return " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
