@@ -266,7 +266,9 @@ class SupervisedService(Service):
             left = response.notice.seconds_left(datetime.fromtimestamp(self.clock.time(), UTC))
             if left is not None:
                 deadline = min(deadline, self.clock.monotonic() + left)
-        signalled = bool(response and response.pids)
+        # Told: signalled, or running without a handler for the signal (spared, it learns
+        # from the notice file). Either way a checkpoint may be coming until the deadline.
+        told = bool(response and (response.pids or response.skipped))
         quiet_since: float | None = None
         committed = False
         while self.clock.monotonic() < deadline and not self.stop_event.is_set():
@@ -277,10 +279,10 @@ class SupervisedService(Service):
                 self.log.error("exec_flush_impossible", error=self.destination.error)
                 break
             # The trainer is gone and nothing is left to ship: no checkpoint is coming.
-            if (trainer.done() or not signalled) and self.pipeline.idle():
+            if (trainer.done() or not told) and self.pipeline.idle():
                 quiet_since = quiet_since or self.clock.monotonic()
                 if self.clock.monotonic() - quiet_since >= DRAIN_QUIET_SECONDS:
-                    committed = not signalled  # no trainer ran: all complete is committed
+                    committed = not told  # no trainer ran: all complete is committed
                     break
             else:
                 quiet_since = None
