@@ -1,7 +1,7 @@
 """The GPU check: real trainers on one GPU under ``ckptd exec``, against a loopback
 SeaweedFS started here, no network. On CPU with ``--device cpu`` (the CI variant).
 
-    bench/gpu_check.sh [--device cuda|cpu] [--short] [--trainers pytorch-dcp,hf-trainer] [--json FILE]
+    bench/gpu_check.sh [--device cuda|cpu] [--short] [--repeats N] [--trainers pytorch-dcp,hf-trainer] [--json FILE]
 
 Per trainer (``tests/support/trainers``: ``plain_dcp``, a plain PyTorch loop saving DCP
 with ``ckptd.trainer.state``, float32; ``hf_gpt2``, a GPT-2 from a config under the HF
@@ -11,8 +11,9 @@ autocast only slows the tiny model), deterministic algorithms on:
 1. **without ckptd**: the trainer alone, no listener, no callback, no daemon, to
    ``max_steps``; its final weights are the reference;
 2. **with ckptd**: the same trainer under ``ckptd exec`` (daemon, listener, callback, its
-   checkpoints shipped as they come), uninterrupted. Step time: the median of the
-   steady-state steps (the first fifth left out) of each run, and the inflation
+   checkpoints shipped as they come), uninterrupted. 1 and 2 alternate ``--repeats``
+   times (2 on a GPU). Step time: the median of the steady-state steps (the first fifth
+   of each run left out, the runs pooled), and the inflation
    with ÷ without - 1 (goal: under 1 % on a GPU);
 3. **interrupted**: node A under ``ckptd exec``: the trainer gets ``kill -9`` once past
    its first save, ``ckptd exec`` restarts it (kill → first resumed step timed); later a
@@ -87,11 +88,10 @@ def shapes(device: str, short: bool) -> dict[str, Shape]:
     }
 
 
-def steady_median_ms(result: dict[str, Any]) -> float:
-    """The median step time of the steady state: the first fifth of steps left out."""
-    ends = result["step_ends"]
-    gaps = [b - a for a, b in itertools.pairwise(ends)]
-    return statistics.median(gaps[max(2, len(gaps) // 5) :]) * 1000
+def steady_gaps(result: dict[str, Any]) -> list[float]:
+    """A run's step times (seconds) in its steady state: the first fifth left out."""
+    gaps = [b - a for a, b in itertools.pairwise(result["step_ends"])]
+    return gaps[max(2, len(gaps) // 5) :]
 
 
 def event_time(node: ExecNode, name: str, **match: Any) -> float:
@@ -205,25 +205,35 @@ def interrupted(shape: Shape, work: Path, env: Env, imds: FakeAwsImds, url: str)
     return out
 
 
-def check(shape: Shape, work: Path, env: Env, imds: FakeAwsImds, url: str) -> dict[str, Any]:
-    """One trainer's row: step time without and with ckptd, the interruptions, and the
-    final weights against the reference."""
+def check(
+    shape: Shape, work: Path, env: Env, imds: FakeAwsImds, url: str, repeats: int
+) -> dict[str, Any]:
+    """One trainer's row: step time without and with ckptd (``repeats`` runs of each,
+    alternated, their steady-state steps pooled), the interruptions, and the final
+    weights against the reference (the first run without ckptd)."""
     name = shape.spec.name
-    print(f"[{name}] without ckptd", file=sys.stderr)
-    alone = run_alone(shape, work / "alone")
-    print(f"[{name}] with ckptd (ckptd exec, uninterrupted)", file=sys.stderr)
-    # Its own prefix: node A of the interrupted run must start from nothing.
-    with_env = Env(env.dest + "-uninterrupted", env.endpoint_url)
-    with_ckptd = run_to_end(exec_node(shape, work / "with", with_env, url), 600)
+    without: list[float] = []
+    with_: list[float] = []
+    reference = work / "alone-0" / "final.pt"
+    uninterrupted_identical = True
+    for i in range(repeats):
+        print(f"[{name}] without ckptd ({i + 1}/{repeats})", file=sys.stderr)
+        without += steady_gaps(run_alone(shape, work / f"alone-{i}"))
+        print(f"[{name}] with ckptd, uninterrupted ({i + 1}/{repeats})", file=sys.stderr)
+        # Its own prefix: node A of the interrupted run must start from nothing.
+        with_env = Env(f"{env.dest}-uninterrupted-{i}", env.endpoint_url)
+        node = exec_node(shape, work / f"with-{i}", with_env, url)
+        with_ += steady_gaps(run_to_end(node, 600))
+        uninterrupted_identical &= weights_equal(reference, node.final)
     print(f"[{name}] kill -9, notice, fresh node", file=sys.stderr)
     row: dict[str, Any] = {"trainer": name, "steps": shape.spec.max_steps}
     row["save_every"] = shape.spec.save_every
-    row["step_ms_without"] = round(steady_median_ms(alone), 3)
-    row["step_ms_with"] = round(steady_median_ms(with_ckptd), 3)
+    row["repeats"] = repeats
+    row["step_ms_without"] = round(statistics.median(without) * 1000, 3)
+    row["step_ms_with"] = round(statistics.median(with_) * 1000, 3)
     row["inflation_pct"] = round((row["step_ms_with"] / row["step_ms_without"] - 1) * 100, 2)
     row.update(interrupted(shape, work / "interrupted", env, imds, url))
-    reference = work / "alone" / "final.pt"
-    row["uninterrupted_identical"] = weights_equal(reference, work / "with" / "final.pt")
+    row["uninterrupted_identical"] = uninterrupted_identical
     row["identical"] = weights_equal(reference, Path(row.pop("final")))
     return row
 
@@ -266,8 +276,13 @@ def table(info: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda", help="CUDA_VISIBLE_DEVICES picks a GPU"
+    )
     parser.add_argument("--short", action="store_true", help="fewer steps (CPU: the CI variant)")
+    parser.add_argument(
+        "--repeats", type=int, help="runs without and with ckptd, alternated (GPU 2, CPU 1)"
+    )
     parser.add_argument("--trainers", default="pytorch-dcp,hf-trainer")
     parser.add_argument("--json", type=Path, help="default: bench/results/gpu_check-<device>.json")
     parser.add_argument("--workdir", type=Path, help="keep the runs' files here")
@@ -281,6 +296,9 @@ def main() -> int:
     names = [n for n in options.trainers.split(",") if n]
     if not names or any(n not in known for n in names):
         parser.error(f"--trainers {options.trainers!r}: choose from {', '.join(known)}")
+    repeats = options.repeats or (1 if options.device == "cpu" else 2)
+    if repeats < 1:
+        parser.error(f"--repeats {repeats}: at least 1")
     use_local_s3_identity()
     info = machine(options.device)
     rows = []
@@ -292,7 +310,7 @@ def main() -> int:
         try:
             for name in names:
                 env = Env(f"s3://{BUCKET}/gpu-check-{uuid.uuid4().hex[:8]}", server.endpoint_url)
-                rows.append(check(known[name], work / name, env, imds, url))
+                rows.append(check(known[name], work / name, env, imds, url, repeats))
         finally:
             imds.stop_thread()
             server.stop()
