@@ -66,10 +66,22 @@ def main() -> None:
     model = tiny_gpt2(
         n_layer=n_layer, n_embd=n_embd, vocab_size=vocab, n_head=n_head, n_positions=length
     )
+    # On a GPU the Trainer runs ahead of it between logging steps: batches copied from
+    # pinned memory without waiting, no per-step NaN check (a read-back), and
+    # full_determinism off, which would set CUDA_LAUNCH_BLOCKING=1 (deterministic() has
+    # set what it sets otherwise; the Trainer seeds).
+    gpu: dict[str, Any] = {}
+    if not on_cpu:
+        gpu = {
+            "dataloader_pin_memory": True,
+            "accelerator_config": {"non_blocking": True},
+            "logging_nan_inf_filter": False,
+        }
     args = cpu_training_args(
         str(options.ckpt_dir),
         use_cpu=on_cpu,
         bf16=not on_cpu,
+        **gpu,
         per_device_train_batch_size=batch,
         max_steps=options.max_steps,
         save_strategy="steps",
@@ -78,7 +90,7 @@ def main() -> None:
         learning_rate=1e-3,
         lr_scheduler_type="cosine",
         warmup_steps=5,
-        full_determinism=True,
+        full_determinism=on_cpu,
     )
     resumed_from = 0
     if options.resume is not None:
