@@ -59,7 +59,7 @@ def test_bench_agree_runs_briefly(tmp_path: Path) -> None:
         [
             sys.executable,
             str(REPO / "bench" / "bench_agree.py"),
-            *("--ranks", "2", "--steps", "40", "--block", "20", "--json", str(out)),
+            *("--ranks", "2,4", "--steps", "40", "--block", "20", "--json", str(out)),
         ],
         env=bench_env(tmp_path),
         capture_output=True,
@@ -67,7 +67,9 @@ def test_bench_agree_runs_briefly(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["ranks"] == 2 and row["steps_per_mode"] == 20
-    assert row["step_us_without"] > 0 and row["step_us_with"] > 0 and row["agree_only_us"] > 0
-    assert "| 2 | 20 |" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["ranks"], row["steps_per_mode"]) for row in rows] == [(2, 20), (4, 20)]
+    for row in rows:
+        assert row["step_us_without"] > 0 and row["step_us_with"] > 0, row
+        assert row["agree_only_us"] > 0, row
+        assert f"| {row['ranks']} | 20 |" in done.stdout

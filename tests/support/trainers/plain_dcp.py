@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 
 import ckptd.trainer
 from ckptd.trainer.state import ResumableSampler, load_training_state, save_training_state
@@ -60,8 +60,10 @@ def main() -> None:
     # RNG, and a resumed run makes its first iter() mid-epoch, where the original did not.
     loader = DataLoader(
         TensorDataset(inputs, targets),
-        batch_size=options.batch,
-        sampler=sampler,
+        # Whole batches indexed at once, the same samples as batch_size=... would collate
+        # one by one: a GPU-sized batch stays cheap on the CPU.
+        sampler=BatchSampler(sampler, options.batch, drop_last=False),
+        batch_size=None,
         generator=torch.Generator().manual_seed(0),
         pin_memory=on_gpu,
     )
