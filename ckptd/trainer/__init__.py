@@ -17,7 +17,8 @@ checkpoint is taken as complete at once instead of after its layout's quiet wind
 
 With several ranks (``torch.distributed``) every rank must save the *same* step: call
 :func:`preempted_on_any_rank` on every rank at every step instead of :func:`preempted`
-(an all-reduce of the ranks' flags, see ``ckptd.trainer.agree``)::
+(an all-reduce of the ranks' flags on the CPU, never a GPU sync, see
+``ckptd.trainer.agree``)::
 
     if ckptd.trainer.preempted_on_any_rank():   # True on all ranks at the same step
         save_checkpoint(step)                    # a collective save meets
@@ -40,7 +41,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptd.trainer.agree import agree_to_save
+from ckptd.trainer.agree import agree_any, agree_to_save
 from ckptd.trainer.cadence import report_save
 from ckptd.trainer.listener import (
     DEFAULT_SIGNAL,
@@ -63,6 +64,7 @@ __all__ = [
     "CkptdCallback",
     "CkptdLightningCallback",
     "PreemptionListener",
+    "agree_any",
     "agree_to_save",
     "get_listener",
     "install",

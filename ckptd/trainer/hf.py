@@ -24,7 +24,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import ckptd.trainer
-from ckptd.trainer.agree import agree_to_save
+from ckptd.trainer.agree import agree_any
 from ckptd.trainer.cadence import AdvisedCadence
 from ckptd.trainer.listener import PreemptionListener
 
@@ -41,13 +41,13 @@ class CkptdCallback(TrainerCallback):
     looked for under ``watch_dir``, else ``CKPTD_WATCH_DIR``, else ``args.output_dir``.
 
     In multi-process training (``torch.distributed`` initialised) the ranks agree on the
-    step: each step's decision is an all-reduce of every rank's own flag
-    (:func:`ckptd.trainer.agree_to_save`), so a notice that one rank sees makes every
+    step: each step's decision is one all-reduce of every rank's own flags, on the CPU
+    (:func:`ckptd.trainer.agree.agree_any`), so a notice that one rank sees makes every
     rank save that same step, and the collective save meets.
 
     ``follow_advice=True`` saves whenever the daemon's advised interval of training has
     passed since the last save ended (any save: ``save_steps``' too), re-reading the
-    advice as it changes; the ranks agree on that step the same way.
+    advice as it changes; the ranks agree on that step in the same all-reduce.
     """
 
     def __init__(
@@ -95,9 +95,13 @@ class CkptdCallback(TrainerCallback):
         self._step_end = time.monotonic()
         if self.fired_at_step is not None:
             return
-        # Every rank runs this at every step: the all-reduce inside is a collective.
-        if not agree_to_save(self.listener.preempted()):
-            if self.follow_advice and agree_to_save(self.cadence.due()):
+        # Every rank runs this at every step: the all-reduce inside is a collective, one
+        # per step for both flags (the notice, the advised interval).
+        notice, due = agree_any(
+            self.listener.preempted(), self.follow_advice and self.cadence.due()
+        )
+        if not notice:
+            if due:
                 control.should_save = True
                 self.advised_saves.append(state.global_step)
             return

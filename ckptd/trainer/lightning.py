@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ckptd.trainer
-from ckptd.trainer.agree import agree_to_save
+from ckptd.trainer.agree import agree_any
 from ckptd.trainer.cadence import AdvisedCadence, report_save
 from ckptd.trainer.listener import PreemptionListener
 
@@ -51,8 +51,9 @@ class CkptdLightningCallback(Callback):
     ``dirpath`` overrides where the checkpoint goes; the notice file is looked for under
     ``watch_dir``, else ``CKPTD_WATCH_DIR``, else that checkpoint dir. As with any
     ``save_checkpoint``, every rank must take the decision at the same batch: each
-    batch's decision is an all-reduce of every rank's own flag over the default process
-    group (:func:`ckptd.trainer.agree_to_save`), so one rank's notice is every rank's.
+    batch's decision is one all-reduce of every rank's own flags (notice, advised
+    interval) over the default process group's ranks, on the CPU
+    (:func:`ckptd.trainer.agree.agree_any`), so one rank's notice is every rank's.
     """
 
     def __init__(
@@ -107,9 +108,13 @@ class CkptdLightningCallback(Callback):
         """Save now and ask the trainer to stop, once, when a notice has arrived."""
         if self.saved_path is not None:
             return
-        # Every rank runs this at every batch: the all-reduce inside is a collective.
-        if not agree_to_save(self.listener.preempted()):
-            if self.follow_advice and agree_to_save(self.cadence.due()):
+        # Every rank runs this at every batch: the all-reduce inside is a collective, one
+        # per batch for both flags (the notice, the advised interval).
+        notice, due = agree_any(
+            self.listener.preempted(), self.follow_advice and self.cadence.due()
+        )
+        if not notice:
+            if due:
                 self._save_on_advice(trainer)
             return
         path = self.checkpoint_dir(trainer) / self.filename.format(step=trainer.global_step)

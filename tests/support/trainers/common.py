@@ -37,13 +37,21 @@ def parser() -> argparse.ArgumentParser:
         "--pause-at", type=int, default=0, help="after this step, wait for the notice (<= 60 s)"
     )
     p.add_argument("--step-delay", type=float, default=0.0, help="stands in for real compute")
+    # bench/gpu_check.py: the same trainer on a GPU, and without ckptd at all (no listener,
+    # no callback) as the baseline of its step time.
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--without-ckptd", action="store_true", help="no ckptd.trainer at all")
     return p
 
 
 def deterministic() -> None:
-    """The CPU settings under which two runs of the same steps are bit-identical."""
+    """The settings under which two runs of the same steps are bit-identical (on CUDA
+    too: cuBLAS needs its workspace fixed before it starts)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
     torch.set_num_threads(1)
 
 
@@ -54,14 +62,17 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 class Reporter:
-    """Writes ``{"step", "first_step_at", "resumed_from"}`` after every finished step."""
+    """Writes ``{"step", "first_step_at", "resumed_from"}`` after every finished step, and
+    keeps each step's end (``time.perf_counter``) in ``ends`` for step times."""
 
     def __init__(self, path: Path, resumed_from: int) -> None:
         self.path = path
         self.resumed_from = resumed_from
         self.first_step_at: float | None = None
+        self.ends: list[float] = []
 
     def step_done(self, step: int) -> None:
+        self.ends.append(time.perf_counter())
         if self.first_step_at is None:
             self.first_step_at = time.time()
         write_json(
@@ -76,6 +87,11 @@ def pause_until_noticed(timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not ckptd.trainer.preempted() and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights as CPU tensors: the final weights of a GPU run load anywhere."""
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 def hang_forever() -> None:

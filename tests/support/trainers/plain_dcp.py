@@ -1,9 +1,11 @@
 """A plain PyTorch loop that saves with ``ckptd.trainer.state`` (DCP layout ``step-<N>/``)
 and stops on ckptd's preemption notice.
 
-Randomness from every source the helper must restore: dropout (torch CPU RNG), input
-noise (NumPy), a loss scale (Python ``random``), a shuffled data order across epochs
-(``ResumableSampler``), AdamW moments and a cosine LR schedule.
+Randomness from every source the helper must restore: dropout (torch CPU RNG, or the
+CUDA one with ``--device cuda``), input noise (NumPy), a loss scale (Python ``random``), a
+shuffled data order across epochs (``ResumableSampler``), AdamW moments and a cosine LR
+schedule. ``--width``, ``--hidden-layers`` and ``--batch`` make it big enough to keep a
+GPU busy (``bench/gpu_check.py``); the defaults are the tests' small model. Float32.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import time
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 
 import ckptd.trainer
 from ckptd.trainer.state import ResumableSampler, load_training_state, save_training_state
 from tests.support.trainers.common import (
     Reporter,
+    cpu_state_dict,
     deterministic,
     hang_forever,
     parser,
@@ -27,34 +30,57 @@ from tests.support.trainers.common import (
     write_json,
 )
 
-SAMPLES = 200
-BATCH = 8  # 25 steps an epoch
+STEPS_PER_EPOCH = 25
 
 
 def main() -> None:
-    options = parser().parse_args()
-    ckptd.trainer.install(options.ckpt_dir)  # before the pidfile: the daemon may signal now
+    cli = parser()
+    cli.add_argument("--width", type=int, default=64)
+    cli.add_argument("--hidden-layers", type=int, default=0, help="extra width x width layers")
+    cli.add_argument("--batch", type=int, default=8)
+    options = cli.parse_args()
+    with_ckptd = not options.without_ckptd
+    if with_ckptd:
+        ckptd.trainer.install(options.ckpt_dir)  # before the pidfile: the daemon may signal
     options.pidfile.write_text(str(os.getpid()))
+    device = torch.device(options.device)
+    # On a GPU the loop runs ahead of it, as a tuned trainer does: batches copied from
+    # pinned memory without waiting, and nothing read back per step.
+    on_gpu = device.type == "cuda"
+    samples = STEPS_PER_EPOCH * options.batch
     deterministic()
     random.seed(0)
     np.random.seed(0)
 
     data = torch.Generator().manual_seed(1234)
-    inputs = torch.randn(SAMPLES, 16, generator=data)
+    inputs = torch.randn(samples, 16, generator=data)
     targets = (inputs @ torch.randn(16, 1, generator=data)).tanh()
-    sampler = ResumableSampler(SAMPLES, seed=99)
+    sampler = ResumableSampler(samples, seed=99)
     # Its own generator: each iter(DataLoader) otherwise draws a seed from the global torch
     # RNG, and a resumed run makes its first iter() mid-epoch, where the original did not.
     loader = DataLoader(
         TensorDataset(inputs, targets),
-        batch_size=BATCH,
-        sampler=sampler,
+        # Whole batches indexed at once, the same samples as batch_size=... would collate
+        # one by one: a GPU-sized batch stays cheap on the CPU.
+        sampler=BatchSampler(sampler, options.batch, drop_last=False),
+        batch_size=None,
         generator=torch.Generator().manual_seed(0),
+        pin_memory=on_gpu,
     )
 
+    width = options.width
+    hidden = [
+        m
+        for _ in range(options.hidden_layers)
+        for m in (torch.nn.Linear(width, width), torch.nn.ReLU())
+    ]
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1)
-    )
+        torch.nn.Linear(16, width),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.2),
+        *hidden,
+        torch.nn.Linear(width, 1),
+    ).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=options.max_steps)
 
@@ -76,6 +102,9 @@ def main() -> None:
             batches = iter(loader)
             x, y = next(batches)
         noise = torch.from_numpy(np.random.standard_normal(x.shape)).float() * 0.01
+        if on_gpu:
+            noise = noise.pin_memory()
+        x, y, noise = (t.to(device, non_blocking=on_gpu) for t in (x, y, noise))
         scale = random.uniform(0.9, 1.1)
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x + noise), y) * scale
@@ -86,7 +115,7 @@ def main() -> None:
         if options.step_delay:
             time.sleep(options.step_delay)
         reporter.step_done(step)
-        preempted = ckptd.trainer.preempted()
+        preempted = with_ckptd and ckptd.trainer.preempted()
         if step % options.save_every == 0 or preempted:
             path = options.ckpt_dir / f"step-{step}"
             save_training_state(
@@ -106,9 +135,15 @@ def main() -> None:
             pause_until_noticed()
 
     if step == options.max_steps:
-        torch.save(model.state_dict(), options.final)
+        torch.save(cpu_state_dict(model), options.final)
     write_json(
-        options.result, {"step": step, "saved": saved_name, "preempted": step < options.max_steps}
+        options.result,
+        {
+            "step": step,
+            "saved": saved_name,
+            "preempted": step < options.max_steps,
+            "step_ends": reporter.ends,
+        },
     )
 
 

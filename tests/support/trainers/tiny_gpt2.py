@@ -23,31 +23,36 @@ class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
 
 
-def tiny_gpt2(*, n_layer: int, n_embd: int, vocab_size: int) -> GPT2LMHeadModel:
-    """GPT-2 with two heads and 32 positions; dropout stays at GPT-2's 0.1."""
+def tiny_gpt2(
+    *, n_layer: int, n_embd: int, vocab_size: int, n_head: int = 2, n_positions: int = 32
+) -> GPT2LMHeadModel:
+    """GPT-2 with two heads and 32 positions unless told; dropout stays at GPT-2's 0.1.
+    Attention is the eager one: deterministic on CUDA too (the fused ones' backward
+    is not everywhere)."""
     config = GPT2Config(
         n_layer=n_layer,
-        n_head=2,
+        n_head=n_head,
         n_embd=n_embd,
         vocab_size=vocab_size,
-        n_positions=32,
+        n_positions=n_positions,
         bos_token_id=0,
         eos_token_id=0,
     )
+    config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)
 
 
 def cpu_training_args(output_dir: str, **overrides: Any) -> TrainingArguments:
     """The Trainer settings every test run shares: CPU, batch 4, seed 0, no logging,
     reporting, progress bar or loader workers; ``overrides`` add the run's own."""
-    return TrainingArguments(
-        output_dir=output_dir,
-        per_device_train_batch_size=4,
-        logging_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-        **overrides,
-    )
+    settings: dict[str, Any] = {
+        "per_device_train_batch_size": 4,
+        "logging_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "seed": 0,
+    }
+    settings.update(overrides)  # a GPU run says use_cpu=False
+    return TrainingArguments(output_dir=output_dir, **settings)
