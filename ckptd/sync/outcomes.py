@@ -196,6 +196,7 @@ class Outcomes:
                 cluster_grace_seconds=None
                 if self.cluster.committer is None
                 else self.cluster.abandon_grace_seconds,
+                catalog=state.catalog,
             )
             state.seen.difference_update(removed)
         run = state.run_id
