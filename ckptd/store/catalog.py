@@ -14,16 +14,19 @@ went) costs nothing on later passes. Each pass (``refresh``):
 - checks the newest ``window`` committed manifests with a HEAD each (the ones whose
   presence decides what the count rule deletes): one gone is dropped, one whose
   ETag/size/checksum changed since the last check is read again;
+- forgets what it knew of a checkpoint this daemon has just committed (``forget``), so
+  a name retention once deleted and the trainer saved again is read afresh;
 - every ``FULL_REFRESH_SECONDS`` starts from nothing and reads every manifest again, so
   a manifest deleted or replaced behind ckptd's back outside that window, or objects put
   under a prefix it settled, are noticed within a day.
 
 What the catalog may get wrong between full refreshes errs on the side of keeping: a
-checkpoint committed under a name it settled is not counted (so it is not deleted, and
-not counted among the newest, so more is kept); a manifest deleted outside the window is
-still counted until it is planned for deletion, which then deletes nothing. Before an
-orphan is collected its manifest is checked with a HEAD (``ckptd.store.retention``), as
-without a catalog. ``ckptd list`` and restore never use it: they read fresh.
+checkpoint another node committed under a name this catalog settled is not counted (so
+not deleted, and not among the newest, so more is kept); a manifest deleted outside the
+window is still counted until it is planned for deletion, which then deletes nothing.
+Before an orphan is collected its manifest is checked with a HEAD
+(``ckptd.store.retention``), as without a catalog. ``ckptd list`` and restore never use
+it: they read fresh.
 """
 
 from __future__ import annotations
@@ -87,6 +90,14 @@ class RunCatalog:
         self.committed.pop(name, None)
         self.uncommitted.discard(name)
         self.settled.add(name)
+
+    def forget(self, name: str) -> None:
+        """Know nothing of ``name``: the next pass reads its manifest (one this daemon has
+        just committed, perhaps under a name retention once deleted)."""
+        self.committed.pop(name, None)
+        self.uncommitted.discard(name)
+        self.unparsable.discard(name)
+        self.settled.discard(name)
 
     def entries(self) -> list[Manifest]:
         """The committed manifests known, oldest first (by step, then commit time)."""

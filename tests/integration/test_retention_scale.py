@@ -4,15 +4,18 @@ prefix after its last object is deleted (the store where the cost grew fastest).
 
 from __future__ import annotations
 
+from pathlib import Path
 from urllib.parse import parse_qs
 
 import pytest
 
 from ckptd.core import checksum
+from ckptd.core.manifest import build_manifest
 from ckptd.storage import RetryingStorage, open_storage
-from ckptd.store.catalog import RunCatalog
+from ckptd.store.catalog import FULL_REFRESH_SECONDS, RunCatalog
 from ckptd.store.repository import MANIFEST_NAME, Repository, manifest_key
 from ckptd.store.retention import apply_retention
+from ckptd.sync.commit import commit
 from tests.integration.test_restore import commit_files
 from tests.support.faultproxy import FaultProxy, RequestRecord
 
@@ -113,3 +116,50 @@ def test_a_manifest_deleted_behind_the_catalog_is_not_counted_among_the_newest(
     assert apply_retention(storage, RUN, keep_last=2, keep_every_steps=0, catalog=catalog) == []
     kept = [c.manifest.checkpoint for c in Repository(storage).list_committed(RUN)]
     assert kept == [_name(2), _name(4)]
+
+
+def _commit_marker(storage: RetryingStorage, step: int, host: str = "test") -> None:
+    at = 1_000_000.0 + step
+    manifest = build_manifest(
+        run_id=RUN,
+        checkpoint=_name(step),
+        step=step,
+        layout="marker",
+        host=host,
+        created_at=at,
+        committed_at=at,
+        files=[],
+        environment={},
+    )
+    commit(storage, manifest)
+
+
+def test_the_catalog_reads_each_manifest_once_and_again_when_replaced_or_a_day_old(
+    tmp_path: Path,
+) -> None:
+    storage = open_storage((tmp_path / "store").as_uri())
+    repo = Repository(storage)
+    catalog = RunCatalog()
+    for step in (1, 2, 3):
+        _commit_marker(storage, step)
+    (tmp_path / "store" / RUN / "leftover").mkdir()  # a listed name with nothing in it
+    catalog.refresh(repo, RUN, now=0.0, window=2)
+    assert catalog.manifest_reads == 4 and sorted(catalog.committed) == [
+        _name(s) for s in (1, 2, 3)
+    ]
+    catalog.refresh(repo, RUN, now=1.0, window=2)
+    assert catalog.manifest_reads == 5  # only the name without a manifest is looked at again
+    catalog.settle("leftover")
+    _commit_marker(storage, 4)
+    catalog.refresh(repo, RUN, now=2.0, window=2)
+    assert catalog.manifest_reads == 6  # checkpoint-4, once; "leftover" no more
+    # checkpoint-4 replaced behind ckptd's back (deleted, committed again by another host):
+    # within the window, its HEAD differs, and it is read again.
+    storage.delete([manifest_key(RUN, _name(4))])
+    _commit_marker(storage, 4, host="another-host")
+    catalog.refresh(repo, RUN, now=3.0, window=2)
+    assert catalog.manifest_reads == 7
+    assert catalog.committed[_name(4)].manifest.host == "another-host"
+    # A day later everything is read again.
+    catalog.refresh(repo, RUN, now=3.0 + FULL_REFRESH_SECONDS, window=2)
+    assert catalog.manifest_reads == 12
