@@ -31,6 +31,7 @@ it: they read fresh.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,11 +64,13 @@ def _order(known: KnownManifest) -> tuple[int, str]:
 
 
 class RunCatalog:
-    """One run's names as retention last saw them (module doc). Not thread-safe: one
-    retention pass at a time per catalog."""
+    """One run's names as retention last saw them (module doc). Not thread-safe by
+    itself: a retention pass holds ``lock`` throughout."""
 
     def __init__(self, *, full_refresh_seconds: float = FULL_REFRESH_SECONDS) -> None:
         self.full_refresh_seconds = full_refresh_seconds
+        self.lock = threading.Lock()
+        self._to_forget: set[str] = set()  # set.add and set.pop are atomic: no lock
         self.committed: dict[str, KnownManifest] = {}
         # Listed names seen without a manifest: uploads in flight, orphans, junk.
         self.uncommitted: set[str] = set()
@@ -92,12 +95,18 @@ class RunCatalog:
         self.settled.add(name)
 
     def forget(self, name: str) -> None:
-        """Know nothing of ``name``: the next pass reads its manifest (one this daemon has
-        just committed, perhaps under a name retention once deleted)."""
-        self.committed.pop(name, None)
-        self.uncommitted.discard(name)
-        self.unparsable.discard(name)
-        self.settled.discard(name)
+        """Know nothing of ``name`` from the next pass on, which reads its manifest (one
+        this daemon has just committed, perhaps under a name retention once deleted).
+        Safe to call while a pass runs on another thread: it only notes the name."""
+        self._to_forget.add(name)
+
+    def _apply_forgotten(self) -> None:
+        while self._to_forget:
+            name = self._to_forget.pop()
+            self.committed.pop(name, None)
+            self.uncommitted.discard(name)
+            self.unparsable.discard(name)
+            self.settled.discard(name)
 
     def entries(self) -> list[Manifest]:
         """The committed manifests known, oldest first (by step, then commit time)."""
@@ -108,6 +117,7 @@ class RunCatalog:
         if self.refreshed_at is None or now - self.refreshed_at >= self.full_refresh_seconds:
             self.reset()
             self.refreshed_at = now
+        self._apply_forgotten()
         listed = {n for n in repo.list_names(run_id) if not n.startswith(".")}
         self._forget_unlisted(listed)
         unread = [

@@ -192,12 +192,42 @@ def apply_retention(
     pass to the next) is what makes a pass cost the same however long the run
     (``ckptd.store.catalog``); without one, every manifest is read.
     """
+    known = RunCatalog() if catalog is None else catalog
+    with known.lock:  # one pass at a time per run: a commit's and a global commit's
+        return _apply_retention(
+            storage,
+            run_id,
+            keep_last=keep_last,
+            keep_every_steps=keep_every_steps,
+            keep_within=keep_within,
+            protected=protected,
+            collect_orphans=collect_orphans,
+            now=now,
+            lease_ttl_seconds=lease_ttl_seconds,
+            cluster_grace_seconds=cluster_grace_seconds,
+            known=known,
+        )
+
+
+def _apply_retention(
+    storage: Storage | Repository,
+    run_id: str,
+    *,
+    keep_last: int,
+    keep_every_steps: int,
+    keep_within: float,
+    protected: Iterable[str],
+    collect_orphans: bool,
+    now: float | None,
+    lease_ttl_seconds: float,
+    cluster_grace_seconds: float | None,
+    known: RunCatalog,
+) -> list[str]:
     from ckptd.runtime import logs  # here, not at the top: structlog imports asyncio
 
     log = logs.get_logger(run=run_id)
     repo = storage if isinstance(storage, Repository) else Repository(storage)
     clock = time.time() if now is None else now
-    known = RunCatalog() if catalog is None else catalog
     guarded = set(protected)
     latest = repo.read_latest(run_id)
     if latest is not None:

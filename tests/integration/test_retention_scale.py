@@ -160,6 +160,11 @@ def test_the_catalog_reads_each_manifest_once_and_again_when_replaced_or_a_day_o
     catalog.refresh(repo, RUN, now=3.0, window=2)
     assert catalog.manifest_reads == 7
     assert catalog.committed[_name(4)].manifest.host == "another-host"
+    # A name forgotten (this daemon just committed it) is read again, even if settled.
+    catalog.settle(_name(1))
+    catalog.forget(_name(1))
+    catalog.refresh(repo, RUN, now=4.0, window=2)
+    assert catalog.manifest_reads == 8 and _name(1) in catalog.committed
     # A day later everything is read again.
-    catalog.refresh(repo, RUN, now=3.0 + FULL_REFRESH_SECONDS, window=2)
-    assert catalog.manifest_reads == 12
+    catalog.refresh(repo, RUN, now=4.0 + FULL_REFRESH_SECONDS, window=2)
+    assert catalog.manifest_reads == 13
