@@ -15,6 +15,17 @@ Against one loopback SeaweedFS (``ckptd.devtools.locals3``), three measurements:
    layout): ``ckptd list --run R --json`` (process), ``list_committed`` (in-process),
    ``apply_retention`` down to 5, and the pure ``plan_retention`` on synthetic entries.
 3. Marker-created → ``checkpoint_uploading`` latency of a running daemon (marker layout).
+4. A long run (``bench/_scale_run.py``): one daemon commits 2,000 marker checkpoints
+   (``keep_last = 3``) to SeaweedFS behind the fault proxy and to ``file://``: commit
+   latency, store requests per commit, RSS and state dir at 10, 100, 1,000 and 2,000.
+5. The fleet (``bench/_scale_fleet.py``): 16, 32, 64 daemons, ``[cluster] nodes = N``,
+   one store: idle requests per node per minute, one sharded checkpoint's last part →
+   global commit and requests, memory per daemon, and what it costs on AWS S3.
+
+```sh
+.venv/bin/python bench/bench_scale.py --parts 4 --run-length 2000 --stores s3,file
+.venv/bin/python bench/bench_scale.py --parts 5 --fleet 16,32,64
+```
 """
 
 from __future__ import annotations
@@ -38,7 +49,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find common
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # and tests.support
 
+from _scale_fleet import fleet_tables, measure_fleet
+from _scale_run import long_run
+from _scale_run import table as run_table
 from common import BUCKET, event_time, fmt, log_events
 
 from ckptd.core import checksum
@@ -468,6 +483,39 @@ def bench_latency(work: Path, server: LocalS3, trials: int) -> list[str]:
     return out
 
 
+# --- 4. a long run ----------------------------------------------------------------------
+
+
+def say(text: str) -> None:
+    print(f"  {text}", file=sys.stderr, flush=True)
+
+
+def bench_long_run(work: Path, server: LocalS3, total: int, stores: Sequence[str]) -> list[str]:
+    from tests.support.faultproxy import FaultProxy
+
+    marks = [m for m in (10, 100, 1000, 2000) if m <= total] or [total]
+    env = {**os.environ, **server.env(), "PYTHONUNBUFFERED": "1"}
+    out = [f"## 4. A long run: {total} marker checkpoints, keep_last = 3, one daemon", ""]
+    for store in stores:
+        tag = f"long-{store}-{int(time.time())}"
+        if store == "s3":
+            with FaultProxy(server.endpoint_url) as proxy:
+                found = long_run(
+                    work / tag, dest=f"s3://{BUCKET}/{tag}", endpoint=proxy.url,
+                    port=free_port(), total=total, marks=marks,
+                    count_requests=proxy.count, env=env, progress=say,
+                )  # fmt: skip
+        else:
+            found = long_run(
+                work / tag, dest=(work / tag / "store").as_uri(), endpoint=None,
+                port=free_port(), total=total, marks=marks, count_requests=None,
+                env=env, progress=say,
+            )  # fmt: skip
+        rows = run_table("SeaweedFS" if store == "s3" else "file://", found)
+        out += rows if store == stores[0] else rows[2:]
+    return [*out, ""]
+
+
 # --- main ------------------------------------------------------------------------------
 
 
@@ -479,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=0, help="latency trials (part 3)")
     ap.add_argument("--parts", default="1,2,3", help="which parts to run")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--run-length", type=int, default=2000, help="commits (part 4)")
+    ap.add_argument("--stores", default="s3,file", help="stores of part 4: s3, file")
+    ap.add_argument("--fleet", default="16,32,64", help="daemon counts (part 5)")
+    ap.add_argument("--idle-seconds", type=float, default=60.0, help="idle window (part 5)")
     args = ap.parse_args(argv)
 
     files = [int(x) for x in args.files.split(",") if x] or (
@@ -514,6 +566,12 @@ def main(argv: list[str] | None = None) -> int:
             ]
             lines += bench_latency(work, server, trials)
             lines.append("")
+        if "4" in parts:
+            lines += bench_long_run(work, server, args.run_length, args.stores.split(","))
+        if "5" in parts:
+            counts = [int(x) for x in args.fleet.split(",") if x]
+            rows = [measure_fleet(work, server, n, args.idle_seconds, say) for n in counts]
+            lines += ["## 5. The fleet: N daemons, one store", "", *fleet_tables(rows), ""]
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)

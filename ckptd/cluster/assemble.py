@@ -10,7 +10,11 @@
     commit    a node that finds every rank's part of the announced save merges them
               (``ckptd.cluster.protocol.merge_parts``), checks every object is in the store with
               the listed size, and commits the union with ``ckptd.sync.commit``'s one
-              conditional write (``try_commit``); exactly one node's write wins
+              conditional write (``try_commit``); exactly one node's write wins. The
+              node whose part completes the set does so right after writing it; a node
+              that only polls reads the parts when it is node 0, or when every part
+              has been listed for ``TAKEOVER_POLLS`` of its polls (node 0 gone): so a
+              commit costs N part reads, not N per node (``assemble=False``)
 
 The store is the only coordinator: every step is an object read or written, so a daemon
 killed anywhere repeats its step on restart (the announcement and part are rewritten
@@ -46,6 +50,10 @@ from ckptd.layouts.base import CheckpointListing, Completion, not_complete, sett
 from ckptd.store.repository import Repository, announce_key, part_key
 from ckptd.sync.commit import CommitConflictError, CommitResult, commit, move_latest
 from ckptd.sync.runs import RunState
+
+# Polls a node other than 0 waits, every part listed, before it assembles the commit
+# itself (node 0, which would have, is gone or slow).
+TAKEOVER_POLLS = 3
 
 
 @dataclass(frozen=True)
@@ -185,8 +193,11 @@ def try_commit(
     save: str | None,
     now: float,
     keys: KeyRing | None = None,
+    assemble: bool = True,
 ) -> AssemblyResult:
-    """Commit ``run/name`` if every part of the announced save is there (module doc).
+    """Commit ``run/name`` if every part of the announced save is there (module doc);
+    with ``assemble`` False, stop short of reading the parts once all are listed
+    (WAITING, nothing missing: another node assembles).
     With ``keys`` the union carries the parts' digests and is signed by this node (every
     node holds the key; the parts are not signed, the manifest made of them is).
 
@@ -216,6 +227,12 @@ def try_commit(
             Assembly.WAITING,
             missing=absent,
             reason=f"waiting for node(s) {', '.join(map(str, absent))}",
+            announcement=announcement,
+        )
+    if not assemble:
+        return AssemblyResult(
+            Assembly.WAITING,
+            reason="every part is written; node 0 commits",
             announcement=announcement,
         )
     parts = repo.read_parts(run, name, listed)

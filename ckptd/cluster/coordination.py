@@ -25,6 +25,7 @@ from typing import Any
 from ckptd import layouts
 from ckptd.cluster import protocol
 from ckptd.cluster.assemble import (
+    TAKEOVER_POLLS,
     Assembly,
     AssemblyResult,
     ClusterShip,
@@ -80,6 +81,9 @@ class ClusterCoordination:
         # A checkpoint below the newest committed step, waiting longer than this, is given
         # up (``cluster.superseded``), here and by retention's sweep.
         self.abandon_grace_seconds = protocol.ABANDON_GRACE_SECONDS
+        # Per waiting checkpoint: this node's polls in a row that found every part listed
+        # and left the reading of the parts to node 0 (``assemble.TAKEOVER_POLLS``).
+        self._all_listed: dict[tuple[str, str], int] = {}
 
     @property
     def whole_prefix(self) -> bool:
@@ -230,6 +234,7 @@ class ClusterCoordination:
             for name, entry in list(state.waiting.items()):
                 if await self.superseded(state, name, entry.since):
                     continue
+                listed = self._all_listed.get((run, name), 0)
                 result = await asyncio.to_thread(
                     try_commit,
                     self.repo,
@@ -239,11 +244,22 @@ class ClusterCoordination:
                     save=entry.save,
                     now=self.clock.time(),
                     keys=self.keys,
+                    assemble=committer.rank == 0 or listed >= TAKEOVER_POLLS,
                 )
+                self._count_all_listed(run, name, result)
                 if result.outcome is Assembly.COMMITTED:
                     yield self._global_commit(state, name, entry, result)
                 else:
                     await self._after_assembly(state, name, entry, result, committer)
+
+    def _count_all_listed(self, run: str, name: str, result: AssemblyResult) -> None:
+        """Polls in a row that found every part listed, while waiting (``try_commit``'s
+        ``assemble``); forgotten once the checkpoint stops waiting."""
+        key = (run, name)
+        if result.outcome is Assembly.WAITING and not result.missing and result.announcement:
+            self._all_listed[key] = self._all_listed.get(key, 0) + 1
+        else:
+            self._all_listed.pop(key, None)
 
     @staticmethod
     def _global_commit(

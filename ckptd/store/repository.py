@@ -417,13 +417,16 @@ class Repository:
         self, run_id: str, checkpoint: str, ranks: list[int] | None = None
     ) -> dict[int, Part]:
         """Every readable part of a checkpoint by rank (of ``ranks``, else of one listing);
-        a part that does not parse, or names another rank than its key, is left out."""
-        found: dict[int, Part] = {}
-        for rank in self.part_ranks(run_id, checkpoint) if ranks is None else ranks:
-            part = self.read_part(run_id, checkpoint, rank)
-            if part is not None and part.node_rank == rank:
-                found[rank] = part
-        return found
+        a part that does not parse, or names another rank than its key, is left out. Read
+        ``LIST_CONCURRENCY`` at a time: a commit of many nodes waits on all of them."""
+        todo = self.part_ranks(run_id, checkpoint) if ranks is None else list(ranks)
+        with ThreadPoolExecutor(max_workers=LIST_CONCURRENCY) as pool:
+            read = list(pool.map(lambda rank: self.read_part(run_id, checkpoint, rank), todo))
+        return {
+            rank: part
+            for rank, part in zip(todo, read, strict=True)
+            if part is not None and part.node_rank == rank
+        }
 
     def part_ranks(self, run_id: str, checkpoint: str) -> list[int]:
         """Ranks with a part object under the checkpoint, from one listing."""

@@ -24,6 +24,12 @@ and its announcement is older than a grace period (``cluster_grace_seconds``), i
 never commit: ``sweep_cluster`` removes its announcement and parts (its objects are
 orphans, collected by the rule above).
 
+What a pass reads comes from a ``RunCatalog`` (``ckptd.store.catalog``) the daemon keeps
+per run from one pass to the next: each committed manifest is read once, each name
+deleted or collected costs nothing afterwards, so a pass after a commit costs the same
+at the 2,000th checkpoint as at the 10th. An orphan is checked for a manifest with a
+HEAD right before it is deleted, catalog or not.
+
 Restores in progress announce themselves with a lease object (``ckptd.store.repository``
 writes and reads them, JSON with the time it was taken); a checkpoint
 with a lease younger than ``LEASE_TTL_SECONDS`` is protected, and older leases are
@@ -44,6 +50,7 @@ from pathlib import Path
 from ckptd.cluster.protocol import epoch_of, superseded
 from ckptd.layouts.base import step_of
 from ckptd.storage.base import Storage
+from ckptd.store.catalog import RunCatalog
 from ckptd.store.repository import LEASE_TTL_SECONDS, Repository, manifest_key
 
 Entry = tuple[str, int | None]
@@ -175,13 +182,47 @@ def apply_retention(
     now: float | None = None,
     lease_ttl_seconds: float = LEASE_TTL_SECONDS,
     cluster_grace_seconds: float | None = None,
+    catalog: RunCatalog | None = None,
 ) -> list[str]:
     """Apply the policy to ``run_id``; returns the names deleted (victims, then orphans).
 
     Never deletes what LATEST names, a name in ``protected`` (pass the checkpoints this
     node has in flight) or one with a fresh restore lease. Idempotent: rerun after a
-    kill, it finishes the job (module doc).
+    kill, it finishes the job (module doc). ``catalog`` (kept by the caller from one
+    pass to the next) is what makes a pass cost the same however long the run
+    (``ckptd.store.catalog``); without one, every manifest is read.
     """
+    known = RunCatalog() if catalog is None else catalog
+    with known.lock:  # one pass at a time per run: a commit's and a global commit's
+        return _apply_retention(
+            storage,
+            run_id,
+            keep_last=keep_last,
+            keep_every_steps=keep_every_steps,
+            keep_within=keep_within,
+            protected=protected,
+            collect_orphans=collect_orphans,
+            now=now,
+            lease_ttl_seconds=lease_ttl_seconds,
+            cluster_grace_seconds=cluster_grace_seconds,
+            known=known,
+        )
+
+
+def _apply_retention(
+    storage: Storage | Repository,
+    run_id: str,
+    *,
+    keep_last: int,
+    keep_every_steps: int,
+    keep_within: float,
+    protected: Iterable[str],
+    collect_orphans: bool,
+    now: float | None,
+    lease_ttl_seconds: float,
+    cluster_grace_seconds: float | None,
+    known: RunCatalog,
+) -> list[str]:
     from ckptd.runtime import logs  # here, not at the top: structlog imports asyncio
 
     log = logs.get_logger(run=run_id)
@@ -194,14 +235,10 @@ def apply_retention(
     leased, stale_leases = repo.read_leases(run_id, now=clock, ttl=lease_ttl_seconds)
     guarded |= leased
 
-    committed = repo.list_committed(run_id)
-    guarded |= {c.manifest.checkpoint for c in committed if c.is_latest}
-    entries = [(c.manifest.checkpoint, c.manifest.step) for c in committed]
-    times = {
-        c.manifest.checkpoint: t
-        for c in committed
-        if (t := epoch_of(c.manifest.committed_at)) is not None
-    }
+    known.refresh(repo, run_id, now=clock, window=keep_last)
+    committed = known.entries()
+    entries = [(m.checkpoint, m.step) for m in committed]
+    times = {m.checkpoint: t for m in committed if (t := epoch_of(m.committed_at)) is not None}
     victims = plan_retention(
         entries,
         keep_last=keep_last,
@@ -214,6 +251,7 @@ def apply_retention(
     deleted: list[str] = []
     for name in victims:
         objects = delete_checkpoint(repo, run_id, name)
+        known.settle(name)
         log.info("retention_deleted", checkpoint=name, objects=objects)
         deleted.append(name)
 
@@ -221,7 +259,7 @@ def apply_retention(
         # The orphan floor: the count rule's window or, with the age rule alone, what
         # the age rule keeps (an upload in flight is newer than both).
         window = entries if keep_last > 0 else kept_by_age(entries, keep_within, times, clock)
-        deleted += _collect_orphans(repo, run_id, entries, window, deleted, guarded, keep_last)
+        deleted += _collect_orphans(repo, run_id, known, window, guarded, keep_last)
 
     if cluster_grace_seconds is not None:
         sweep_cluster(
@@ -231,6 +269,7 @@ def apply_retention(
             skip=guarded | set(deleted),
             now=clock,
             grace_seconds=cluster_grace_seconds,
+            candidates=sorted(known.uncommitted),
         )
     repo.delete(stale_leases)
     return deleted
@@ -239,29 +278,26 @@ def apply_retention(
 def _collect_orphans(
     repo: Repository,
     run_id: str,
-    committed: Sequence[Entry],
+    known: RunCatalog,
     window: Sequence[Entry],
-    deleted: Sequence[str],
     guarded: Set[str],
     keep_last: int,
 ) -> list[str]:
     """Delete the manifest-less prefixes ``plan_orphans`` picks against ``window``;
-    returns their names (module doc)."""
+    returns their names (module doc). Each is settled in ``known`` once looked at, so a
+    prefix the store keeps listing once emptied costs nothing on later passes."""
     from ckptd.runtime import logs
 
     log = logs.get_logger(run=run_id)
-    committed_names = {name for name, _ in committed}
-    candidates: list[Entry] = []
-    for name in repo.list_names(run_id):
-        if name.startswith(".") or name in committed_names or name in deleted:
-            continue
-        # A manifest that exists but does not parse is not an orphan's: keep it.
-        if repo.has_manifest(run_id, name):
-            continue
-        candidates.append((name, step_of(name)))
+    candidates = [(name, step_of(name)) for name in sorted(known.uncommitted)]
     collected: list[str] = []
     for name in plan_orphans(candidates, window, keep_last=keep_last, protected=guarded):
+        # A manifest may have arrived since the catalog looked (a late commit, or one
+        # that does not parse): checked again right before deleting; such a name is kept.
+        if repo.has_manifest(run_id, name):
+            continue
         objects = _delete_prefix(repo, run_id, name)
+        known.settle(name)
         if objects:  # some stores list an emptied prefix for a while: nothing to do
             log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
             collected.append(name)
@@ -276,9 +312,11 @@ def sweep_cluster(
     skip: Set[str],
     now: float,
     grace_seconds: float,
+    candidates: Sequence[str] | None = None,
 ) -> list[str]:
     """Remove the announcement and parts of uncommitted checkpoints that can never commit
-    (module doc); returns their names. One whose age cannot be read is kept."""
+    (module doc); returns their names. One whose age cannot be read is kept. Looks at
+    ``candidates`` (a catalog's uncommitted names), else at every name listed."""
     from ckptd.runtime import logs
 
     steps = [step for _, step in committed if step is not None]
@@ -287,7 +325,7 @@ def sweep_cluster(
     newest = max(steps)
     committed_names = {name for name, _ in committed}
     swept: list[str] = []
-    for name in repo.list_names(run_id):
+    for name in repo.list_names(run_id) if candidates is None else candidates:
         step = step_of(name)
         if name.startswith(".") or name in committed_names or name in skip:
             continue

@@ -16,6 +16,7 @@ from ckptd.config import RetentionConfig
 from ckptd.core.manifest import ManifestError
 from ckptd.layouts.base import step_of
 from ckptd.storage.base import StorageError
+from ckptd.store.catalog import RunCatalog
 from ckptd.store.repository import Repository
 from ckptd.store.retention import apply_local_cleanup, apply_retention
 from ckptd.sync.scanner import list_candidates
@@ -31,8 +32,10 @@ async def after_commit(
     committed_here: Set[str],
     log: Any,
     cluster_grace_seconds: float | None = None,
+    catalog: RunCatalog | None = None,
 ) -> list[str]:
-    """Apply retention to ``run``; returns the local checkpoints deleted (if any)."""
+    """Apply retention to ``run``; returns the local checkpoints deleted (if any).
+    ``catalog`` is the run's, kept across passes (``ckptd.store.catalog``)."""
     try:
         deleted = await asyncio.to_thread(
             apply_retention,
@@ -43,6 +46,7 @@ async def after_commit(
             keep_within=policy.keep_within_seconds,
             protected=protected,
             cluster_grace_seconds=cluster_grace_seconds,
+            catalog=catalog,
         )
         if deleted:
             log.info("retention_deleted", deleted=deleted)

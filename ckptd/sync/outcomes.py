@@ -179,6 +179,7 @@ class Outcomes:
             )
         if result.commit is None:
             return  # committed before this attempt: nothing was shipped now
+        state.catalog.forget(manifest.checkpoint)  # read afresh by the next pass
         if self.emergency.since is None:  # never spend a preemption's seconds on deletes
             protected = (
                 set(self.queue.names(state.run_id))
@@ -196,6 +197,7 @@ class Outcomes:
                 cluster_grace_seconds=None
                 if self.cluster.committer is None
                 else self.cluster.abandon_grace_seconds,
+                catalog=state.catalog,
             )
             state.seen.difference_update(removed)
         run = state.run_id

@@ -22,6 +22,7 @@ from ckptd.config import WatchConfig
 from ckptd.core.manifest import Manifest, ManifestError, utc_timestamp
 from ckptd.layouts.base import RuleSettings
 from ckptd.storage.base import StorageError
+from ckptd.store.catalog import RunCatalog
 from ckptd.store.repository import Repository
 from ckptd.sync.queue import ShipQueue
 from ckptd.sync.transfer import TransferContext
@@ -76,6 +77,8 @@ class RunState:
     announcements: dict[str, Announcement] = field(default_factory=dict)
     awaiting: dict[str, float] = field(default_factory=dict)
     waiting: dict[str, WaitingEntry] = field(default_factory=dict)
+    # What retention has read of the run's store, kept from one pass to the next.
+    catalog: RunCatalog = field(default_factory=RunCatalog)
 
     @classmethod
     def of(cls, watch: WatchConfig) -> RunState:

@@ -21,13 +21,14 @@ from rich.console import Console
 
 from ckptd.cli.statusview import render_status
 from ckptd.cluster import protocol as cluster
+from ckptd.cluster.assemble import Assembly, Committer, try_commit
 from ckptd.config import load_settings
 from ckptd.core import checksum
 from ckptd.core.manifest import build_manifest
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage import open_storage
 from ckptd.storage.base import NotFoundError, Storage
-from ckptd.store.repository import Repository, announce_key, object_key, part_key
+from ckptd.store.repository import Repository, announce_key, manifest_key, object_key, part_key
 from ckptd.store.restore import RestoreError, RestoreRequest, restore
 from ckptd.store.retention import apply_retention
 from ckptd.sync.commit import commit
@@ -469,6 +470,39 @@ async def test_a_waiting_checkpoint_below_a_newer_commit_is_given_up_after_the_g
     await drive([n0], lambda: not n0.status()["waiting"])
     assert "superseded" in str(n0.status()["failed"])
     assert repo.read_manifest(RUN, "step-5") is None
+
+
+class PartReads(Repository):
+    """The store as it is, counting the parts read."""
+
+    parts_read = 0
+
+    def read_part(self, run_id: str, checkpoint: str, rank: int) -> cluster.Part | None:
+        self.parts_read += 1
+        return super().read_part(run_id, checkpoint, rank)
+
+
+async def test_a_node_that_only_polls_leaves_reading_the_parts_to_node_0(
+    pair: tuple[Node, Node, Repository],
+) -> None:
+    n0, n1, repo = pair
+    dcp_save(n0, n1)
+    age(n0.root)
+    age(n1.root)
+    await n0.start()
+    await n1.start()
+    await drive([n0, n1], lambda: repo.read_manifest(RUN, "step-10") is not None)
+    # As if the node whose part completed the set died before its commit: every part is
+    # listed and there is no manifest. Node 1, polling, reads no part (N nodes reading
+    # N parts each was the commit's cost at 64 nodes); told to assemble, it commits.
+    repo.storage.delete([manifest_key(RUN, "step-10")])
+    counting = PartReads(repo.storage)
+    node1 = Committer(nodes=2, rank=1, host="n1")
+    result = try_commit(counting, RUN, "step-10", node1, save=None, now=time.time(), assemble=False)
+    assert result.outcome is Assembly.WAITING and result.missing == ()
+    assert counting.parts_read == 0 and repo.read_manifest(RUN, "step-10") is None
+    result = try_commit(counting, RUN, "step-10", node1, save=None, now=time.time())
+    assert result.outcome is Assembly.COMMITTED and counting.parts_read == 2
 
 
 def test_status_view_shows_waiting_checkpoints() -> None:
