@@ -51,6 +51,7 @@ from ckptd.trainer.listener import (
     parse_notice,
     parse_signal,
 )
+from ckptd.trainer.steps import report_step
 
 if TYPE_CHECKING:
     from ckptd.trainer.hf import CkptdCallback
@@ -73,6 +74,7 @@ __all__ = [
     "preempted",
     "preempted_on_any_rank",
     "report_save",
+    "report_step",
     "resume_from",
     "uninstall",
 ]

@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
         "--pause-at", type=int, default=0, help="after this step, wait for the notice (<= 60 s)"
     )
     p.add_argument("--step-delay", type=float, default=0.0, help="stands in for real compute")
+    p.add_argument(
+        "--report-saves", action="store_true", help="report each save's time (saves.jsonl)"
+    )
     return p
 
 
@@ -62,8 +65,14 @@ class Reporter:
         self.first_step_at: float | None = None
 
     def step_done(self, step: int) -> None:
+        now = time.time()
         if self.first_step_at is None:
-            self.first_step_at = time.time()
+            self.first_step_at = now
+        # The trainer's own log (the goodput test counts re-done steps from it), and
+        # its step report to ckptd (a no-op unless CKPTD_WATCH_DIR is set).
+        with self.path.with_suffix(".steps").open("a") as log:
+            log.write(f"{os.getpid()} {step} {now:.6f}\n")
+        ckptd.trainer.report_step(step)
         write_json(
             self.path,
             {"step": step, "first_step_at": self.first_step_at, "resumed_from": self.resumed_from},

@@ -1,0 +1,148 @@
+"""Goodput under ``ckptd exec``: a real trainer, killed (``kill -9``) once and preempted
+(SIGTERM) once, then finished on a fresh node. The run ledger in the store is checked
+against the trainer's own log of its steps (each line ``pid step time``):
+
+- the lost steps it records equal the steps the trainer really did twice;
+- its causes sum to the wall time within 2 %;
+- its goodput is within 2 points of the test's own: the time the trainer spent on steps
+  it kept (from its step timestamps) over the wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from ckptd.devtools.locals3 import LocalS3
+from ckptd.goodput.model import Interval, Mark, goodput
+from ckptd.goodput.recorder import read_ledger
+from ckptd.storage import open_storage
+from ckptd.store.repository import Repository
+from tests.support.daemon import wait_until
+from tests.support.exec_harness import ExecNode, _alive, trainer_command
+from tests.support.harness import RUN_ID, Env, TrainerSpec
+
+SEED = 20261204
+SPEC = TrainerSpec(
+    name="pytorch-dcp",
+    module="tests.support.trainers.plain_dcp",
+    max_steps=90,
+    save_every=10,
+    step_delay=0.05,
+    interruptions=2,
+    checkpoint_name="step-{}",
+)
+
+
+def command(node_dir: Path) -> list[str]:
+    # Every step reported (the default is at most every 5 s), so lost steps are exact.
+    return [
+        "env",
+        "CKPTD_STEP_REPORT_SECONDS=0",
+        *trainer_command(SPEC, node_dir),
+        "--report-saves",
+    ]
+
+
+def step_log(*nodes: ExecNode) -> list[tuple[int, int, float]]:
+    """Every step the trainer did, on every node: (pid, step, time)."""
+    out = []
+    for node in nodes:
+        for line in node.progress.with_suffix(".steps").read_text().splitlines():
+            pid, step, at = line.split()
+            out.append((int(pid), int(step), float(at)))
+    return out
+
+
+def saves_reported(*nodes: ExecNode) -> list[tuple[float, float]]:
+    """Each save the trainer reported: (at, save_seconds)."""
+    out = []
+    for node in nodes:
+        for line in (node.ckpt / ".ckptd" / "saves.jsonl").read_text().splitlines():
+            doc = json.loads(line)
+            out.append((float(doc["at"]), float(doc["save_seconds"])))
+    return out
+
+
+@pytest.mark.slow
+def test_the_ledger_matches_what_the_trainer_did(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    rng = random.Random(SEED)
+    env = Env(s3_dest, local_s3.endpoint_url)
+    first = ExecNode(tmp_path / "node-a", SPEC, env)
+    first.command = command(first.dir)
+    try:
+        first.start()
+        # kill -9 between two saves: the steps since the last one are re-done.
+        target = 10 + rng.randint(2, 8)
+        first.wait_progress(lambda d: d["step"] >= target, 120, f"step {target}")
+        pid = first.trainer_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not _alive(pid), 10, f"trainer {pid} gone")
+        first.wait_progress(
+            lambda d: first.trainer_pid() != pid and d["step"] >= 35, 120, "step 35 after restart"
+        )
+        first.signal(signal.SIGTERM)  # the notice: the emergency checkpoint, exit 0
+        assert first.wait_exit(90) == 0, first.log_tail()
+    finally:
+        first.close()
+
+    second = ExecNode(tmp_path / "node-b", SPEC, env)  # a fresh node continues the run
+    second.command = command(second.dir)
+    try:
+        second.start()
+        assert second.wait_exit(180) == 0, second.log_tail()
+    finally:
+        second.close()
+    assert second.result_doc()["step"] == SPEC.max_steps
+
+    storage = open_storage(s3_dest, endpoint_url=local_s3.endpoint_url)
+    records = read_ledger(Repository(storage), RUN_ID)
+    g = goodput(records)
+
+    log = step_log(first, second)
+    redone = sum(n - 1 for n in Counter(step for _, step, _ in log).values())
+    lost_steps = sum(i.lost_steps or 0 for i in g.interruptions)
+    print(f"ledger: {g.to_json()}")
+    print(f"steps re-done per the trainer's log: {redone}; ledger: {lost_steps}")
+    assert redone > 0
+    assert lost_steps == redone
+    kinds = Counter(r.kind for r in records if isinstance(r, Mark))
+    assert kinds["interrupted"] == 2 and kinds["notice"] == 1 and kinds["finished"] == 1, kinds
+    assert {r.cause for r in records if isinstance(r, Interval)} >= {"productive", "down"}
+
+    # Causes sum to the wall time (the wall: first record to the run's end).
+    assert abs(sum(g.seconds.values()) - g.wall) <= 0.02 * g.wall
+    # The test's own goodput: per trainer process, the time from its first step to the
+    # last step it did that no later process did again, less its saves (the trainer's own
+    # save reports), over the wall time.
+    by_pid: dict[int, list[tuple[int, float]]] = {}
+    for pid_, step, at in log:
+        by_pid.setdefault(pid_, []).append((step, at))
+    pids = sorted(by_pid, key=lambda p: by_pid[p][0][1])
+    spans = []
+    for i, pid_ in enumerate(pids):
+        steps = by_pid[pid_]
+        last_kept = by_pid[pids[i + 1]][0][0] - 1 if i + 1 < len(pids) else steps[-1][0]
+        times = [at for step, at in steps if step <= last_kept]
+        spans.append((times[0], times[-1]))
+    save_time = sum(
+        min(at, hi) - max(at - seconds, lo)
+        for at, seconds in saves_reported(first, second)
+        for lo, hi in spans
+        if at - seconds < hi and at > lo
+    )
+    kept = sum(hi - lo for lo, hi in spans) - save_time
+    own = kept / g.wall
+    print(f"goodput: ledger {g.ratio:.3f}, the test's own {own:.3f}; wall {g.wall:.1f} s")
+    assert g.ratio is not None
+    assert abs(g.ratio - own) <= 0.02
+    assert g.seconds["lost"] > 0 and g.seconds["restore"] > 0 and g.seconds["startup"] > 0

@@ -1,0 +1,180 @@
+"""The run ledger and goodput (``ckptd.goodput.model``): causes tile the wall time, a chunk
+appended twice counts once, lost progress from step samples, garbage is skipped."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptd.goodput.model import (
+    CAUSES,
+    FORMAT,
+    PRECEDENCE,
+    UNKNOWN,
+    Interval,
+    Mark,
+    chunk_bytes,
+    goodput,
+    lost_span,
+    merge_records,
+    parse_chunk,
+    time_at_step,
+    timeline,
+)
+
+
+def iv(
+    cause: str,
+    start: float,
+    end: float,
+    *,
+    node: str = "n0",
+    attempt: str = "a1",
+    rid: str | None = None,
+    steps: tuple[int, int] | None = None,
+) -> Interval:
+    return Interval(
+        rid or f"{node}:{cause}:{start}",
+        node,
+        attempt,
+        cause,
+        start,
+        end,
+        "test",
+        *(steps or (None, None)),
+    )
+
+
+def test_one_attempt_adds_up() -> None:
+    records = [
+        iv("startup", 0, 10),
+        iv("productive", 10, 100, steps=(0, 90)),
+        iv("save", 50, 55),  # carved out of the productive span
+        iv("lost", 80, 100, steps=(70, 90)),
+        Mark("m1", "n0", "a1", "interrupted", 100, "signal:SIGKILL", 90),
+        iv("down", 100, 102),
+        iv("restore", 102, 104, attempt="a2"),
+        iv("productive", 104, 200, attempt="a2", steps=(70, 166)),
+    ]
+    g = goodput(records)
+    assert g.wall == 200
+    assert g.seconds["productive"] == pytest.approx(90 - 5 - 20 + 96)
+    assert g.seconds["save"] == 5 and g.seconds["lost"] == 20 and g.seconds[UNKNOWN] == 0
+    assert sum(g.seconds.values()) == pytest.approx(g.wall)
+    assert g.ratio == pytest.approx(161 / 200)
+    (interrupted,) = g.interruptions
+    assert interrupted.lost_steps == 20 and interrupted.lost_seconds == 20
+    assert g.attempts == 2 and g.nodes == 1
+
+
+def test_time_no_record_covers_is_unknown_not_zero_and_not_productive() -> None:
+    g = goodput([iv("productive", 0, 10), iv("productive", 30, 40)])
+    assert g.seconds[UNKNOWN] == 20 and g.seconds["productive"] == 20
+    assert g.ratio == 0.5
+
+
+def test_a_live_run_counts_until_now_and_the_last_day_is_a_window() -> None:
+    records = [iv("productive", 0, 100)]
+    assert goodput(records, until=150).seconds[UNKNOWN] == 50
+    day = goodput(records, until=150, since=80)
+    assert day.wall == 70 and day.seconds["productive"] == 20
+
+
+def test_one_stalled_node_stalls_the_run() -> None:
+    records = [
+        iv("productive", 0, 100, node="n0"),
+        iv("productive", 0, 100, node="n1"),
+        iv("restore", 40, 60, node="n1"),
+    ]
+    g = goodput(records)
+    assert g.seconds["restore"] == 20 and g.seconds["productive"] == 80 and g.nodes == 2
+
+
+def test_a_chunk_appended_twice_counts_once() -> None:
+    records = [iv("productive", 0, 10), Mark("m", "n0", "a1", "commit", 5, "step-10", 10)]
+    body = chunk_bytes("run1", "w", records)
+    merged = merge_records(parse_chunk(body), parse_chunk(body))
+    assert merged == merge_records(records)
+    assert goodput(merged).seconds["productive"] == 10
+
+
+def test_garbage_chunks_and_records_are_skipped() -> None:
+    assert parse_chunk(b"not json") == []
+    assert parse_chunk(json.dumps({"format": "other/1", "records": []}).encode()) == []
+    good = iv("productive", 0, 1).to_json()
+    bad = [
+        {**good, "id": "x1", "cause": "nap"},
+        {**good, "id": "x2", "end": -1},
+        {**good, "id": "x3", "start": 5, "end": 1},
+        {**good, "id": "x4", "start": float("nan")},
+        {"type": "mark", "id": "x5", "node": "n", "attempt": "a", "kind": "lunch", "at": 1},
+        "text",
+    ]
+    body = json.dumps({"format": FORMAT, "records": [good, *bad]}).encode()
+    assert [r.id for r in parse_chunk(body)] == [good["id"]]
+
+
+def test_lost_progress_from_step_samples() -> None:
+    samples = [(10.0, 0), (20.0, 10), (30.0, 20), (40.0, 30)]
+    assert time_at_step(samples, 15) == 25.0
+    assert time_at_step(samples, 31) is None
+    assert lost_span(samples, 20, 42.0) == (30.0, 20, 30)
+    assert lost_span(samples, 30, 42.0) is None  # resumed where it was: nothing lost
+    assert lost_span([], 0, 1.0) is None
+
+
+# -- properties -----------------------------------------------------------------------------
+
+times = st.floats(min_value=0, max_value=1000, allow_nan=False)
+interval_st = st.builds(
+    lambda c, a, b, n: iv(c, min(a, b), max(a, b), node=n, rid=f"{n}:{c}:{a}:{b}"),
+    st.sampled_from(sorted(CAUSES)),
+    times,
+    times,
+    st.sampled_from(["n0", "n1", "n2"]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(interval_st, max_size=30), st.one_of(st.none(), times))
+def test_causes_always_sum_to_the_wall_time(records: list[Interval], until: float | None) -> None:
+    g = goodput(records, until=until)
+    assert sum(g.seconds.values()) == pytest.approx(g.wall, abs=1e-6)
+    assert all(s >= 0 for s in g.seconds.values())
+    if g.ratio is not None:
+        assert 0 <= g.ratio <= 1 + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(interval_st, max_size=20), st.data())
+def test_an_interrupted_append_never_double_counts(
+    records: list[Interval], data: st.DataObject
+) -> None:
+    """A writer killed after shipping a chunk but before noting it ships it again (in a
+    new chunk, maybe with later records): the ledger reads as if shipped once."""
+    cut = data.draw(st.integers(0, len(records)))
+    first = parse_chunk(chunk_bytes("r", "w", records[:cut]))
+    again = parse_chunk(chunk_bytes("r", "w", records))
+    once = goodput(merge_records(parse_chunk(chunk_bytes("r", "w", records))))
+    twice = goodput(merge_records(first, again))
+    assert twice.seconds == once.seconds
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(interval_st, max_size=20))
+def test_segments_tile_and_take_the_highest_precedence(records: list[Interval]) -> None:
+    if not records:
+        return
+    lo, hi = min(r.start for r in records), max(r.end for r in records)
+    segs = timeline(records, lo, hi)
+    for a, b in itertools.pairwise(segs):
+        assert a.end == b.start and a.cause != b.cause
+    for seg in segs:
+        mid = (seg.start + seg.end) / 2
+        covering = [r.cause for r in records if r.start <= mid < r.end]
+        expected = min(covering, key=PRECEDENCE.index) if covering else UNKNOWN
+        assert seg.cause == expected
