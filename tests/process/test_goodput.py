@@ -13,18 +13,20 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from ckptd.devtools.locals3 import LocalS3
-from ckptd.goodput.model import Interval, Mark, goodput
+from ckptd.goodput.model import Interval, Mark, Record, goodput, merge_records
 from ckptd.goodput.recorder import read_ledger
 from ckptd.storage import open_storage
 from ckptd.store.repository import Repository
-from tests.support.daemon import wait_until
+from tests.support.daemon import run_cli, wait_until
 from tests.support.exec_harness import ExecNode, _alive, trainer_command
 from tests.support.harness import RUN_ID, Env, TrainerSpec
 
@@ -146,3 +148,85 @@ def test_the_ledger_matches_what_the_trainer_did(
     assert g.ratio is not None
     assert abs(g.ratio - own) <= 0.02
     assert g.seconds["lost"] > 0 and g.seconds["restore"] > 0 and g.seconds["startup"] > 0
+
+    # ckptd report says the same, on the terminal and as JSON.
+    dest = ["--dest", s3_dest, "--endpoint-url", local_s3.endpoint_url]
+    shown = run_cli("report", RUN_ID, *dest)
+    assert shown.returncode == 0, shown.stderr
+    assert f"goodput {100 * g.ratio:.1f} %" in shown.stdout, shown.stdout
+    assert "signal:SIGKILL" in shown.stdout and "lost" in shown.stdout, shown.stdout
+    doc = json.loads(run_cli("report", RUN_ID, "--json", *dest).stdout)
+    assert doc["goodput"]["lost_steps"] == redone
+    assert doc["goodput"]["goodput_ratio"] == pytest.approx(g.ratio, abs=1e-3)
+
+
+# -- the HTML timeline in a real browser ----------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def two_node_ledger() -> list[Record]:
+    """Two nodes: node-0 trains throughout but for a save; node-1 is killed, waits, restores
+    and trains again; a notice and a commit on node-0."""
+    t = 1_800_000_000.0
+
+    def iv(rid: str, node: str, cause: str, a: float, b: float) -> Interval:
+        return Interval(rid, node, "a1", cause, t + a, t + b, "test")
+
+    return merge_records(
+        [
+            iv("1", "node-0", "startup", 0, 10),
+            iv("2", "node-0", "productive", 10, 100),
+            iv("3", "node-0", "save", 40, 45),
+            iv("4", "node-1", "startup", 0, 12),
+            iv("5", "node-1", "productive", 12, 50),
+            iv("6", "node-1", "lost", 42, 50),
+            iv("7", "node-1", "down", 50, 60),
+            iv("8", "node-1", "restore", 60, 65),
+            iv("9", "node-1", "productive", 65, 100),
+            Mark("m1", "node-1", "a1", "interrupted", t + 50, "signal:SIGKILL", 38),
+            Mark("m2", "node-0", "a1", "notice", t + 90, "aws"),
+            Mark("m3", "node-0", "a1", "commit", t + 95, "step-90"),
+        ]
+    )
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (apt-get install chromium)")
+def test_the_html_timeline_draws_lanes_and_markers_in_a_browser(tmp_path: Path) -> None:
+    pytest.importorskip("plotly", reason="the report extra (plotly) is not installed")
+    from ckptd.goodput.report import COLOURS, timeline_html
+
+    records = two_node_ledger()
+    page = tmp_path / "timeline.html"
+    page.write_text(timeline_html("run1", records, goodput(records)))
+    assert CHROMIUM is not None
+    dom = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    # Drawn, not only written: the SVG plotly renders holds each cause's bars in its colour
+    # (fill rgb(...)), both lanes' tick labels and the markers' points.
+    assert 'class="main-svg"' in dom, dom[-2000:]
+    for cause in ("productive", "save", "lost", "down", "restore", "startup"):
+        r, g, b = (int(COLOURS[cause][i : i + 2], 16) for i in (1, 3, 5))
+        assert f"fill: rgb({r}, {g}, {b})" in dom, f"no {cause} bar drawn"
+    assert ">node-0<" in dom and ">node-1<" in dom, "a lane is missing"
+    assert dom.count('class="point"') >= 13, "bars and markers: at least one point each"
+    for kind in ("interrupted", "notice", "commit"):
+        assert f">{kind}<" in dom, f"no {kind} in the legend"
