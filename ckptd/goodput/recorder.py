@@ -98,6 +98,7 @@ class GoodputRecorder:
         self.span_from: tuple[float, int] | None = None
         self.saves_seen = 0.0  # the newest save report taken (its ``at``)
         self.ship_lock = asyncio.Lock()
+        self.journaled: list[Record] | None = None  # the journal's records, read once
 
     # -- the journal -----------------------------------------------------------------------
 
@@ -111,6 +112,8 @@ class GoodputRecorder:
             f.write(json.dumps(record.to_json(), sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if self.journaled is not None:
+            self.journaled.append(record)
 
     def interval(self, cause: str, start: float, end: float, basis: str, **kw: Any) -> None:
         if end > start:
@@ -128,6 +131,12 @@ class GoodputRecorder:
             return []
 
     def local_records(self) -> list[Record]:
+        """The journal's records (read from disk once, then kept as appended)."""
+        if self.journaled is None:
+            self.journaled = self._read_journal()
+        return list(self.journaled)
+
+    def _read_journal(self) -> list[Record]:
         out = []
         for line in self.journal_lines():
             try:
@@ -316,6 +325,7 @@ class GoodputRecorder:
     # -- what it adds up to ----------------------------------------------------------------
 
     def records(self) -> list[Record]:
+        """The store's ledger as read at start-up and everything journaled here."""
         return merge_records(self.stored, self.local_records())
 
     def summary(self, *, since: float | None = None) -> Goodput:

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.devtools.locals3 import LocalS3
 from ckptd.goodput.model import Interval, Mark, Record, goodput, merge_records
@@ -62,6 +63,14 @@ def step_log(*nodes: ExecNode) -> list[tuple[int, int, float]]:
     return out
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return -1.0
+
+
 def saves_reported(*nodes: ExecNode) -> list[tuple[float, float]]:
     """Each save the trainer reported: (at, save_seconds)."""
     out = []
@@ -92,6 +101,12 @@ def test_the_ledger_matches_what_the_trainer_did(
         first.wait_progress(
             lambda d: first.trainer_pid() != pid and d["step"] >= 35, 120, "step 35 after restart"
         )
+        live = first.get_json("/v1/status")["goodput"]["run"]
+        assert live["interruptions"] == 1 and live["lost_steps"] > 0, live
+        assert 0 < live["goodput_ratio"] < 1, live
+        text = first.metrics_text()
+        assert 0 < metric(text, "ckptd_goodput_ratio", run=RUN_ID) < 1
+        assert metric(text, "ckptd_badput_seconds_total", run=RUN_ID, cause="lost") > 0
         first.signal(signal.SIGTERM)  # the notice: the emergency checkpoint, exit 0
         assert first.wait_exit(90) == 0, first.log_tail()
     finally:

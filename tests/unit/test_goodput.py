@@ -178,3 +178,43 @@ def test_segments_tile_and_take_the_highest_precedence(records: list[Interval]) 
         covering = [r.cause for r in records if r.start <= mid < r.end]
         expected = min(covering, key=PRECEDENCE.index) if covering else UNKNOWN
         assert seg.cause == expected
+
+
+def test_the_status_line_shows_goodput_and_the_worst_causes() -> None:
+    from ckptd.cli.statusview import goodput_text
+
+    g = goodput([iv("startup", 0, 10), iv("productive", 10, 90), iv("lost", 75, 90)])
+    line = goodput_text({"run": g.to_json(), "last_24h": g.to_json()})
+    assert line is not None
+    assert str(line).startswith("goodput: 72.2 % (last 24 h 72.2 %)"), str(line)
+    assert "badput lost 15 s, startup 10 s" in str(line)
+    assert goodput_text(None) is None and goodput_text({"run": {}}) is None
+
+
+def test_a_missing_report_extra_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from ckptd.goodput.report import MissingExtra, timeline_html
+
+    monkeypatch.setitem(sys.modules, "plotly", None)
+    monkeypatch.setitem(sys.modules, "plotly.graph_objects", None)
+    with pytest.raises(MissingExtra, match=r"pip install 'ckptd\[report\]'"):
+        timeline_html("run1", [iv("productive", 0, 1)], goodput([iv("productive", 0, 1)]))
+
+
+def test_the_summary_names_each_interruption_and_compares_lost_time() -> None:
+    from ckptd.cadence.model import CadencePolicy, History, SaveRecord, advise
+    from ckptd.goodput.report import summary_text
+
+    records = merge_records(
+        [
+            iv("productive", 0, 100, steps=(0, 100)),
+            iv("lost", 80, 100, steps=(80, 100)),
+            Mark("m", "n0", "a1", "interrupted", 100, "signal:SIGKILL", 100),
+        ]
+    )
+    g = goodput(records)
+    history = History("run1", saves=[SaveRecord("step-80", 50.0, 2.0, 3.0, "trainer", False)])
+    text = summary_text("run1", g, g, advise(history, CadencePolicy()))
+    assert "goodput 80.0 %" in text and "signal:SIGKILL" in text, text
+    assert "lost per interruption: measured 20.0 s, expected at the advised interval" in text
