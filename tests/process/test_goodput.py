@@ -16,6 +16,7 @@ import random
 import shutil
 import signal
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -245,3 +246,70 @@ def test_the_html_timeline_draws_lanes_and_markers_in_a_browser(tmp_path: Path) 
     assert dom.count('class="point"') >= 13, "bars and markers: at least one point each"
     for kind in ("interrupted", "notice", "commit"):
         assert f">{kind}<" in dom, f"no {kind} in the legend"
+
+
+# -- kill -9 of ckptd exec itself -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_kill_9_of_exec_at_random_moments_never_loses_or_double_counts_a_record(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    """``ckptd exec`` (and with it the node) killed at seeded random moments, restarted on
+    the same state dir each time, then left to finish: every record its lives journaled is
+    in the store, each id with one content, and nothing else is; the causes still sum to
+    the wall time, the time no life journaled reading as unknown or down, not productive."""
+    rng = random.Random(SEED + 1)
+    node = ExecNode(tmp_path / "node", SPEC, Env(s3_dest, local_s3.endpoint_url))
+    node.command = command(node.dir)
+    kills = []
+    try:
+        for i in range(4):
+            node.start()
+            if i % 2 == 0:  # at a random moment: restoring, starting the trainer, shipping
+                delay = rng.uniform(0.2, 3.0)
+                kills.append(f"{delay:.2f} s after start")
+                deadline = time.monotonic() + delay
+                wait_until(lambda d=deadline: time.monotonic() >= d, delay + 5, "the moment")
+            else:  # while training
+                before = (node.progress_doc() or {}).get("step", 0)
+                target = min(before + rng.randint(3, 15), SPEC.max_steps - 5)
+                node.wait_progress(lambda d, t=target: d["step"] >= t, 120, f"step {target}")
+                kills.append(f"at step {target}")
+            trainer = node.trainer_pid()
+            assert node.proc is not None
+            node.proc.kill()  # kill -9: no shutdown, no last ship
+            node.proc.wait()
+            if trainer is not None and _alive(trainer):
+                os.kill(trainer, signal.SIGKILL)  # the node is gone: its trainer too
+            node.pidfile.unlink(missing_ok=True)
+        node.start()
+        assert node.wait_exit(180) == 0, node.log_tail()
+    finally:
+        node.close()
+    print(f"seed {SEED + 1}: ckptd exec killed {kills}")
+
+    journal = node.dir / "state" / "goodput" / f"{RUN_ID}.jsonl"
+    journaled: dict[str, dict[str, object]] = {}
+    for line in journal.read_text().splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue  # a line torn by the kill is no record
+        journaled[doc["id"]] = doc
+    storage = open_storage(s3_dest, endpoint_url=local_s3.endpoint_url)
+    copies: dict[str, list[dict[str, object]]] = {}
+    for info in storage.list_objects(f"{RUN_ID}/GOODPUT."):
+        for doc in json.loads(storage.get_bytes(info.key))["records"]:
+            copies.setdefault(doc["id"], []).append(doc)
+    assert set(copies) == set(journaled), "a journaled record is missing from the store"
+    for rid, docs in copies.items():
+        assert all(d == journaled[rid] for d in docs), f"{rid} differs between copies"
+    records = read_ledger(Repository(storage), RUN_ID)
+    g = goodput(records)
+    assert len(records) == len(journaled)
+    assert abs(sum(g.seconds.values()) - g.wall) <= 1e-6 * max(1.0, g.wall)
+    assert sum(1 for r in records if isinstance(r, Mark) and r.kind == "finished") == 1
+    # Productive never exceeds what the trainer's own log shows it spent stepping.
+    log = step_log(node)
+    assert g.seconds["productive"] <= log[-1][2] - log[0][2]
