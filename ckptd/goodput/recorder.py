@@ -45,6 +45,7 @@ from ckptd.store.repository import Repository
 # A productive span is closed (journaled) at least this often.
 SPAN_SECONDS = 10.0
 LEDGER_PREFIX = "GOODPUT."
+STEPS_RELPATH = handoff.STEPS
 
 
 def ledger_prefix(run_id: str) -> str:
@@ -60,7 +61,7 @@ def read_ledger(repo: Repository, run_id: str) -> list[Record]:
 
 def read_step_report(watch_dir: Path) -> dict[str, Any] | None:
     try:
-        doc = json.loads((watch_dir / handoff.STEPS).read_text())
+        doc = json.loads((watch_dir / STEPS_RELPATH).read_text())
     except (OSError, ValueError):
         return None
     ok = isinstance(doc, dict) and isinstance(doc.get("step"), int)

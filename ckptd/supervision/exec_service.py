@@ -108,7 +108,10 @@ class SupervisedService(Service):
             self.watch_dir,
             self.advisor.repo,
             Path(settings.state.dir),
-            self.advisor.host,
+            # With many nodes on one host (a test, a node shared by jobs) each keeps a lane.
+            self.advisor.host
+            if settings.cluster.nodes == 1
+            else f"{self.advisor.host}#{settings.cluster.rank}",
             clock=clock,
         )
         self.responder.trainer_pids = self.supervisor.trainer_pids

@@ -16,6 +16,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -313,3 +314,63 @@ def test_kill_9_of_exec_at_random_moments_never_loses_or_double_counts_a_record(
     # Productive never exceeds what the trainer's own log shows it spent stepping.
     log = step_log(node)
     assert g.seconds["productive"] <= log[-1][2] - log[0][2]
+
+
+# -- two nodes --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_nodes_write_one_ledger(tmp_path: Path, local_s3: LocalS3, s3_dest: str) -> None:
+    """``ckptd exec`` on two nodes (``[cluster]``), a notice on node 0 flushing both: the
+    run's one ledger holds both nodes' lanes (their training, the notice each followed,
+    the commit each waited for), and its causes sum to the wall time."""
+    nodes = []
+    for rank in (0, 1):
+        directory = tmp_path / f"node-{rank}"
+        trainer = [
+            *("env", "CKPTD_STEP_REPORT_SECONDS=0"),
+            *(sys.executable, "-m", "tests.support.trainers.toy_preemptible"),
+            *("--dir", str(directory / "run"), "--pidfile", str(directory / "trainer.pid")),
+            *("--mib", "1", "--name", "checkpoint-999"),
+            *(("--shard", "rng_state_1.pth", "--no-commit-record") if rank else ()),
+        ]
+        nodes.append(
+            ExecNode(
+                directory,
+                SPEC,
+                Env(s3_dest, local_s3.endpoint_url),
+                command=trainer,
+                extra_config=f"[cluster]\nnodes = 2\nnode_rank = {rank}\n"
+                "poll_interval_seconds = 0.2\n",
+            )
+        )
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            progress = node.ckpt / ".progress"
+
+            def trained(p: Path = progress) -> bool:
+                return p.exists() and int(p.read_text() or 0) >= 50
+
+            wait_until(trained, 60, f"{node.dir.name} 50 steps")
+        nodes[0].signal(signal.SIGTERM)
+        codes = [node.wait_exit(90) for node in nodes]
+    finally:
+        for node in nodes:
+            node.close()
+    assert codes == [0, 0], [node.log_tail() for node in nodes]
+
+    storage = open_storage(s3_dest, endpoint_url=local_s3.endpoint_url)
+    records = read_ledger(Repository(storage), RUN_ID)
+    g = goodput(records)
+    print(f"two nodes: {g.to_json()}")
+    lanes = sorted({r.node for r in records})
+    assert g.nodes == 2 and [lane[-2:] for lane in lanes] == ["#0", "#1"], lanes
+    for lane in lanes:
+        mine = [r for r in records if r.node == lane]
+        assert any(isinstance(r, Interval) and r.cause == "productive" for r in mine), lane
+        kinds = {r.kind for r in mine if isinstance(r, Mark)}
+        assert {"notice", "commit", "interrupted"} <= kinds, (lane, kinds)
+    assert abs(sum(g.seconds.values()) - g.wall) <= 1e-6 * max(1.0, g.wall)
+    assert g.seconds["productive"] > 0 and g.seconds["startup"] > 0
