@@ -197,30 +197,90 @@ class GoodputRecorder:
         finished = any(isinstance(r, Mark) and r.kind == "finished" for r in self.stored)
         if bounds is not None and bounds[1] < now and not finished:
             self.interval("down", bounds[1], now, "ledger-gap")
+        previous = self._previous()
+        if previous is not None and not finished:
+            node, attempt, ended = previous
+            ends = {"interrupted", "finished"}
+            if not any(
+                isinstance(r, Mark) and r.kind in ends and r.attempt == attempt for r in self.stored
+            ):
+                # Its exec died with it (kill -9, the node lost): no one marked the end.
+                # On this node its trainer's last step report is still in the watch dir.
+                ended = self._left_behind(node, attempt, ended)
+                self._append(
+                    Mark(self._id(), node, attempt, "interrupted", ended, "exec-gone", None)
+                )
 
-    def restored(self, start: float, end: float, step: int | None) -> None:
-        """The restore before the first start; progress the previous attempt (in the
-        store's ledger) made past the restored step is lost."""
+    def restored(self, start: float, end: float) -> None:
+        """The restore before the first start."""
         self.interval("startup", self.mark_at, start, "exec-start")
         self.interval("restore", start, end, "exec-restore")
         self.mark_at = max(self.mark_at, end)
-        if step is None or not self.stored:
-            return
-        last = max((r for r in self.stored if isinstance(r, Interval)), key=lambda r: r.end)
-        samples = []
-        for r in self.stored:
-            if (
-                isinstance(r, Interval)
-                and r.cause == "productive"
-                and r.attempt == last.attempt
-                and r.step_from is not None
-                and r.step_to is not None
-            ):
-                samples += [(r.start, r.step_from), (r.end, r.step_to)]
-        ended = max(
-            r.end for r in self.stored if isinstance(r, Interval) and r.attempt == last.attempt
+
+    def _left_behind(self, node: str, attempt: str, ended: float) -> float:
+        """The training a dead exec's trainer did after its last journaled span, from its
+        step report left in this node's watch dir (node = this host); the attempt's end."""
+        doc = read_step_report(self.watch_dir)
+        if node != self.host or doc is None or float(doc["at"]) <= ended:
+            return ended
+        at, step = float(doc["at"]), int(doc["step"])
+        spans = [
+            r
+            for r in self.stored
+            if isinstance(r, Interval) and r.attempt == attempt and r.cause == "productive"
+        ]
+        if spans and spans[-1].step_to is not None:
+            start, first = spans[-1].end, spans[-1].step_to
+        elif isinstance(doc.get("first_at"), int | float) and isinstance(
+            doc.get("first_step"), int
+        ):
+            start, first = float(doc["first_at"]), int(doc["first_step"])
+        else:
+            return ended
+        if start >= at or first > step:
+            return ended
+        self._append(
+            Interval(
+                self._id(), node, attempt, "productive", start, at, "step-report-left", first, step
+            )
         )
-        self._lost(sorted(samples), step, ended, last.node, last.attempt)
+        return at
+
+    def _previous(self) -> tuple[str, str, float] | None:
+        """The node, attempt and end of the run's last attempt before this exec (this
+        node's rank's, with many nodes), from the store's ledger."""
+        intervals = [r for r in self.stored if isinstance(r, Interval)]
+        if "#" in self.host:
+            rank = self.host.rsplit("#", 1)[1]
+            intervals = [r for r in intervals if r.node.endswith(f"#{rank}")] or intervals
+        if not intervals:
+            return None
+        last = max(intervals, key=lambda r: r.end)
+        ended = max(r.end for r in intervals if r.attempt == last.attempt)
+        return last.node, last.attempt, ended
+
+    def _lost_before(self, step: int) -> None:
+        """Progress the previous attempt (the store's ledger) made past ``step``, where
+        this exec's first trainer resumes, is lost."""
+        previous = self._previous()
+        if previous is None:
+            return
+        node, attempt, ended = previous
+        records = self.records()  # the store's, and what load() added from this node
+        ended = max(
+            [ended, *(r.end for r in records if isinstance(r, Interval) and r.attempt == attempt)]
+        )
+        samples = sorted(
+            sample
+            for r in records
+            if isinstance(r, Interval)
+            and r.cause == "productive"
+            and r.attempt == attempt
+            and r.step_from is not None
+            and r.step_to is not None
+            for sample in ((r.start, r.step_from), (r.end, r.step_to))
+        )
+        self._lost(samples, step, ended, node, attempt)
 
     def _lost(
         self, samples: list[tuple[float, int]], step: int, ended: float, node: str, attempt: str
@@ -235,6 +295,8 @@ class GoodputRecorder:
 
     def trainer_started(self, step: int | None) -> None:
         now = self.clock.time()
+        if self.starts == 0:
+            self._lost_before(step or 0)  # no checkpoint: it starts again from scratch
         self.starts += 1
         self.attempt = f"{self.writer}/{self.starts}"
         self.interval("startup", self.mark_at, now, "exec-start")
@@ -302,8 +364,11 @@ class GoodputRecorder:
     def restarting(self, resumed_step: int | None) -> None:
         """The next attempt starts from ``resumed_step``: what the last one did past it is
         lost; the wait until the start is down time."""
-        if resumed_step is not None and getattr(self, "ended_samples", None):
-            self._lost(self.ended_samples, resumed_step, self.ended_at, self.host, self.attempt)
+        if getattr(self, "ended_samples", None):
+            # No checkpoint (None): it starts again from scratch.
+            self._lost(
+                self.ended_samples, resumed_step or 0, self.ended_at, self.host, self.attempt
+            )
         now = self.clock.time()
         self.interval("down", self.mark_at, now, "exec-restart")
         self.mark_at = now

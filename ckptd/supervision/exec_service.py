@@ -266,7 +266,7 @@ class SupervisedService(Service):
             "bytes": result.total_bytes,
         }
         self.advisor.record_restore(self.run_id, manifest.checkpoint, skipped=result.skipped)
-        self.goodput.restored(restore_start, self.clock.time(), manifest.step)
+        self.goodput.restored(restore_start, self.clock.time())
         self.log.info("exec_restored", **self.restored)
 
     async def newest_complete(self, run_id: str) -> tuple[Path | None, int | None]:

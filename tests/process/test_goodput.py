@@ -29,11 +29,15 @@ from ckptd.goodput.model import Interval, Mark, Record, goodput, merge_records
 from ckptd.goodput.recorder import read_ledger
 from ckptd.storage import open_storage
 from ckptd.store.repository import Repository
+from ckptd.supervision.supervisor import process_tree
 from tests.support.daemon import run_cli, wait_until
 from tests.support.exec_harness import ExecNode, _alive, trainer_command
 from tests.support.harness import RUN_ID, Env, TrainerSpec
 
 SEED = 20261204
+# The kill -9 campaign's seed (GOODPUT_CAMPAIGN_SEED for another; not CKPTD_*: the daemon
+# refuses an unknown CKPTD_ variable).
+CAMPAIGN_SEED = int(os.environ.get("GOODPUT_CAMPAIGN_SEED", SEED + 1))
 SPEC = TrainerSpec(
     name="pytorch-dcp",
     module="tests.support.trainers.plain_dcp",
@@ -260,7 +264,7 @@ def test_kill_9_of_exec_at_random_moments_never_loses_or_double_counts_a_record(
     the same state dir each time, then left to finish: every record its lives journaled is
     in the store, each id with one content, and nothing else is; the causes still sum to
     the wall time, the time no life journaled reading as unknown or down, not productive."""
-    rng = random.Random(SEED + 1)
+    rng = random.Random(CAMPAIGN_SEED)
     node = ExecNode(tmp_path / "node", SPEC, Env(s3_dest, local_s3.endpoint_url))
     node.command = command(node.dir)
     kills = []
@@ -277,18 +281,22 @@ def test_kill_9_of_exec_at_random_moments_never_loses_or_double_counts_a_record(
                 target = min(before + rng.randint(3, 15), SPEC.max_steps - 5)
                 node.wait_progress(lambda d, t=target: d["step"] >= t, 120, f"step {target}")
                 kills.append(f"at step {target}")
-            trainer = node.trainer_pid()
+            # The node dies: ckptd exec and its trainer with it (frozen first, so that it
+            # starts no trainer between the look at its children and the kill).
             assert node.proc is not None
-            node.proc.kill()  # kill -9: no shutdown, no last ship
+            node.proc.send_signal(signal.SIGSTOP)
+            for pid in process_tree(node.proc.pid):
+                os.kill(pid, signal.SIGKILL)
             node.proc.wait()
+            trainer = node.trainer_pid()
             if trainer is not None and _alive(trainer):
-                os.kill(trainer, signal.SIGKILL)  # the node is gone: its trainer too
+                os.kill(trainer, signal.SIGKILL)
             node.pidfile.unlink(missing_ok=True)
         node.start()
         assert node.wait_exit(180) == 0, node.log_tail()
     finally:
         node.close()
-    print(f"seed {SEED + 1}: ckptd exec killed {kills}")
+    print(f"seed {CAMPAIGN_SEED}: ckptd exec killed {kills}")
 
     journal = node.dir / "state" / "goodput" / f"{RUN_ID}.jsonl"
     journaled: dict[str, dict[str, object]] = {}
@@ -314,6 +322,14 @@ def test_kill_9_of_exec_at_random_moments_never_loses_or_double_counts_a_record(
     # Productive never exceeds what the trainer's own log shows it spent stepping.
     log = step_log(node)
     assert g.seconds["productive"] <= log[-1][2] - log[0][2]
+    # Each exec killed while training left an interruption (marked by its successor),
+    # and the steps lost equal those really re-done: what its last journaled span missed
+    # is taken from the step report its trainer left in the watch dir.
+    gone = [i for i in g.interruptions if i.cause == "exec-gone"]
+    assert 2 <= len(gone) <= 4, g.interruptions
+    redone = sum(n - 1 for n in Counter(step for _, step, _ in log).values())
+    assert sum(i.lost_steps or 0 for i in g.interruptions) == redone
+    print(f"interruptions {len(gone)}, lost steps {g.to_json()['lost_steps']}, re-done {redone}")
 
 
 # -- two nodes --------------------------------------------------------------------------------
