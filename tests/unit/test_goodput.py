@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -218,3 +219,44 @@ def test_the_summary_names_each_interruption_and_compares_lost_time() -> None:
     text = summary_text("run1", g, g, advise(history, CadencePolicy()))
     assert "goodput 80.0 %" in text and "signal:SIGKILL" in text, text
     assert "lost per interruption: measured 20.0 s, expected at the advised interval" in text
+
+
+# -- the trainer's step report ---------------------------------------------------------------
+
+
+def test_the_step_report_is_written_at_most_every_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptd.trainer import steps
+
+    monkeypatch.setattr(steps, "_state", {})
+    monkeypatch.setenv("CKPTD_WATCH_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("CKPTD_STEP_REPORT_SECONDS", "3600")
+    steps.report_step(7)
+    steps.report_step(8)  # within the interval: not written
+    doc = json.loads((tmp_path / steps.STEPS_RELPATH).read_text())
+    assert doc["step"] == 7 and doc["first_step"] == 7 and doc["first_at"] == doc["at"]
+    monkeypatch.setenv("CKPTD_STEP_REPORT_SECONDS", "0")
+    steps.report_step(9)
+    doc = json.loads((tmp_path / steps.STEPS_RELPATH).read_text())
+    assert doc["step"] == 9 and doc["first_step"] == 7
+
+
+def test_the_step_report_is_rank_0s_and_never_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptd.trainer import steps
+
+    monkeypatch.setattr(steps, "_state", {})
+    monkeypatch.setenv("CKPTD_STEP_REPORT_SECONDS", "0")
+    monkeypatch.setenv("CKPTD_WATCH_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    steps.report_step(1)
+    assert not (tmp_path / steps.STEPS_RELPATH).exists()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    steps.report_step(2, blocker)  # .ckptd cannot be made under a file: no exception
+    monkeypatch.delenv("CKPTD_WATCH_DIR")
+    steps.report_step(3)  # no watch dir: nothing to do
