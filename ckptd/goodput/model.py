@@ -275,12 +275,16 @@ def goodput(
     records: Sequence[Record], *, until: float | None = None, since: float | None = None
 ) -> Goodput:
     """Time by cause from the run's first record (or ``since``, if later) to ``until``
-    (default: the last record; a live run passes now), and its interruptions."""
+    (default: the run's ``finished`` mark, else its last record; a live run passes now),
+    and its interruptions."""
     intervals = [r for r in records if isinstance(r, Interval)]
     bounds = span(records)
     if bounds is None:
         return Goodput(0.0, 0.0)
     start, end = bounds
+    finished = [r.at for r in records if isinstance(r, Mark) and r.kind == "finished"]
+    if finished:
+        end = max(finished)  # the run ended there; what follows (its last upload) is not it
     if until is not None:
         end = max(until, start)
     if since is not None:

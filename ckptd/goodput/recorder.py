@@ -92,7 +92,8 @@ class GoodputRecorder:
         self.stored: list[Record] = []  # the store's ledger as read at start-up
         self.attempt = self.writer
         self.starts = 0
-        self.mark_at = clock.time()  # the end of what is recorded on this node so far
+        self.began = clock.time()
+        self.mark_at = self.began  # the end of what is recorded on this node so far
         self.trainer_started_at: float | None = None
         self.first_step_at: float | None = None
         self.samples: list[tuple[float, int]] = []  # this attempt's (time, step)
@@ -376,12 +377,10 @@ class GoodputRecorder:
     def noticed(self, at: float, source: str) -> None:
         self.mark("notice", at, source)
 
-    def flushed(self, checkpoint: str | None, committed: bool) -> None:
+    def flushed(self) -> None:
         """The notice's flush ended: waiting for the commit since the trainer stopped."""
         now = self.clock.time()
         self.interval("wait_commit", self.mark_at, now, "exec-flush")
-        if committed:
-            self.mark("commit", now, checkpoint or "")
         self.mark_at = now
 
     def finished(self) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from ckptd.config import Settings
 from ckptd.core.errors import EXIT_FLUSH_FAILED, CkptdError
-from ckptd.core.manifest import ManifestError
+from ckptd.core.manifest import ManifestError, epoch_of_timestamp
 from ckptd.daemon.service import DRAIN_QUIET_SECONDS, Service
 from ckptd.goodput.model import DAY_SECONDS
 from ckptd.goodput.recorder import GoodputRecorder
@@ -122,6 +122,7 @@ class SupervisedService(Service):
         self.noticed = asyncio.Event()
         self.responding = False
         self.restored: dict[str, Any] | None = None
+        self._commit_seen: str | None = None  # the last commit marked in the run ledger
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -188,11 +189,21 @@ class SupervisedService(Service):
             await asyncio.sleep(GOODPUT_POLL_SECONDS)
             try:
                 self.goodput.poll()
+                self._note_commit()
                 if self.clock.monotonic() - shipped >= GOODPUT_SHIP_SECONDS:
                     shipped = self.clock.monotonic()
                     await self.goodput.ship()
             except OSError as exc:
                 self.log.warning("goodput_record_failed", error=str(exc))
+
+    def _note_commit(self) -> None:
+        """A commit mark for the timeline when the run's last commit is a new one (not
+        the one the store held at start-up)."""
+        last = self.pipeline.runs[self.run_id].last_committed or {}
+        name, at = last.get("checkpoint"), epoch_of_timestamp(last.get("committed_at") or "")
+        if name and name != self._commit_seen and at is not None and at >= self.goodput.began:
+            self._commit_seen = name
+            self.goodput.mark("commit", self.clock.time(), name, last.get("step"))
 
     def _trainer_started(self, step: int | None) -> None:
         if self.goodput.starts:
@@ -338,7 +349,8 @@ class SupervisedService(Service):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(trainer), TRAINER_STOP_GRACE_SECONDS)
         await self.supervisor.stop(TRAINER_STOP_GRACE_SECONDS)
-        self.goodput.flushed(response.checkpoint if response else None, committed)
+        self._note_commit()
+        self.goodput.flushed()
         self.log.log(
             20 if committed else 40,
             "exec_preempted",

@@ -140,6 +140,8 @@ def test_the_ledger_matches_what_the_trainer_did(
     assert lost_steps == redone
     kinds = Counter(r.kind for r in records if isinstance(r, Mark))
     assert kinds["interrupted"] == 2 and kinds["notice"] == 1 and kinds["finished"] == 1, kinds
+    commits = {r.detail for r in records if isinstance(r, Mark) and r.kind == "commit"}
+    assert first.result_doc()["saved"] in commits and f"step-{SPEC.max_steps}" in commits
     assert {r.cause for r in records if isinstance(r, Interval)} >= {"productive", "down"}
 
     # Causes sum to the wall time (the wall: first record to the run's end).

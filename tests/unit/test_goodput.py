@@ -260,3 +260,13 @@ def test_the_step_report_is_rank_0s_and_never_raises(
     steps.report_step(2, blocker)  # .ckptd cannot be made under a file: no exception
     monkeypatch.delenv("CKPTD_WATCH_DIR")
     steps.report_step(3)  # no watch dir: nothing to do
+
+
+def test_a_finished_run_ends_at_its_finished_mark() -> None:
+    records = [
+        iv("productive", 0, 100),
+        Mark("f", "n0", "a1", "finished", 100),
+        Mark("c", "n0", "a1", "commit", 104, "step-100"),  # its last upload, after the end
+    ]
+    g = goodput(records)
+    assert g.wall == 100 and g.ratio == 1.0
