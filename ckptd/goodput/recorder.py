@@ -5,11 +5,13 @@ ledger records (``ckptd.goodput.model``), journals them locally and ships them t
 Invariants:
 - A record is appended (one line, fsync'd) to ``<state dir>/goodput/<run>.jsonl`` before it
   counts anywhere; ``<run>.shipped`` holds how many of those lines the store has. Shipping
-  writes the unshipped lines as one new object ``<run>/GOODPUT.<writer>.<first line>.json``
+  writes the unshipped lines as one new object (``Repository.write_ledger_chunk``)
   and only then advances ``.shipped``. A kill -9 between the two ships the same records
   again under another key: their ids are unchanged, so readers count them once. A kill -9
   before a record is journaled loses at most the open productive span (closed every
-  ``SPAN_SECONDS``): that time reads as unknown, never as productive.
+  ``SPAN_SECONDS``): the next life on this node takes it from the step report the trainer
+  left in the watch dir; on another node it reads as down (``ledger-gap``), never as
+  productive.
 - The store is best effort: a write it refuses is retried at the next ship, never fatal.
 - Time is the wall clock (``Clock.time``), as the trainer's reports are.
 """
@@ -44,19 +46,12 @@ from ckptd.store.repository import Repository
 
 # A productive span is closed (journaled) at least this often.
 SPAN_SECONDS = 10.0
-LEDGER_PREFIX = "GOODPUT."
 STEPS_RELPATH = handoff.STEPS
-
-
-def ledger_prefix(run_id: str) -> str:
-    return f"{run_id}/{LEDGER_PREFIX}"
 
 
 def read_ledger(repo: Repository, run_id: str) -> list[Record]:
     """Every record of the run's ledger in the store (StorageError when unreadable)."""
-    storage = repo.storage
-    chunks = [storage.get_bytes(o.key) for o in storage.list_objects(ledger_prefix(run_id))]
-    return merge_records(*(parse_chunk(c) for c in chunks))
+    return merge_records(*(parse_chunk(c) for c in repo.read_ledger_chunks(run_id)))
 
 
 def read_step_report(watch_dir: Path) -> dict[str, Any] | None:
@@ -170,10 +165,11 @@ class GoodputRecorder:
                     records.append(record)
             if not records:
                 return
-            key = f"{ledger_prefix(self.run_id)}{self.writer}.{done:08d}.json"
             body = chunk_bytes(self.run_id, self.writer, records)
             try:
-                await asyncio.to_thread(self.repo._put_json, key, body)
+                await asyncio.to_thread(
+                    self.repo.write_ledger_chunk, self.run_id, self.writer, done, body
+                )
             except StorageError as exc:
                 self.log.warning("goodput_ship_failed", error=str(exc))
                 return
