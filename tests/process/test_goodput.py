@@ -174,8 +174,10 @@ def test_the_ledger_matches_what_the_trainer_did(
 
     # ckptd report says the same, on the terminal and as JSON.
     dest = ["--dest", s3_dest, "--endpoint-url", local_s3.endpoint_url]
-    shown = run_cli("report", RUN_ID, *dest)
+    page = tmp_path / "timeline.html"
+    shown = run_cli("report", RUN_ID, *dest, "--html", str(page))
     assert shown.returncode == 0, shown.stderr
+    assert page.stat().st_size > 0 and "Plotly.newPlot" in page.read_text()
     assert f"goodput {100 * g.ratio:.1f} %" in shown.stdout, shown.stdout
     assert "signal:SIGKILL" in shown.stdout and "lost" in shown.stdout, shown.stdout
     doc = json.loads(run_cli("report", RUN_ID, "--json", *dest).stdout)
