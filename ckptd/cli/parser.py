@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptd import __version__
-from ckptd.cli.commands import config, drill, restore, run, status, verify
+from ckptd.cli.commands import config, drill, report, restore, run, status, verify
 from ckptd.cli.commands import exec as exec_command
 from ckptd.cli.commands import list as list_command
 
@@ -32,6 +32,7 @@ COMMANDS: dict[str, Command] = {
     "list": Command(list_command.add_parser, list_command.handle),
     "verify": Command(verify.add_parser, verify.handle),
     "restore": Command(restore.add_parser, restore.handle),
+    "report": Command(report.add_parser, report.handle),
     "status": Command(status.add_parser, status.handle),
     "drill": Command(drill.add_parser, drill.handle),
     "config": Command(config.add_parser, config.handle),

@@ -250,10 +250,36 @@ def render_status(doc: Mapping[str, Any], console: Console) -> None:
     trainer = trainer_text(doc.get("trainer"))
     if trainer is not None:
         console.print(trainer)
+    goodput = goodput_text(doc.get("goodput"))
+    if goodput is not None:
+        console.print(goodput)
+
+
+def goodput_text(goodput: Mapping[str, Any] | None) -> Text | None:
+    """The run's goodput (``ckptd exec``'s ledger): the ratio, its biggest badput causes,
+    steps lost; None without a ledger."""
+    run: Mapping[str, Any] = (goodput or {}).get("run") or {}
+    ratio = run.get("goodput_ratio")
+    if ratio is None:
+        return None
+    text = Text.assemble(("goodput: ", "bold"), f"{100 * ratio:.1f} %")
+    day = ((goodput or {}).get("last_24h") or {}).get("goodput_ratio")
+    if day is not None:
+        text.append(f" (last 24 h {100 * day:.1f} %)")
+    seconds: Mapping[str, float] = run.get("seconds") or {}
+    worst = sorted(
+        ((s, c) for c, s in seconds.items() if c != "productive" and s > 0), reverse=True
+    )[:3]
+    if worst:
+        text.append("  badput " + ", ".join(f"{c} {s:.0f} s" for s, c in worst))
+    text.append(f"  interruptions {run.get('interruptions', 0)}")
+    text.append(f"  steps lost {run.get('lost_steps', 0)}")
+    return text
 
 
 __all__ = [
     "advice_text",
+    "goodput_text",
     "progress_text",
     "render_status",
     "status_table",

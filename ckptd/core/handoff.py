@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["ADVICE", "DAEMON_LOCK", "DIR", "NOTICE", "SAVES"]
+__all__ = ["ADVICE", "DAEMON_LOCK", "DIR", "NOTICE", "SAVES", "STEPS"]
 
 # The directory, relative to the watch dir; the daemon skips it when it scans for checkpoints.
 DIR = Path(".ckptd")
@@ -23,5 +23,7 @@ NOTICE = DIR / "preemption.json"
 ADVICE = DIR / "advice.json"
 # The trainer's save reports, one JSON line per save and rank, appended by the trainer.
 SAVES = DIR / "saves.jsonl"
+# The trainer's step report (the step it is at), replaced atomically a few times a minute.
+STEPS = DIR / "steps.json"
 # The daemon's lock on the watch dir (one daemon per watch dir).
 DAEMON_LOCK = DIR / "daemon.lock"

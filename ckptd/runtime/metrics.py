@@ -211,6 +211,20 @@ class Metrics:
         self.trainer_running = Gauge(
             "ckptd_trainer_running", "1 while the supervised trainer runs.", ["run"], registry=r
         )
+        self.goodput_ratio = Gauge(
+            "ckptd_goodput_ratio",
+            "Productive training time over wall time since the run started (ckptd exec; "
+            "the run ledger, docs/goodput.md).",
+            ["run"],
+            registry=r,
+        )
+        self.badput_seconds = Gauge(
+            "ckptd_badput_seconds_total",
+            "Seconds of the run by cause (productive and unknown included; they sum to the "
+            "wall time). A gauge: a later record may reclassify time, e.g. as lost.",
+            ["run", "cause"],
+            registry=r,
+        )
         self.journal_rows = Gauge(
             "ckptd_journal_rows", "Rows in the resume journal, by table.", ["table"], registry=r
         )

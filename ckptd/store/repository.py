@@ -11,6 +11,8 @@
     <run>/<checkpoint>/ckptd.part-<rank>.json   many nodes: one node's verified files
     <run>/CADENCE                               the run's save costs and interruptions
                                                 (``ckptd.cadence.model``; read-modify-write)
+    <run>/GOODPUT.<writer>.<first>.json         the run ledger, one chunk per ship
+                                                (``ckptd.goodput.model``; written once each)
 
 Only a manifest makes a checkpoint: announcements, parts, ``<run>/NOTICE`` and
 ``<run>/CADENCE`` (plain objects beside ``LATEST``, never a name listing returns) are never
@@ -70,6 +72,7 @@ from ckptd.storage.base import (
 LEASE_DIR = ".ckptd-restoring"
 NOTICE_NAME = "NOTICE"
 CADENCE_NAME = "CADENCE"
+LEDGER_NAME = "GOODPUT"
 NOTICE_FORMAT = "ckptd.notice/1"
 # A NOTICE is a few hundred bytes; anything much larger is not one (never parse it).
 NOTICE_MAX_BYTES = 64 * 1024
@@ -118,6 +121,14 @@ def notice_key(run_id: str) -> str:
 
 def cadence_key(run_id: str) -> str:
     return f"{run_id}/{CADENCE_NAME}"
+
+
+def ledger_prefix(run_id: str) -> str:
+    return f"{run_id}/{LEDGER_NAME}."
+
+
+def ledger_chunk_key(run_id: str, writer: str, first: int) -> str:
+    return f"{ledger_prefix(run_id)}{writer}.{first:08d}.json"
 
 
 # -- pure helpers ------------------------------------------------------------------------
@@ -385,6 +396,18 @@ class Repository:
     def write_cadence(self, history: History) -> None:
         """Write (overwrite) the run's cadence history."""
         self._put_json(cadence_key(history.run_id), history.to_bytes())
+
+    # -- the run ledger (goodput) ----------------------------------------------------------
+
+    def read_ledger_chunks(self, run_id: str) -> list[bytes]:
+        """Every chunk of the run's ledger, as stored (parsing: ``ckptd.goodput.model``)."""
+        return [
+            self.storage.get_bytes(o.key) for o in self.storage.list_objects(ledger_prefix(run_id))
+        ]
+
+    def write_ledger_chunk(self, run_id: str, writer: str, first: int, body: bytes) -> None:
+        """Write one chunk of the run's ledger (``first``: the writer's first line in it)."""
+        self._put_json(ledger_chunk_key(run_id, writer, first), body)
 
     # -- many nodes: announcements and parts ------------------------------------------------
 

@@ -31,8 +31,10 @@ from typing import Any
 from ckptd.config import Settings
 from ckptd.config.control import read_token
 from ckptd.core.errors import EXIT_FLUSH_FAILED, CkptdError
-from ckptd.core.manifest import ManifestError
+from ckptd.core.manifest import ManifestError, epoch_of_timestamp
 from ckptd.daemon.service import DRAIN_QUIET_SECONDS, Service
+from ckptd.goodput.model import DAY_SECONDS
+from ckptd.goodput.recorder import GoodputRecorder
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.sigterm import SigtermSource
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
@@ -40,13 +42,16 @@ from ckptd.storage import StorageError
 from ckptd.storage.base import NotFoundError
 from ckptd.store.restore import RestoreError, RestoreRequest
 from ckptd.store.tiers import TierStore, newest_in_tiers, restore_from_tiers, tier_configs
-from ckptd.supervision.restarts import RestartPolicy
+from ckptd.supervision.restarts import RestartPolicy, cause_of
 from ckptd.supervision.supervisor import TrainerSupervisor
 from ckptd.sync.resume import find_resume_point
 
 # After its emergency checkpoint is committed, the trainer gets this long to exit by
 # itself (it usually has already) before SIGTERM, then as long again before SIGKILL.
 TRAINER_STOP_GRACE_SECONDS = 10.0
+# The goodput recorder reads the trainer's reports this often, and ships this often.
+GOODPUT_POLL_SECONDS = 0.25
+GOODPUT_SHIP_SECONDS = 15.0
 # A newer checkpoint complete but for its quiet window (the trainer that wrote it is
 # gone) is waited for this long at most before the trainer starts again.
 RESUME_SETTLE_MAX_SECONDS = 15.0
@@ -95,6 +100,19 @@ class SupervisedService(Service):
             on_restart=lambda cause: self.advisor.record_interruption(
                 "restart", cause, self.run_id
             ),
+            on_started=self._trainer_started,
+            on_ended=self._trainer_ended,
+            clock=clock,
+        )
+        self.goodput = GoodputRecorder(
+            self.run_id,
+            self.watch_dir,
+            self.advisor.repo,
+            Path(settings.state.dir),
+            # With many nodes on one host (a test, a node shared by jobs) each keeps a lane.
+            self.advisor.host
+            if settings.cluster.nodes == 1
+            else f"{self.advisor.host}#{settings.cluster.rank}",
             clock=clock,
         )
         self.responder.trainer_pids = self.supervisor.trainer_pids
@@ -105,6 +123,7 @@ class SupervisedService(Service):
         self.noticed = asyncio.Event()
         self.responding = False
         self.restored: dict[str, Any] | None = None
+        self._commit_seen: str | None = None  # the last commit marked in the run ledger
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -131,8 +150,10 @@ class SupervisedService(Service):
     async def exec_loop(self) -> int:
         # Made now, so the watcher sees the trainer's first save as it happens.
         self.watch_dir.mkdir(parents=True, exist_ok=True)
+        await self.goodput.load()
         await self.restore_newest()
         main = asyncio.create_task(self.main_loop(), name="main")
+        recorder = asyncio.create_task(self._record_goodput(), name="goodput")
         trainer = asyncio.create_task(self.supervisor.run(), name="trainer")
         noticed = asyncio.ensure_future(self.noticed.wait())
         stopped = asyncio.ensure_future(self.stop_event.wait())
@@ -143,9 +164,12 @@ class SupervisedService(Service):
             elif trainer.done() and not self.stop_event.is_set():
                 code = trainer.result()
                 await self._drain_after_sigterm("trainer_exit")  # what it left complete
+                if code == 0:
+                    self.goodput.finished()
             else:
                 code = EXIT_FLUSH_FAILED  # told to stop now: nothing was flushed on purpose
         finally:
+            recorder.cancel()
             noticed.cancel()
             stopped.cancel()
             await self.supervisor.stop(TRAINER_STOP_GRACE_SECONDS)  # supervisor.run returns
@@ -154,8 +178,42 @@ class SupervisedService(Service):
             # Its result, or its error, was taken above; only its end is awaited here.
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await trainer
+        await self.goodput.ship()
         self.log.info("exec_exit", code=code)
         return code
+
+    # -- goodput -------------------------------------------------------------------------
+
+    async def _record_goodput(self) -> None:
+        shipped = self.clock.monotonic()
+        while True:
+            await asyncio.sleep(GOODPUT_POLL_SECONDS)
+            try:
+                self.goodput.poll()
+                self._note_commit()
+                if self.clock.monotonic() - shipped >= GOODPUT_SHIP_SECONDS:
+                    shipped = self.clock.monotonic()
+                    await self.goodput.ship()
+            except OSError as exc:
+                self.log.warning("goodput_record_failed", error=str(exc))
+
+    def _note_commit(self) -> None:
+        """A commit mark for the timeline when the run's last commit is a new one (not
+        the one the store held at start-up)."""
+        last = self.pipeline.runs[self.run_id].last_committed or {}
+        name, at = last.get("checkpoint"), epoch_of_timestamp(last.get("committed_at") or "")
+        if name and name != self._commit_seen and at is not None and at >= self.goodput.began:
+            self._commit_seen = name
+            self.goodput.mark("commit", self.clock.time(), name, last.get("step"))
+
+    def _trainer_started(self, step: int | None) -> None:
+        if self.goodput.starts:
+            self.goodput.restarting(step)
+        self.goodput.trainer_started(step)
+
+    def _trainer_ended(self, returncode: int, held: bool) -> None:
+        cause = "notice" if held else cause_of(returncode)
+        self.goodput.trainer_ended(cause, interrupted=held or returncode != 0)
 
     # -- restore before the first start -----------------------------------------------
 
@@ -190,6 +248,7 @@ class SupervisedService(Service):
             )
             self.restored = {"checkpoint": manifest.checkpoint, "skipped": True, "seconds": 0.0}
             return
+        restore_start = self.clock.time()
         try:
             done = await asyncio.to_thread(
                 functools.partial(
@@ -219,6 +278,7 @@ class SupervisedService(Service):
             "bytes": result.total_bytes,
         }
         self.advisor.record_restore(self.run_id, manifest.checkpoint, skipped=result.skipped)
+        self.goodput.restored(restore_start, self.clock.time())
         self.log.info("exec_restored", **self.restored)
 
     async def newest_complete(self, run_id: str) -> tuple[Path | None, int | None]:
@@ -251,6 +311,7 @@ class SupervisedService(Service):
             self.log.info("notice_ignored_already_responding", source=notice.source)
             return
         self.responding = True  # before the first await: a notice racing this one is dropped
+        self.goodput.noticed(self.clock.time(), notice.source)
         # Held first: a trainer that exits on the signal must not be started again.
         self.supervisor.hold()
         # The many-node rules (no echo of another node's notice) hold here too.
@@ -291,6 +352,8 @@ class SupervisedService(Service):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(trainer), TRAINER_STOP_GRACE_SECONDS)
         await self.supervisor.stop(TRAINER_STOP_GRACE_SECONDS)
+        self._note_commit()
+        self.goodput.flushed()
         self.log.log(
             20 if committed else 40,
             "exec_preempted",
@@ -301,7 +364,18 @@ class SupervisedService(Service):
 
     # -- what HTTP shows -----------------------------------------------------------------
 
+    def goodput_status(self) -> dict[str, Any]:
+        """``/v1/status``'s ``goodput``: the run since its start and over the last day."""
+        run = self.goodput.summary()
+        day = self.goodput.summary(since=self.clock.time() - DAY_SECONDS)
+        for cause, seconds in run.seconds.items():
+            self.metrics.badput_seconds.labels(run=self.run_id, cause=cause).set(seconds)
+        if run.ratio is not None:
+            self.metrics.goodput_ratio.labels(run=self.run_id).set(run.ratio)
+        return {"run": run.to_json(), "last_24h": day.to_json()}
+
     def status(self) -> dict[str, Any]:
         body = super().status()
         body["trainer"] = {**self.supervisor.status(), "restored": self.restored}
+        body["goodput"] = self.goodput_status()
         return body

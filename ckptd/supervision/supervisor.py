@@ -90,6 +90,8 @@ class TrainerSupervisor:
         save_signal: int = signal.SIGUSR1,
         on_exit: Callable[[], Awaitable[None]] | None = None,
         on_restart: Callable[[str], None] | None = None,
+        on_started: Callable[[int | None], None] | None = None,
+        on_ended: Callable[[int, bool], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.command = list(command)
@@ -102,6 +104,8 @@ class TrainerSupervisor:
         self.save_signal = save_signal  # trainer.signal: what asks the trainer to save
         self.on_exit = on_exit  # after each exit: let the daemon look for what it left
         self.on_restart = on_restart  # each restart, with its cause: an interruption record
+        self.on_started = on_started  # each start, with the step it resumes from (goodput)
+        self.on_ended = on_ended  # each end: its return code, and whether held (goodput)
         self.clock = clock
         self.log = get_logger(run=run_id)
         self.proc: asyncio.subprocess.Process | None = None
@@ -183,6 +187,8 @@ class TrainerSupervisor:
             ended = self.clock.monotonic()
             self._kill_group(self.proc.pid)
             self.metrics.trainer_running.labels(run=self.run_id).set(0)
+            if self.on_ended is not None:
+                self.on_ended(returncode, self._held.is_set())
             if self.on_exit is not None:
                 try:
                     await self.on_exit()
@@ -260,6 +266,8 @@ class TrainerSupervisor:
                 "check the command after --"
             ) from exc
         self.starts += 1
+        if self.on_started is not None:
+            self.on_started(step)
         self.running_since = self.clock.time()
         self.metrics.trainer_starts.labels(run=self.run_id).inc()
         self.metrics.trainer_running.labels(run=self.run_id).set(1)

@@ -52,6 +52,7 @@ from ckptd.trainer.listener import (
     parse_notice,
     parse_signal,
 )
+from ckptd.trainer.steps import report_step
 
 if TYPE_CHECKING:
     from ckptd.trainer.hf import CkptdCallback
@@ -75,6 +76,7 @@ __all__ = [
     "preempted",
     "preempted_on_any_rank",
     "report_save",
+    "report_step",
     "resume_from",
     "uninstall",
 ]

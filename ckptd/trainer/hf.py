@@ -27,6 +27,7 @@ import ckptd.trainer
 from ckptd.trainer.agree import agree_any
 from ckptd.trainer.cadence import AdvisedCadence
 from ckptd.trainer.listener import PreemptionListener
+from ckptd.trainer.steps import report_step
 
 __all__ = ["CkptdCallback"]
 
@@ -93,6 +94,7 @@ class CkptdCallback(TrainerCallback):
         # consistent state to save, and the Trainer saves only at step boundaries anyway.
         # The Trainer saves right after this hook: its save time is counted from here.
         self._step_end = time.monotonic()
+        report_step(state.global_step)  # for ckptd exec's goodput (cheap: see steps.py)
         if self.fired_at_step is not None:
             return
         # Every rank runs this at every step: the all-reduce inside is a collective, one

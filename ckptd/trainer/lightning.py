@@ -26,6 +26,7 @@ import ckptd.trainer
 from ckptd.trainer.agree import agree_any
 from ckptd.trainer.cadence import AdvisedCadence, report_save
 from ckptd.trainer.listener import PreemptionListener
+from ckptd.trainer.steps import report_step
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -106,6 +107,7 @@ class CkptdLightningCallback(Callback):
         batch_idx: int,
     ) -> None:
         """Save now and ask the trainer to stop, once, when a notice has arrived."""
+        report_step(trainer.global_step)  # for ckptd exec's goodput (cheap: see steps.py)
         if self.saved_path is not None:
             return
         # Every rank runs this at every batch: the all-reduce inside is a collective, one

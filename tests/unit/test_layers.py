@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.supervision.restarts",
             "ckptd.notices.slurm_job",
             "ckptd.supervision.requeue",
+            "ckptd.goodput.model",
         ),
     ),
     (
@@ -46,7 +47,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("write side", ("ckptd.sync", "ckptd.cluster")),
     (
         "daemon",
-        ("ckptd.notices", "ckptd.cadence", "ckptd.daemon", "ckptd.supervision"),
+        (
+            "ckptd.notices",
+            "ckptd.cadence",
+            "ckptd.goodput",
+            "ckptd.daemon",
+            "ckptd.supervision",
+        ),
     ),
     ("entry points", ("ckptd.cli", "ckptd.__main__", "ckptd.devtools")),
 ]

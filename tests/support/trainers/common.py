@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     # no callback) as the baseline of its step time.
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--without-ckptd", action="store_true", help="no ckptd.trainer at all")
+    p.add_argument(
+        "--report-saves", action="store_true", help="report each save's time (saves.jsonl)"
+    )
     return p
 
 
@@ -73,8 +76,14 @@ class Reporter:
 
     def step_done(self, step: int) -> None:
         self.ends.append(time.perf_counter())
+        now = time.time()
         if self.first_step_at is None:
-            self.first_step_at = time.time()
+            self.first_step_at = now
+        # The trainer's own log (the goodput test counts re-done steps from it), and
+        # its step report to ckptd (a no-op unless CKPTD_WATCH_DIR is set).
+        with self.path.with_suffix(".steps").open("a") as log:
+            log.write(f"{os.getpid()} {step} {now:.6f}\n")
+        ckptd.trainer.report_step(step)
         write_json(
             self.path,
             {"step": step, "first_step_at": self.first_step_at, "resumed_from": self.resumed_from},

@@ -118,6 +118,7 @@ def main() -> None:
         preempted = with_ckptd and ckptd.trainer.preempted()
         if step % options.save_every == 0 or preempted:
             path = options.ckpt_dir / f"step-{step}"
+            save_began = time.time()
             save_training_state(
                 path,
                 model=model,
@@ -127,6 +128,10 @@ def main() -> None:
                 dataloader_state=sampler.state_dict(),
             )
             saved_name = path.name
+            if options.report_saves:
+                ckptd.trainer.report_save(
+                    options.ckpt_dir, checkpoint=path.name, seconds=time.time() - save_began
+                )
         if preempted:
             break
         if step == options.hang_at:

@@ -32,6 +32,7 @@ def main() -> None:
     while not ckptd.trainer.preempted():
         step += 1
         (options.dir / ".progress").write_text(str(step))
+        ckptd.trainer.report_step(step)
         time.sleep(0.01)
     target = options.dir / options.name.format(step=step)
     target.mkdir()
