@@ -64,6 +64,9 @@ CORRUPT = {
 INTERNAL = {
     "ckptd.sync.transfer.CheckpointChangedError",  # abandon the checkpoint, rescan later
     "ckptd.sync.transfer.TransferPausedError",  # make way for an emergency checkpoint
+    # Slurm's answers the notice source and exec's requeue read: logged, the source goes on.
+    "ckptd.notices.slurm.SlurmError",
+    "ckptd.notices.slurm_job.SlurmParseError",
 }
 
 
