@@ -176,7 +176,10 @@ def test_a_dead_store_holds_neither_ready_nor_the_watchdog_nor_the_stop(
             started = time.monotonic()
             with daemon:  # waits for HTTP, at most 30 s
                 wait_until(lambda: sd.with_field("READY", "1"), 10, "READY=1")
-                assert time.monotonic() - started < 15
+                # Within one round of the store's retries (~25 s), which the bug held it
+                # for twice; what is left is the daemon's start-up on a loaded machine
+                # (17 s once, with other suites running beside this one).
+                assert time.monotonic() - started < 25
                 advice = daemon.get_json("/v1/advice")["runs"]["run1"]
                 assert advice["history"] in ("reading", "unreadable")
                 assert advice["basis"]["mtbf"] == "prior"
