@@ -25,6 +25,7 @@ import signal
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -152,10 +153,12 @@ def main() -> None:
     lightning = CkptdLightningCallback(options.watch, watch_dir=options.watch, follow_advice=True)
     scenarios["lightning"] = []
     for n in range(options.steps):
-        # Neither flag: the trainer is not touched (no save), so none is built here.
+        # Neither flag: the trainer is read for its step only (no save), so a stand-in
+        # holding ``global_step`` is all that is built here.
+        at = SimpleNamespace(global_step=n)
         step(
             scenarios["lightning"],
-            lambda n=n: lightning.on_train_batch_end(None, None, None, None, n),  # type: ignore[arg-type]
+            lambda at=at, n=n: lightning.on_train_batch_end(at, None, None, None, n),  # type: ignore[arg-type]
         )
 
     from transformers import TrainerControl, TrainerState
