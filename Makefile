@@ -30,8 +30,16 @@ lint: venv
 	$(BIN)/ruff format --check ckptd tests bench
 	$(BIN)/mypy ckptd
 
+# The Slurm jobs (marker slurm: about 4 min, nearly all of it waiting on Slurm's own
+# 30 s cycles and requeue delay) run beside the rest of the suite, their output after it;
+# the target fails when either part fails.
 test: lint
-	$(BIN)/pytest -q
+	@slurm_log=$$(mktemp); \
+	$(BIN)/pytest -q -p no:cacheprovider -m slurm >"$$slurm_log" 2>&1 & slurm_pid=$$!; \
+	$(BIN)/pytest -q -m 'not slurm'; rest=$$?; \
+	wait $$slurm_pid; slurm=$$?; \
+	echo "--- the Slurm tests, run beside the rest (pytest -m slurm):"; cat "$$slurm_log"; rm -f "$$slurm_log"; \
+	[ $$rest -eq 0 ] && [ $$slurm -eq 0 ]
 
 test-unit: venv
 	$(BIN)/pytest -q tests/unit
