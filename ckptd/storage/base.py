@@ -181,6 +181,24 @@ RangeSink = Callable[[int, bytes], None]
 STREAM_PIECE = 1024 * 1024
 
 
+def stream_body(
+    read: Callable[[int], bytes], sink: RangeSink, length: int, start: int, what: str
+) -> None:
+    """``length`` bytes of a ranged GET's body, read in ``STREAM_PIECE`` pieces into
+    ``sink`` at their offsets; a body that ends early is a transient ``IncompleteBody``."""
+    pos = 0
+    while pos < length:
+        piece = read(min(STREAM_PIECE, length - pos))
+        if not piece:
+            raise StorageError(
+                f"{what}: {pos} of {length} bytes at {start}, then the body ended",
+                transient=True,
+                code="IncompleteBody",
+            )
+        sink(pos, piece)
+        pos += len(piece)
+
+
 @runtime_checkable
 class Storage(Protocol):
     """A durable destination for checkpoint objects: what every backend implements."""

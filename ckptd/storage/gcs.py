@@ -39,7 +39,6 @@ from urllib.parse import quote
 
 from ckptd.core import checksum
 from ckptd.storage.base import (
-    STREAM_PIECE,
     NotFoundError,
     ObjectInfo,
     PartBody,
@@ -47,6 +46,7 @@ from ckptd.storage.base import (
     RangeSink,
     ShortObjectError,
     StorageError,
+    stream_body,
 )
 from ckptd.storage.gcs_api import JsonApi, classify, missing_extra
 from ckptd.storage.parallel import in_parallel
@@ -141,17 +141,7 @@ class GCSStorage:
                 raise ShortObjectError(
                     f"{what}: asked {length} bytes at {start}, the store sent {got}"
                 )
-            pos = 0
-            while pos < length:
-                piece = resp.raw.read(min(STREAM_PIECE, length - pos))
-                if not piece:
-                    raise StorageError(
-                        f"{what}: {pos} of {length} bytes at {start}, then the body ended",
-                        transient=True,
-                        code="IncompleteBody",
-                    )
-                sink(pos, piece)
-                pos += len(piece)
+            stream_body(resp.raw.read, sink, length, start, what)
         except StorageError:
             raise
         except Exception as exc:

@@ -42,7 +42,6 @@ from botocore.exceptions import (
 
 from ckptd.core import checksum
 from ckptd.storage.base import (
-    STREAM_PIECE,
     FileRange,
     NotFoundError,
     ObjectInfo,
@@ -52,6 +51,7 @@ from ckptd.storage.base import (
     RangeSink,
     ShortObjectError,
     StorageError,
+    stream_body,
 )
 
 # S3 error codes a later attempt may fix (AWS S3 error responses; throttling from
@@ -254,18 +254,8 @@ class S3Storage:
                 f"get {key}: asked {length} bytes at {start}, the store has "
                 f"{resp.get('ContentLength')}"
             )
-        pos = 0
         try:
-            while pos < length:
-                piece = body.read(min(STREAM_PIECE, length - pos))
-                if not piece:
-                    raise StorageError(
-                        f"get {key}: {pos} of {length} bytes at {start}, then the body ended",
-                        transient=True,
-                        code="IncompleteBody",
-                    )
-                sink(pos, piece)
-                pos += len(piece)
+            stream_body(body.read, sink, length, start, f"get {key}")
         except StorageError:
             raise
         except Exception as exc:
