@@ -42,6 +42,7 @@ from ckptd.storage import StorageError
 from ckptd.storage.base import NotFoundError
 from ckptd.store.restore import RestoreError, RestoreRequest
 from ckptd.store.tiers import TierStore, newest_in_tiers, restore_from_tiers, tier_configs
+from ckptd.supervision import leftover
 from ckptd.supervision.restarts import RestartPolicy, cause_of
 from ckptd.supervision.supervisor import TrainerSupervisor
 from ckptd.sync.resume import find_resume_point
@@ -86,6 +87,7 @@ class SupervisedService(Service):
         token = read_token(settings.http)  # token_file too; never on a command line
         if token:
             env["CKPTD_TOKEN"] = token
+        self.trainer_pidfile = Path(settings.state.dir) / leftover.PIDFILE
         self.supervisor = TrainerSupervisor(
             command,
             run_id=self.run_id,
@@ -102,6 +104,7 @@ class SupervisedService(Service):
             ),
             on_started=self._trainer_started,
             on_ended=self._trainer_ended,
+            pidfile=self.trainer_pidfile,
             clock=clock,
         )
         self.goodput = GoodputRecorder(
@@ -137,6 +140,10 @@ class SupervisedService(Service):
             await self.shutdown()
 
     async def startup(self) -> None:
+        # A trainer a previous exec left running (killed with -9, say) goes first: two
+        # would write into one watch dir. The state dir's lock, taken at build, says no
+        # live exec owns it.
+        await asyncio.to_thread(leftover.end_leftover, self.trainer_pidfile, self.log)
         await super().startup()
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)

@@ -7,7 +7,8 @@ Invariants:
   ckptd only, and ckptd decides what the trainer hears). Its end is seen at once: asyncio's
   child watcher waits on the PID, nothing polls. What is left of its process group then
   gets SIGKILL, so no orphaned rank keeps writing into the watch dir or holding memory
-  while its successor starts.
+  while its successor starts. While it runs, ``pidfile`` names it, so that the next exec
+  can end it if this one dies first (``ckptd.supervision.leftover``).
 - Whether and when to start again is ``ckptd.supervision.restarts.decide`` (pure); once ``hold()`` is
   called (a notice, a shutdown) nothing is started again.
 """
@@ -27,6 +28,7 @@ from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
 from ckptd.runtime.processes import catches_signal, cmdline_of
+from ckptd.supervision import leftover
 from ckptd.supervision.restarts import Attempt, RestartPolicy, cause_of, decide, shell_code
 
 #: What a resume-point lookup answers: the checkpoint's path and step (path None: none).
@@ -92,6 +94,7 @@ class TrainerSupervisor:
         on_restart: Callable[[str], None] | None = None,
         on_started: Callable[[int | None], None] | None = None,
         on_ended: Callable[[int, bool], None] | None = None,
+        pidfile: Path | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.command = list(command)
@@ -106,6 +109,7 @@ class TrainerSupervisor:
         self.on_restart = on_restart  # each restart, with its cause: an interruption record
         self.on_started = on_started  # each start, with the step it resumes from (goodput)
         self.on_ended = on_ended  # each end: its return code, and whether held (goodput)
+        self.pidfile = pidfile  # names the running trainer (ckptd.supervision.leftover)
         self.clock = clock
         self.log = get_logger(run=run_id)
         self.proc: asyncio.subprocess.Process | None = None
@@ -186,6 +190,8 @@ class TrainerSupervisor:
             returncode = await self.proc.wait()
             ended = self.clock.monotonic()
             self._kill_group(self.proc.pid)
+            if self.pidfile is not None:
+                leftover.clear(self.pidfile)
             self.metrics.trainer_running.labels(run=self.run_id).set(0)
             if self.on_ended is not None:
                 self.on_ended(returncode, self._held.is_set())
@@ -265,6 +271,11 @@ class TrainerSupervisor:
                 f"cannot run the trainer {self.command[0]!r}: {exc.strerror or exc}; "
                 "check the command after --"
             ) from exc
+        if self.pidfile is not None:
+            try:
+                leftover.record(self.pidfile, self.proc.pid)
+            except OSError as exc:  # a full or read-only state dir: supervision goes on
+                self.log.warning("trainer_pidfile_failed", error=str(exc))
         self.starts += 1
         if self.on_started is not None:
             self.on_started(step)
@@ -301,6 +312,8 @@ class TrainerSupervisor:
                     os.kill(pid, signal.SIGKILL)
             await proc.wait()
         self._kill_group(proc.pid)
+        if self.pidfile is not None:
+            leftover.clear(self.pidfile)
 
     def _kill_group(self, pgid: int) -> None:
         """SIGKILL whatever is left of the trainer's process group (module doc)."""

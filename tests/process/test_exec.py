@@ -31,7 +31,7 @@ from ckptd.devtools.locals3 import LocalS3
 from ckptd.runtime.processes import catches_signal
 from ckptd.supervision.supervisor import process_tree, signal_targets
 from tests.support.daemon import run_cli, wait_until
-from tests.support.exec_harness import ExecNode, crash_repeatedly
+from tests.support.exec_harness import ExecNode, _alive, crash_repeatedly
 from tests.support.fakes.aws_imds import FakeAwsImds
 from tests.support.faultproxy import FaultProxy
 from tests.support.harness import (
@@ -323,6 +323,50 @@ def test_the_trainer_gets_its_environment_and_its_own_code_is_the_exit_code(
     # No SIGTERM came: the log says what ended it (the trainer) and nothing about a flush.
     assert node.events("flushed_after_trainer_exit")
     assert not node.events("flushed_on_sigterm")
+
+
+def test_a_trainer_left_by_an_exec_killed_with_9_is_ended_by_the_next_exec(
+    tmp_path: Path,
+) -> None:
+    # The trainer runs in its own session: kill -9 of its exec does not reach it. The next
+    # exec on the node must end it (and its launcher's children) before starting another.
+    script = (
+        "import os, subprocess, time; "
+        "child = subprocess.Popen(['sleep', '600']); "
+        "open('trainer.pid', 'w').write(str(os.getpid())); "
+        "open('child.pid', 'w').write(str(child.pid)); time.sleep(600)"
+    )
+    first = _quick_node(tmp_path, [sys.executable, "-c", script])
+    pids: list[int] = []
+    try:
+        first.start()
+        state = first.dir / "state" / "trainer.json"
+        wait_until(
+            lambda: state.exists() and (first.dir / "child.pid").exists(),
+            60,
+            "the trainer and its child started",
+            details=first.log_tail,
+        )
+        pids = [first.trainer_pid() or 0, int((first.dir / "child.pid").read_text())]
+        assert first.proc is not None
+        first.proc.kill()
+        first.proc.wait()
+        time.sleep(0.5)
+        assert all(_alive(pid) for pid in pids)  # left behind, as the kernel does
+        second = _quick_node(tmp_path, [sys.executable, "-c", "print('the new trainer')"])
+        assert second.start().wait_exit(60) == 0, second.log_tail()
+        (killed,) = second.events("trainer_leftover_killed")
+        assert sorted(killed["pids"]) == sorted(pids)
+        assert not any(_alive(pid) for pid in pids)
+        # One log for both: the first exec's start, then the second's, only once.
+        started = second.events("trainer_started")
+        assert len(started) == 2 and started[1]["pid"] not in pids
+        assert not state.exists()  # the new trainer ended: nothing is named any more
+    finally:
+        first.close()
+        for pid in pids:
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_bad_usage_exits_2_with_one_line(tmp_path: Path) -> None:

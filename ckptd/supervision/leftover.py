@@ -1,0 +1,105 @@
+"""A trainer left running by a ``ckptd exec`` that died (``kill -9``, OOM killer): ended
+before the next exec starts its own.
+
+The trainer runs in its own session (``ckptd.supervision.supervisor``), so the death of
+its exec does not reach it: without this, the next exec would start a second trainer
+writing into the same watch dir beside the first. Each start writes ``trainer.json`` in
+the state dir: the process group (the trainer's PID), its start time in clock ticks since
+boot (``/proc/PID/stat`` field 22) and the boot's ID; a normal end removes it.
+
+Invariant: only a process group whose leader is that very process (same PID, same start
+time, same boot) is signalled, so a PID reused by anything else is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+PIDFILE = "trainer.json"
+
+_PROC = Path("/proc")
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def start_ticks(pid: int, *, proc: Path = _PROC) -> int | None:
+    """When ``pid`` started, in clock ticks since boot; None when it is gone."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces; starttime is field 22.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def _boot_id() -> str:
+    try:
+        return _BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def record(path: Path, pid: int) -> None:
+    """Note the trainer just started as ``pid`` (its own process group) in ``path``."""
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return  # already gone: nothing can be left behind
+    doc = {"pgid": pid, "start_ticks": ticks, "boot_id": _boot_id()}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def clear(path: Path) -> None:
+    """The trainer recorded in ``path`` has ended (and its group been killed)."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _group_members(pgid: int, *, proc: Path = _PROC) -> list[int]:
+    members = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        # state ppid pgrp ...; a zombie has ended already and only waits to be reaped.
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def end_leftover(path: Path, log: Any, *, wait_seconds: float = 30.0) -> list[int]:
+    """SIGKILL the process group recorded in ``path`` if its leader still lives (a
+    previous exec died without ending it), wait until none of it runs, and forget it;
+    returns the PIDs that were killed. A file that cannot be read is forgotten."""
+    try:
+        doc = json.loads(path.read_text())
+        pgid, ticks, boot = int(doc["pgid"]), int(doc["start_ticks"]), str(doc["boot_id"])
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("trainer_pidfile_unreadable", path=str(path), error=str(exc))
+        clear(path)
+        return []
+    if boot != _boot_id() or start_ticks(pgid) != ticks:
+        clear(path)  # ended with its exec, or the machine rebooted: nothing left
+        return []
+    members = _group_members(pgid)
+    log.warning("trainer_leftover_killed", pgid=pgid, pids=members)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_seconds
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    clear(path)
+    return members
