@@ -18,6 +18,7 @@ from pydantic_settings import EnvSettingsSource, SettingsError
 
 from ckptd.config.errors import ConfigProblem, did_you_mean
 from ckptd.config.settings import ENV_NESTED_DELIMITER, ENV_PREFIX, Settings
+from ckptd.core.handoff import TRAINER_VARIABLES
 
 __all__ = ["EnvironmentLayer", "env_variable_paths", "read_environment"]
 
@@ -72,8 +73,8 @@ def read_environment(environ: Mapping[str, str]) -> EnvironmentLayer:
     problems: list[ConfigProblem] = []
     for name, value in environ.items():
         upper = name.upper()
-        if not upper.startswith(ENV_PREFIX):
-            continue
+        if not upper.startswith(ENV_PREFIX) or upper in TRAINER_VARIABLES:
+            continue  # not ckptd's, or the trainer helpers' (exec passes them on)
         path = paths.get(upper)
         if path is None:
             problems.append(ConfigProblem(name, _unknown_variable_message(upper, paths)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["ADVICE", "DAEMON_LOCK", "DIR", "NOTICE", "SAVES", "STEPS"]
+__all__ = ["ADVICE", "DAEMON_LOCK", "DIR", "NOTICE", "SAVES", "STEPS", "TRAINER_VARIABLES"]
 
 # The directory, relative to the watch dir; the daemon skips it when it scans for checkpoints.
 DIR = Path(".ckptd")
@@ -27,3 +27,18 @@ SAVES = DIR / "saves.jsonl"
 STEPS = DIR / "steps.json"
 # The daemon's lock on the watch dir (one daemon per watch dir).
 DAEMON_LOCK = DIR / "daemon.lock"
+
+# The environment variables the trainer helpers read: ``ckptd exec`` sets all but the last
+# for its trainer, and a user may set the last. They are not settings of the daemon, which
+# refuses any other ``CKPTD_*`` name it does not know (a typo), so it passes these by.
+TRAINER_VARIABLES = frozenset(
+    {
+        "CKPTD_RESUME_FROM",
+        "CKPTD_RUN",
+        "CKPTD_WATCH_DIR",
+        "CKPTD_SIGNAL",
+        "CKPTD_URL",
+        "CKPTD_TOKEN",
+        "CKPTD_STEP_REPORT_SECONDS",
+    }
+)

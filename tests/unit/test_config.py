@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import ckptd.trainer
 from ckptd import config
 from ckptd.config import (
     ConfigError,
@@ -18,6 +20,7 @@ from ckptd.config import (
     require_destination,
     require_watch,
 )
+from ckptd.core.handoff import TRAINER_VARIABLES
 
 
 def write(tmp_path: Path, text: str, name: str = "ckptd.toml") -> Path:
@@ -433,6 +436,20 @@ def test_watch_cannot_be_set_key_by_key_from_env(tmp_path: Path) -> None:
 
 def test_other_env_vars_are_ignored(tmp_path: Path) -> None:
     assert load(tmp_path, environ={"PATH": "/bin", "CKPT_X": "1"}) == Settings()
+
+
+def test_the_trainer_helpers_variables_are_passed_by(tmp_path: Path) -> None:
+    # Set for (or by) the trainer: `CKPTD_STEP_REPORT_SECONDS=1 ckptd exec -- ...` once
+    # exited 2 as an unknown setting.
+    trainer_side = {name: "1" for name in TRAINER_VARIABLES}
+    assert load(tmp_path, environ=trainer_side) == Settings()
+
+
+def test_every_variable_the_trainer_helpers_read_is_named_as_theirs() -> None:
+    read = set()
+    for module in (Path(ckptd.trainer.__file__).parent).glob("*.py"):
+        read |= set(re.findall(r"[\"'](CKPTD_[A-Z0-9_]+)[\"']", module.read_text()))
+    assert read and read <= TRAINER_VARIABLES, sorted(read - TRAINER_VARIABLES)
 
 
 # --- layering ----------------------------------------------------------------------------
