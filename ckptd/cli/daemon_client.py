@@ -22,6 +22,7 @@ from ckptd.cli.errors import DaemonUnreachableError
 from ckptd.cli.invocation import settings_of
 from ckptd.config import Settings
 from ckptd.config.control import control_socket, control_tcp, read_token
+from ckptd.runtime.socket_path import socket_address
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class _UnixConnection(http.client.HTTPConnection):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
-            sock.connect(str(self._path))
+            with socket_address(self._path) as address:
+                sock.connect(address)
         except OSError:
             sock.close()
             raise

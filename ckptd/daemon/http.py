@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from ckptd.runtime.metrics import Metrics
+from ckptd.runtime.socket_path import socket_address
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -140,7 +141,8 @@ class HttpServer:
             path.unlink()  # left by a daemon that died (the instance lock says none runs)
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
-        await web.UnixSite(self._runner, str(path)).start()
+        with socket_address(path) as address:  # a long path too (ckptd.runtime.socket_path)
+            await web.UnixSite(self._runner, address).start()
         self._socket = path
         # Connecting needs write permission on the socket: the daemon's user (and root).
         path.chmod(0o600)

@@ -56,7 +56,7 @@ async def start_surfaces(
             raise ConfigError(
                 "http.listen",
                 f"cannot listen on the Unix socket {socket} ({exc.strerror or exc}); "
-                "set http.listen = unix:/shorter/path or a loopback host:port",
+                "set http.listen = unix:/another/path or a loopback host:port",
             ) from None
         log.info("control_listening", socket=str(socket))
     else:

@@ -304,3 +304,27 @@ def test_a_drill_with_no_trainer_says_none_was_signalled(
         assert "answered but asks for a token" in asked.stderr, asked.stderr
         assert "HTTP Error" not in asked.stderr
         assert daemon.stop() == 0
+
+
+def test_a_state_dir_too_deep_for_a_socket_address_still_holds_the_control_socket(
+    tmp_path: Path,
+) -> None:
+    # sockaddr_un holds 107 bytes: a state dir deep in a job's scratch space or a pod's
+    # volume once made the daemon exit 2 (it could not bind the socket).
+    state = tmp_path / ("scratch-" * 8) / ("job-" * 10) / "ckptd-state"
+    socket_path = state / "ckptd.sock"
+    assert len(os.fsencode(socket_path)) > 107
+    (tmp_path / "run").mkdir()
+    daemon = Daemon.configured(
+        tmp_path,
+        watch=[{"dir": tmp_path / "run", "run_id": "run1"}],
+        dest=f"file://{tmp_path / 'store'}",
+        state_dir=state,
+    )
+    with daemon:
+        assert socket_path.is_socket() and (socket_path.stat().st_mode & 0o777) == 0o600
+        status = run_cli("status", "--json", config=daemon.config)
+        assert status.returncode == 0, status.stderr
+        assert "run1" in json.loads(status.stdout)["runs"]
+        assert daemon.stop() == 0
+    assert not socket_path.exists()
