@@ -133,6 +133,12 @@ $ CKPTD_DESTINATON__URL=s3://my-bucket/ckpt ckptd config check --config bad.toml
 ckptd: {ERROR_EXAMPLE}
 ```
 
+Any other `CKPTD_*` name is an error, but for those of the trainer helpers
+(`ckptd.trainer`), which are not settings: `CKPTD_RESUME_FROM`, `CKPTD_RUN`,
+`CKPTD_WATCH_DIR`, `CKPTD_SIGNAL`, `CKPTD_URL` and `CKPTD_TOKEN` (`ckptd exec` sets them for
+its trainer) and `CKPTD_STEP_REPORT_SECONDS` ([goodput](goodput.md)), which ckptd passes
+by, so that `CKPTD_STEP_REPORT_SECONDS=1 ckptd exec -- python train.py` reaches the trainer.
+
 Secrets are never echoed: `http.token` is shown as `"***"`, a value given for it is not
 repeated in an error, and credentials in a URL are masked. S3 credentials never come from
 this configuration: boto3's chain (environment, profile, instance role) provides them.
