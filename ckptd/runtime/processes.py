@@ -1,5 +1,5 @@
-"""What /proc says about another process: its command line, and whether it has a
-handler for a signal.
+"""What /proc says about another process: its ``stat`` fields, its command line, and
+whether it has a handler for a signal.
 
 Invariant: a save signal is only ever sent to a process whose ``SigCgt`` mask has the
 signal's bit set (``catches_signal``): for any other process the default action of
@@ -12,6 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 
 PROC = Path("/proc")
+
+
+def stat_fields(pid: int, *, proc: Path = PROC) -> list[str] | None:
+    """The fields of /proc/PID/stat after ``comm``: ``[state, ppid, pgrp, ...]`` (so field
+    N of proc(5) is index N - 3); None when ``pid`` is gone."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    return stat[stat.rfind(")") + 2 :].split()
 
 
 def catches_signal(pid: int, signum: int, *, proc: Path = PROC) -> bool:

@@ -21,21 +21,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ckptd.runtime.processes import PROC, stat_fields
+
 PIDFILE = "trainer.json"
 
-_PROC = Path("/proc")
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
-def start_ticks(pid: int, *, proc: Path = _PROC) -> int | None:
-    """When ``pid`` started, in clock ticks since boot; None when it is gone."""
-    try:
-        stat = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    # "pid (comm) state ppid ...": comm may hold spaces; starttime is field 22.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19]) if len(fields) > 19 else None
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (field 22); None when it is gone."""
+    fields = stat_fields(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def _boot_id() -> str:
@@ -62,18 +58,14 @@ def clear(path: Path) -> None:
         path.unlink()
 
 
-def _group_members(pgid: int, *, proc: Path = _PROC) -> list[int]:
+def _group_members(pgid: int) -> list[int]:
     members = []
-    for entry in proc.iterdir():
+    for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        # state ppid pgrp ...; a zombie has ended already and only waits to be reaped.
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+        fields = stat_fields(int(entry.name))
+        # A zombie has ended already and only waits to be reaped.
+        if fields is not None and len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(entry.name))
     return members
 

@@ -27,7 +27,7 @@ from ckptd.core.errors import EXIT_GAVE_UP, EXIT_USAGE, CkptdError
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
-from ckptd.runtime.processes import catches_signal, cmdline_of
+from ckptd.runtime.processes import catches_signal, cmdline_of, stat_fields
 from ckptd.supervision import leftover
 from ckptd.supervision.restarts import Attempt, RestartPolicy, cause_of, decide, shell_code
 
@@ -43,13 +43,8 @@ def process_tree(root: int, *, proc: Path = _PROC) -> list[int]:
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # gone
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 1:
+        fields = stat_fields(int(entry.name), proc=proc)
+        if fields is not None and len(fields) > 1:  # None: gone
             children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, todo = [], [root]
     while todo:
