@@ -184,7 +184,11 @@ def main() -> None:
         "hf_should_save": control.should_save,
     }
     options.out.write_text(json.dumps(result))
-    dist.destroy_process_group()
+    # As agree_ranks: every rank done before any leaves, then out without gloo's teardown
+    # (with the side group, a rank aborted in it once on a loaded machine: "terminate
+    # called without an active exception", exit 134, after its result was written).
+    dist.barrier()
+    os._exit(0)
 
 
 if __name__ == "__main__":
