@@ -3,7 +3,8 @@
 The account: ``endpoint_url`` (``https://ACCOUNT.blob.core.windows.net``, or Azurite's
 ``http://127.0.0.1:10000/devstoreaccount1``), else ``AZURE_STORAGE_ACCOUNT_NAME``, else
 the account of ``AZURE_STORAGE_CONNECTION_STRING`` (the names adlfs and object_store
-read). Credentials: the connection string when set, else ``AZURE_STORAGE_ACCOUNT_KEY``,
+read). Credentials: the connection string when set and no ``endpoint_url`` is (it then
+names the endpoint too), else ``AZURE_STORAGE_ACCOUNT_KEY``,
 else Azurite's published development key for its ``devstoreaccount1`` on plain HTTP,
 else ``DefaultAzureCredential`` (environment, workload identity, managed identity, the
 Azure CLI's login).
