@@ -176,7 +176,7 @@ def test_shipped_scrape_port_cannot_stop_training_and_the_node_still_can(
 
         # On the node: `ckptd status` and `ckptd drill` find the control socket.
         cli_env = daemon.env
-        if kind != "compose":  # (compose's watch is a flag that `config check` lacks)
+        if kind != "compose":  # (compose passes its watch to run as a flag; this reads the file)
             # An operator upgrading this config is told, in one line, what moved.
             check = run_cli("config", "check", config=daemon.config, env=cli_env)
             assert check.returncode == 0, check.stderr
@@ -304,6 +304,42 @@ def test_a_drill_with_no_trainer_says_none_was_signalled(
         assert "answered but asks for a token" in asked.stderr, asked.stderr
         assert "HTTP Error" not in asked.stderr
         assert daemon.stop() == 0
+
+
+def test_a_drill_whose_matched_process_has_no_handler_spares_it_and_says_so(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    # A process matching trainer.match that catches no SIGUSR1 (a pager on the log, a
+    # trainer still importing): SIGUSR1 would kill it, so the drill spares it and says so.
+    daemon, _ = token_daemon(tmp_path, local_s3, s3_dest, token_file=str(tmp_path / "token"))
+    (tmp_path / "token").write_text(TOKEN)
+    code = "import time; time.sleep(120)"
+    bystander = subprocess.Popen([sys.executable, "-c", code, "ckptd-token-test-trainer"])
+    try:
+        with daemon:
+            # Over TCP with the right token this time (the socket is covered above).
+            drill = run_cli(
+                "drill",
+                "--deadline",
+                "1",
+                "--json",
+                "--url",
+                f"http://127.0.0.1:{daemon.port}",
+                config=daemon.config,
+            )
+            assert drill.returncode == 1, drill.stdout + drill.stderr  # nothing saved
+            report = json.loads(drill.stdout)
+            assert report["trainer_pids"] == [] and report["skipped_pids"] == [bystander.pid]
+            text = run_cli("drill", "--deadline", "1", config=daemon.config)
+            assert "none signalled" in text.stdout and "no process signalled" in text.stdout
+            assert f"[{bystander.pid}]" in text.stdout, text.stdout
+            assert bystander.poll() is None  # alive: never sent a signal it would die of
+            (skipped,) = daemon.events_named("trainer_signal_skipped")  # logged once per PID
+            assert skipped["pid"] == bystander.pid
+            assert daemon.stop() == 0
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def test_a_state_dir_too_deep_for_a_socket_address_still_holds_the_control_socket(
