@@ -91,9 +91,10 @@ class NoticeLoop:
         return [*fixed, *(s for s in (self.cloud, self.slurm) if s is not None)]
 
     def health(self) -> dict[str, SourceHealth]:
-        """The health of each source that reads a metadata service, by name."""
-        found = getattr(self.cloud, "health", None)
-        return {found.source: found} if isinstance(found, SourceHealth) else {}
+        """The health of each source that asks something outside the daemon (a cloud's
+        metadata service, Slurm's controller), by name."""
+        found = (getattr(source, "health", None) for source in (self.cloud, self.slurm))
+        return {h.source: h for h in found if isinstance(h, SourceHealth)}
 
     def export_health(self, metrics: Metrics) -> dict[str, Any]:
         """Each source's health into ``metrics``; returns it for ``/v1/status``."""

@@ -34,6 +34,7 @@ from typing import Any
 
 import structlog
 
+from ckptd.notices.health import SourceHealth
 from ckptd.notices.model import Clock, Notice, RateLimitedLog, utc_now
 from ckptd.notices.slurm_job import (
     JobState,
@@ -113,6 +114,9 @@ class SlurmJobSource:
         self._clock = clock
         self._read = read
         self._log = RateLimitedLog(log)
+        # Up once the job was read; deaf (``/readyz``) after 3 failed reads in a row:
+        # the time limit and a preemption are then no longer seen coming.
+        self.health = SourceHealth(self.name)
         self.job: JobState | None = None  # as last read
         self._signals = 0
         self._woken = asyncio.Event()
@@ -128,8 +132,10 @@ class SlurmJobSource:
     async def _refresh(self) -> None:
         try:
             self.job = await asyncio.to_thread(self._read, self.job_id)
+            self.health.succeeded("scontrol")
             self._log.recovered("scontrol", "slurm_job_readable", job=self.job_id)
         except SlurmError as exc:
+            self.health.failed("scontrol", str(exc))
             self._log.warning("scontrol", "slurm_job_unreadable", job=self.job_id, error=str(exc))
 
     def due(self, now: datetime) -> list[Notice]:

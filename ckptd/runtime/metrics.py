@@ -124,8 +124,9 @@ class Metrics:
         )
         self.notice_source_up = Gauge(
             "ckptd_notice_source_up",
-            "1 while the cloud's notice source reads its metadata service (0 until the "
-            "first read, and from the first failed one).",
+            "1 while the notice source reads what it asks: the cloud's metadata service, "
+            "or Slurm's controller for the job (source=slurm); 0 until the first read, and "
+            "from the first failed one.",
             ["source"],
             registry=r,
         )

@@ -3,9 +3,11 @@ the job is set as if read, the clock is an argument; nothing runs."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from ckptd.notices.slurm import SlurmJobSource
+from ckptd.notices.slurm import SlurmError, SlurmJobSource
 from ckptd.notices.slurm_job import parse_job
 from tests.unit.test_slurm_job import PREEMPTED, RUNNING
 
@@ -70,3 +72,22 @@ def test_nothing_is_due_before_the_job_was_read_or_without_a_time_limit() -> Non
     assert s.due(END) == []
     unlimited = source(RUNNING.replace("TimeLimit=00:01:00", "TimeLimit=UNLIMITED"))
     assert unlimited.due(END + timedelta(days=1)) == []
+
+
+def test_an_unreadable_job_makes_the_source_deaf_and_a_read_brings_it_back() -> None:
+    answers: list[str | None] = [None, None, None, RUNNING]
+
+    def read(job_id: str) -> Any:
+        text = answers.pop(0)
+        if text is None:
+            raise SlurmError("scontrol show job 1: slurm_load_jobs error: timed out")
+        return parse_job(text, tz=UTC)
+
+    s = SlurmJobSource("1", lead=lambda: 32.0, read=read)
+    assert not s.health.up and not s.health.deaf  # not read yet: not up, not deaf either
+    for failures in (1, 2, 3):
+        asyncio.run(s._refresh())
+        assert not s.health.up and s.health.consecutive_failures == failures
+    assert s.health.deaf and "timed out" in s.health.error
+    asyncio.run(s._refresh())
+    assert s.health.up and not s.health.deaf and s.job is not None
