@@ -76,7 +76,15 @@ def meaning_changes(settings: Settings) -> list[str]:
     """One line for each setting whose meaning changed when the control API moved off
     the scrape listener (``ckptd config check`` prints them)."""
     metrics = settings.metrics
-    if metrics.loopback or settings.http.has_token:
+    if settings.http.has_token:
+        # The control API stays on the scrape listener, behind the token, as before; only
+        # the preemption state left it (a trainer must read it without the token).
+        return [
+            "GET /v1/preemption no longer needs the http token (it says only whether a "
+            "notice is active, and its deadline); /v1/status, /v1/drill and /v1/advice "
+            "still do"
+        ]
+    if metrics.loopback:
         return []  # the scrape listener serves the control API as before
     where = settings.http.listen or f"unix:{control_socket(settings)}"
     return [

@@ -876,5 +876,7 @@ def test_config_check_notes_a_reachable_scrape_listener_that_lost_the_control_ap
     (note,) = changes('[metrics]\nlisten = "0.0.0.0:9464"\n')
     assert "metrics.listen = 0.0.0.0:9464" in note and "http.listen" in note
     assert changes('[metrics]\nlisten = "127.0.0.1:9464"\n') == []  # loopback: as before
-    # listen + token: the control API stays on the scrape listener, behind the token.
-    assert changes('[metrics]\nlisten = "0.0.0.0:9464"\n[http]\ntoken = "x"\n') == []
+    # listen + token: the control API stays on the scrape listener, behind the token;
+    # only the preemption state is public now, and that is said.
+    (note,) = changes('[metrics]\nlisten = "0.0.0.0:9464"\n[http]\ntoken = "x"\n')
+    assert "/v1/preemption no longer needs the http token" in note
