@@ -110,6 +110,19 @@ def fault_proxy(local_s3: LocalS3) -> Iterator[FaultProxy]:
         proxy.stop()
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """After a run that included the docs tests: how many snippets were run each way,
+    and each one skipped, by name (``tests.support.docsnippets.summary``)."""
+    reports = [r for rs in terminalreporter.stats.values() for r in rs if hasattr(r, "nodeid")]
+    if not any("test_docs_as_written" in r.nodeid for r in reports):
+        return
+    from tests.support.docsnippets import summary
+
+    terminalreporter.section("docs, tested as written")
+    for line in summary():
+        terminalreporter.write_line(line)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Tests never reach a real cloud or a developer's AWS config.
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")

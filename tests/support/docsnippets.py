@@ -271,3 +271,36 @@ def exit_code_tables() -> list[tuple[str, int, str]]:
                 elif not line.startswith("|"):
                     in_table = False
     return rows
+
+
+def how_each_is_tested(block: Block) -> str:
+    """What the docs tests do with ``block``: ``skipped`` (marked, with its reason),
+    ``config`` (``config check``), ``file`` (written for another block), ``transcript``
+    (run, output compared), ``shell`` (run), or ``read``: Python, JSON, YAML, layouts and
+    diagrams, not run (the ``ckptd`` commands, flags and ``CKPTD_*`` names anywhere on a
+    page are checked in process, and the deploy files the YAML shows are tested whole)."""
+    if block.skip is not None:
+        return "skipped"
+    if block.language == "toml":
+        return "config" if block.file is None else "file"
+    if block.file is not None:
+        return "file"
+    if is_transcript(block):
+        return "transcript"
+    if block.language in SHELL_LANGUAGES:
+        return "shell"
+    return "read"
+
+
+def summary() -> list[str]:
+    """The docs tests' tally, for the end of a pytest run: how many blocks each way, and
+    every skipped one by page, line and reason."""
+    found = all_blocks()
+    kinds: dict[str, list[Block]] = {}
+    for block in found:
+        kinds.setdefault(how_each_is_tested(block), []).append(block)
+    order = ("config", "transcript", "shell", "file", "read", "skipped")
+    counts = ", ".join(f"{len(kinds.get(k, []))} {k}" for k in order)
+    lines = [f"{len(found)} fenced blocks in {len(documents())} pages: {counts}"]
+    lines += [f"  skipped {b.name}: {b.skip}" for b in kinds.get("skipped", [])]
+    return lines
