@@ -143,8 +143,9 @@ def test_large_files_go_before_the_commit_record_and_commit_byte_identical(
             30,
             "the model's early upload",
         )
-        # The record appears while the model is still on its way (10 MiB/s: ~2 s).
-        assert not daemon.events_named("early_upload_done", path="model.safetensors")
+        # The record appears while the model is usually still on its way (10 MiB/s: ~2 s;
+        # a starved test process may see it done first: either way it went before the
+        # record, which is what is asserted below).
         (ckpt / "trainer_state.json").write_text('{"global_step": 5}')
         record_written = (ckpt / "trainer_state.json").stat().st_mtime
         committed = wait_until(
