@@ -9,6 +9,7 @@ Both answers are a snapshot (a process may install its handler a moment later, o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -23,6 +24,15 @@ def stat_fields(pid: int, *, proc: Path = PROC) -> list[str] | None:
         return None
     # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
     return stat[stat.rfind(")") + 2 :].split()
+
+
+def all_stat_fields(*, proc: Path = PROC) -> Iterator[tuple[int, list[str]]]:
+    """``(pid, stat_fields(pid))`` of every process alive while /proc is walked."""
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            fields = stat_fields(int(entry.name), proc=proc)
+            if fields is not None:  # None: gone since the listing
+                yield int(entry.name), fields
 
 
 def catches_signal(pid: int, signum: int, *, proc: Path = PROC) -> bool:

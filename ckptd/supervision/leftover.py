@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptd.runtime.processes import PROC, stat_fields
+from ckptd.runtime.processes import all_stat_fields, stat_fields
 
 PIDFILE = "trainer.json"
 
@@ -59,15 +59,12 @@ def clear(path: Path) -> None:
 
 
 def _group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = stat_fields(int(entry.name))
-        # A zombie has ended already and only waits to be reaped.
-        if fields is not None and len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
+    # A zombie (state Z) has ended already and only waits to be reaped.
+    return [
+        pid
+        for pid, fields in all_stat_fields()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z"
+    ]
 
 
 def end_leftover(path: Path, log: Any, *, wait_seconds: float = 30.0) -> list[int]:

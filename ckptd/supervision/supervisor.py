@@ -27,25 +27,20 @@ from ckptd.core.errors import EXIT_GAVE_UP, EXIT_USAGE, CkptdError
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
-from ckptd.runtime.processes import catches_signal, cmdline_of, stat_fields
+from ckptd.runtime.processes import PROC, all_stat_fields, catches_signal, cmdline_of
 from ckptd.supervision import leftover
 from ckptd.supervision.restarts import Attempt, RestartPolicy, cause_of, decide, shell_code
 
 #: What a resume-point lookup answers: the checkpoint's path and step (path None: none).
 ResumeLookup = Callable[[], Awaitable[tuple[Path | None, int | None]]]
 
-_PROC = Path("/proc")
 
-
-def process_tree(root: int, *, proc: Path = _PROC) -> list[int]:
+def process_tree(root: int, *, proc: Path = PROC) -> list[int]:
     """``root`` and every live descendant of it (a snapshot of /proc; racy by nature)."""
     children: dict[int, list[int]] = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = stat_fields(int(entry.name), proc=proc)
-        if fields is not None and len(fields) > 1:  # None: gone
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    for pid, fields in all_stat_fields(proc=proc):
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(pid)
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -56,7 +51,7 @@ def process_tree(root: int, *, proc: Path = _PROC) -> list[int]:
     return [p for p in found if p == root or (proc / str(p)).exists()]
 
 
-def signal_targets(root: int, signum: int, match: str = "", *, proc: Path = _PROC) -> list[int]:
+def signal_targets(root: int, signum: int, match: str = "", *, proc: Path = PROC) -> list[int]:
     """Whom a notice may signal in ``root``'s tree (``TrainerSupervisor.trainer_pids``);
     the responder still spares any of them that has no handler for the signal."""
     tree = process_tree(root, proc=proc)
@@ -185,8 +180,6 @@ class TrainerSupervisor:
             returncode = await self.proc.wait()
             ended = self.clock.monotonic()
             self._kill_group(self.proc.pid)
-            if self.pidfile is not None:
-                leftover.clear(self.pidfile)
             self.metrics.trainer_running.labels(run=self.run_id).set(0)
             if self.on_ended is not None:
                 self.on_ended(returncode, self._held.is_set())
@@ -307,10 +300,11 @@ class TrainerSupervisor:
                     os.kill(pid, signal.SIGKILL)
             await proc.wait()
         self._kill_group(proc.pid)
-        if self.pidfile is not None:
-            leftover.clear(self.pidfile)
 
     def _kill_group(self, pgid: int) -> None:
-        """SIGKILL whatever is left of the trainer's process group (module doc)."""
+        """SIGKILL whatever is left of the trainer's process group (module doc); then
+        nothing of it runs, and ``pidfile`` no longer names it."""
         with contextlib.suppress(OSError):
             os.killpg(pgid, signal.SIGKILL)
+        if self.pidfile is not None:
+            leftover.clear(self.pidfile)
