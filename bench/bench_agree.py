@@ -86,12 +86,9 @@ def worker(out: Path, steps: int, block: int) -> None:
                 action()
                 times[mode].append(time.perf_counter_ns() - started)
     out.write_text(json.dumps({"block": block, "times": times}))
-    # Every rank is done before any leaves; then out without tearing gloo down: a rank
-    # whose peer closed first can abort in gloo's teardown ("terminate called without an
-    # active exception", seen once in CI), which says nothing about what was measured.
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    from tests.support.trainers.common import leave_without_teardown  # PYTHONPATH: the repo
+
+    leave_without_teardown()
 
 
 def free_port() -> int:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.support.trainers.common import leave_without_teardown
+
 COLLECTIVES = (
     "all_reduce",
     "all_gather",
@@ -184,11 +186,7 @@ def main() -> None:
         "hf_should_save": control.should_save,
     }
     options.out.write_text(json.dumps(result))
-    # As agree_ranks: every rank done before any leaves, then out without gloo's teardown
-    # (with the side group, a rank aborted in it once on a loaded machine: "terminate
-    # called without an active exception", exit 134, after its result was written).
-    dist.barrier()
-    os._exit(0)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import ckptd.trainer
+from tests.support.trainers.common import leave_without_teardown
 
 
 def main() -> None:
@@ -79,11 +80,7 @@ def main() -> None:
                 out.write("\n")
             first_local = None
             done += 1
-    # Every rank is done before any leaves; then out without tearing gloo down: a rank
-    # whose peer closed first can abort in gloo's teardown ("terminate called without an
-    # active exception", seen once on a loaded machine), after everything here is written.
-    dist.barrier()
-    os._exit(0)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":

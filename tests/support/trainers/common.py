@@ -1,5 +1,5 @@
 """What every lossless-resume trainer script shares: its command line, its progress
-reports, determinism, and the "node dies here" hang."""
+reports, determinism, the "node dies here" hang, and a multi-rank script's exit."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -106,3 +106,17 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def hang_forever() -> None:
     """The node froze: nothing more happens until the test kill -9s this process."""
     threading.Event().wait()
+
+
+def leave_without_teardown() -> NoReturn:
+    """End a rank once its results are written: every rank done before any leaves, then
+    out without tearing gloo down. A rank whose peer closed first can abort in gloo's
+    teardown ("terminate called without an active exception", exit 134: seen on a
+    loaded machine, pytorch/pytorch#190489), which says nothing about the work."""
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
