@@ -24,6 +24,7 @@ import pytest
 import structlog
 
 from ckptd.cli.main import main
+from tests.support.docsnippets import exit_code_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "cli.md"
@@ -33,8 +34,6 @@ CASE_HOMES = ("tests/process/", "tests/ops/", "tests/e2e/", "tests/integration/"
 
 # | `ckptd config check [--config FILE] ...` | does | 0 ok, 2 invalid |
 COMMAND_ROW = re.compile(r"^\|\s*`ckptd (?P<usage>[^`]*)`\s*\|.*\|\s*(?P<exit>[^|]*?)\s*\|\s*$")
-# | 1 | the operation failed: ... |
-CODE_ROW = re.compile(r"^\|\s*(?P<code>\d+)\s*\|\s*(?P<meaning>.*?)\s*\|\s*$")
 # What the Exit codes table says of one command that its row in the command table does not.
 EXIT_TABLE_MENTIONS = {"a drill not committed in time": "drill"}
 
@@ -104,18 +103,20 @@ def codes_of(exit_cell: str) -> set[int]:
     }
 
 
-def documented(text: str) -> set[tuple[str, int]]:
+def documented() -> set[tuple[str, int]]:
     """The (command, code) pairs of the page: its command table, and the Exit codes rows
-    that name a command (``EXIT_TABLE_MENTIONS``)."""
+    (read as the docs tests read every ``| code | meaning |`` table) that name a command
+    (``EXIT_TABLE_MENTIONS``)."""
     pairs: set[tuple[str, int]] = set()
-    meanings: dict[int, str] = {}
-    for line in text.splitlines():
+    for line in PAGE.read_text().splitlines():
         if row := COMMAND_ROW.match(line):
             command = command_of(row["usage"])
             assert command, f"no command in {line!r}"
             pairs |= {(command, code) for code in codes_of(row["exit"])}
-        elif row := CODE_ROW.match(line):
-            meanings[int(row["code"])] = row["meaning"]
+    page = PAGE.relative_to(ROOT).as_posix()
+    meanings = {
+        code: meaning for where, code, meaning in exit_code_tables() if where.startswith(f"{page}:")
+    }
     for phrase, command in EXIT_TABLE_MENTIONS.items():
         codes = [code for code, meaning in meanings.items() if phrase in meaning]
         assert codes, f"no exit code row of {PAGE.name} says {phrase!r} any more"
@@ -135,7 +136,7 @@ def test_the_parser_reads_the_tables_as_meant() -> None:
 
 
 def test_every_documented_exit_code_of_a_command_has_a_case() -> None:
-    pairs = documented(PAGE.read_text())
+    pairs = documented()
     assert pairs, f"no command table found in {PAGE}"
     missing = sorted(pairs - set(CASES))
     stale = sorted(set(CASES) - pairs)
