@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine; both install into ./.venv first.
 #   make demo   end-to-end demo on the embedded local S3 (SeaweedFS on loopback)
-#   make test   lint, type-check and the whole test suite
+#   make test   lint, type-check and the whole test suite (but the peers' fault rig: pytest -m peers_faults)
 #   make test-unit   the pure, fast tests alone (tests/unit, seconds)
 PYTHON ?= python3
 VENV := .venv
@@ -31,15 +31,18 @@ lint: venv
 	$(BIN)/mypy ckptd
 
 # The Slurm jobs (marker slurm: about 4 min, nearly all of it waiting on Slurm's own
-# 30 s cycles and requeue delay) run beside the rest of the suite, their output after it;
-# the target fails when either part fails.
+# 30 s cycles and requeue delay) and the campaigns' short versions (marker campaign,
+# about 4 min, built to run on a loaded machine) run beside the rest of the suite, which
+# mostly waits on its processes too; their output comes after it, and the target fails
+# when either part fails.
+BESIDE := slurm or campaign
 test: lint
-	@slurm_log=$$(mktemp); \
-	$(BIN)/pytest -q -p no:cacheprovider -m slurm >"$$slurm_log" 2>&1 & slurm_pid=$$!; \
-	$(BIN)/pytest -q -m 'not slurm'; rest=$$?; \
-	wait $$slurm_pid; slurm=$$?; \
-	echo "--- the Slurm tests, run beside the rest (pytest -m slurm):"; cat "$$slurm_log"; rm -f "$$slurm_log"; \
-	[ $$rest -eq 0 ] && [ $$slurm -eq 0 ]
+	@beside_log=$$(mktemp); \
+	$(BIN)/pytest -q -p no:cacheprovider -m '$(BESIDE)' >"$$beside_log" 2>&1 & beside_pid=$$!; \
+	$(BIN)/pytest -q -m 'not ($(BESIDE)) and not peers_faults'; rest=$$?; \
+	wait $$beside_pid; beside=$$?; \
+	echo "--- run beside the rest (pytest -m '$(BESIDE)'):"; cat "$$beside_log"; rm -f "$$beside_log"; \
+	[ $$rest -eq 0 ] && [ $$beside -eq 0 ]
 
 test-unit: venv
 	$(BIN)/pytest -q tests/unit

@@ -121,14 +121,17 @@ def long_run(
     count_requests: Callable[[], int] | None,
     env: dict[str, str],
     progress: Callable[[str], None],
+    command: Sequence[str] = (sys.executable, "-m", "ckptd"),
 ) -> list[Mark]:
+    """``command`` runs ckptd (``common.ckptd_command``: as installed, or another
+    version's source, for a side-by-side run)."""
     work.mkdir(parents=True)
     (work / "run").mkdir()
     cfg = config(work, dest, endpoint, port)
     log_path = work / "ckptd.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptd", "run", "--config", str(cfg)],
+            [*command, "run", "--config", str(cfg)],
             stdout=subprocess.DEVNULL,
             stderr=log,
             stdin=subprocess.DEVNULL,

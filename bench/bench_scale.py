@@ -54,14 +54,22 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # and tests.sup
 from _scale_fleet import fleet_tables, measure_fleet
 from _scale_run import long_run
 from _scale_run import table as run_table
-from common import BUCKET, event_time, fmt, log_events
+from common import (
+    BUCKET,
+    ckptd_command,
+    event_time,
+    fmt,
+    log_events,
+    snapshot_ckptd,
+    snapshot_revision,
+)
 
 from ckptd.core import checksum
 from ckptd.core.manifest import Latest, build_manifest
 from ckptd.devtools.locals3 import LocalS3, free_port
+from ckptd.repository import Repository, latest_key, manifest_key, object_key
 from ckptd.runtime import logs
 from ckptd.storage import open_storage
-from ckptd.store.repository import Repository, latest_key, manifest_key, object_key
 from ckptd.store.retention import apply_retention, plan_retention
 
 PY = sys.executable
@@ -490,29 +498,43 @@ def say(text: str) -> None:
     print(f"  {text}", file=sys.stderr, flush=True)
 
 
-def bench_long_run(work: Path, server: LocalS3, total: int, stores: Sequence[str]) -> list[str]:
+def bench_long_run(
+    work: Path, server: LocalS3, total: int, stores: Sequence[str], baseline: str | None
+) -> list[str]:
+    """Part 4; with ``baseline`` (a git revision) the same run with that version's ckptd
+    too, the two interleaved store by store, each row labelled with its version."""
     from tests.support.faultproxy import FaultProxy
 
     marks = [m for m in (10, 100, 1000, 2000) if m <= total] or [total]
     env = {**os.environ, **server.env(), "PYTHONUNBUFFERED": "1"}
+    versions: list[tuple[str, list[str]]] = []
+    src, digest = snapshot_ckptd(work / "ckptd-now")
+    versions.append((f"now ({digest})", ckptd_command(src)))
+    if baseline:
+        old, old_digest = snapshot_revision(baseline, work / "ckptd-baseline")
+        versions.append((f"{baseline} ({old_digest})", ckptd_command(old)))
     out = [f"## 4. A long run: {total} marker checkpoints, keep_last = 3, one daemon", ""]
+    first = True
     for store in stores:
-        tag = f"long-{store}-{int(time.time())}"
-        if store == "s3":
-            with FaultProxy(server.endpoint_url) as proxy:
+        for label, command in versions:
+            tag = f"long-{store}-{len(out)}-{int(time.time())}"
+            if store == "s3":
+                with FaultProxy(server.endpoint_url) as proxy:
+                    found = long_run(
+                        work / tag, dest=f"s3://{BUCKET}/{tag}", endpoint=proxy.url,
+                        port=free_port(), total=total, marks=marks,
+                        count_requests=proxy.count, env=env, progress=say, command=command,
+                    )  # fmt: skip
+            else:
                 found = long_run(
-                    work / tag, dest=f"s3://{BUCKET}/{tag}", endpoint=proxy.url,
-                    port=free_port(), total=total, marks=marks,
-                    count_requests=proxy.count, env=env, progress=say,
+                    work / tag, dest=(work / tag / "store").as_uri(), endpoint=None,
+                    port=free_port(), total=total, marks=marks, count_requests=None,
+                    env=env, progress=say, command=command,
                 )  # fmt: skip
-        else:
-            found = long_run(
-                work / tag, dest=(work / tag / "store").as_uri(), endpoint=None,
-                port=free_port(), total=total, marks=marks, count_requests=None,
-                env=env, progress=say,
-            )  # fmt: skip
-        rows = run_table("SeaweedFS" if store == "s3" else "file://", found)
-        out += rows if store == stores[0] else rows[2:]
+            name = "SeaweedFS" if store == "s3" else "file://"
+            rows = run_table(f"{name}, {label}" if baseline else name, found)
+            out += rows if first else rows[2:]
+            first = False
     return [*out, ""]
 
 
@@ -529,6 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--run-length", type=int, default=2000, help="commits (part 4)")
     ap.add_argument("--stores", default="s3,file", help="stores of part 4: s3, file")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="part 4: also run this git revision's ckptd, side by side (e.g. 218b27b)",
+    )
     ap.add_argument("--fleet", default="16,32,64", help="daemon counts (part 5)")
     ap.add_argument("--idle-seconds", type=float, default=60.0, help="idle window (part 5)")
     args = ap.parse_args(argv)
@@ -567,7 +594,9 @@ def main(argv: list[str] | None = None) -> int:
             lines += bench_latency(work, server, trials)
             lines.append("")
         if "4" in parts:
-            lines += bench_long_run(work, server, args.run_length, args.stores.split(","))
+            lines += bench_long_run(
+                work, server, args.run_length, args.stores.split(","), args.baseline
+            )
         if "5" in parts:
             counts = [int(x) for x in args.fleet.split(",") if x]
             rows = [measure_fleet(work, server, n, args.idle_seconds, say) for n in counts]

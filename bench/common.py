@@ -563,6 +563,20 @@ def snapshot_ckptd(dest: Path) -> tuple[Path, str]:
     return dest, source_digest(dest)
 
 
+def snapshot_revision(rev: str, dest: Path) -> tuple[Path, str]:
+    """ckptd's package as git revision ``rev`` has it, under ``dest`` (``git archive``);
+    return (sys.path dir, digest), as ``snapshot_ckptd``: the baseline of a run that
+    measures two versions side by side."""
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(BENCH_DIR.parent), "archive", rev, "ckptd"],
+        capture_output=True,
+        check=True,
+    )
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest, source_digest(dest)
+
+
 def source_digest(src: Path) -> str:
     """sha256 (12 hex digits) over the paths and contents of ``src/ckptd/**/*.py``."""
     import hashlib

@@ -91,6 +91,14 @@ def s3_dest(s3_prefix: str) -> str:
 
 
 @pytest.fixture
+def missing_bucket() -> str:
+    """A bucket name no other test uses. The local S3 is shared by the whole session and
+    SeaweedFS creates a bucket on its first PUT (a daemon's goodput ledger, say), so a
+    fixed "missing" name would exist for every test after the first that wrote to it."""
+    return f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
 def s3_client(local_s3: LocalS3) -> object:
     return boto3.client(
         "s3",

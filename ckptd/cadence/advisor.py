@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptd.cadence.history import read_history, write_history
 from ckptd.cadence.model import (
     NO_OTHER_RUNS,
     Advice,
@@ -54,11 +55,11 @@ from ckptd.cadence.model import (
 from ckptd.config import Settings
 from ckptd.core import handoff, saves
 from ckptd.layouts.base import step_of
+from ckptd.repository import Repository
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage.base import StorageError
-from ckptd.store.repository import Repository
 
 FLUSH_SECONDS = 60.0
 # The other runs' histories (cadence.OtherRuns) are read at start-up and this often.
@@ -240,7 +241,7 @@ class CadenceAdvisor:
         await self._read_others()
         for run, state in self.runs.items():
             try:
-                state.history = await asyncio.to_thread(self.repo.read_cadence, run)
+                state.history = await asyncio.to_thread(read_history, self.repo, run)
                 state.history_state = "read"
             except StorageError as exc:
                 state.history_state = "unreadable"
@@ -279,7 +280,7 @@ class CadenceAdvisor:
 
         def read() -> list[History]:
             names = [r for r in self.repo.list_runs() if r not in mine][:OTHER_RUNS_MAX]
-            return [self.repo.read_cadence(r) for r in names]
+            return [read_history(self.repo, r) for r in names]
 
         try:
             histories = await asyncio.to_thread(read)
@@ -304,12 +305,12 @@ class CadenceAdvisor:
 
         def read_merge_write() -> History:
             merged = merge_history(
-                self.repo.read_cadence(state.run_id),
+                read_history(self.repo, state.run_id),
                 saves=saves,
                 interruptions=interruptions,
                 observed_seconds=observed,
             )
-            self.repo.write_cadence(merged)
+            write_history(self.repo, merged)
             return merged
 
         try:
@@ -341,8 +342,8 @@ def record_restore(
     if record is None:
         return
     with contextlib.suppress(StorageError):
-        merged = merge_history(repo.read_cadence(run_id), interruptions=[record])
-        repo.write_cadence(merged)
+        merged = merge_history(read_history(repo, run_id), interruptions=[record])
+        write_history(repo, merged)
 
 
 __all__ = [

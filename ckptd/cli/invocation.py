@@ -33,7 +33,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         watch: dict[str, Any] = {"dir": str(args.watch.expanduser().absolute())}
         if args.run_id:
             watch["run_id"] = args.run_id
-        if args.layout:
+        if getattr(args, "layout", None):
             watch["layout"] = args.layout
         out["watch"] = [watch]
     elif getattr(args, "layout", None) or (

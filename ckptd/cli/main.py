@@ -19,26 +19,32 @@ from ckptd.cli.parser import COMMANDS, build_parser
 from ckptd.core.errors import CkptdError
 from ckptd.runtime import logs
 
+# Files at fault named in a restore's one line; the rest are counted.
+NAMED_PROBLEMS = 3
 
-def error_lines(exc: CkptdError, command: str) -> list[str]:
-    """What stderr shows for ``exc`` raised by ``command``: the first line goes after
-    "ckptd: ", the rest (a restore's files at fault) as they are."""
+
+def error_line(exc: CkptdError, command: str) -> str:
+    """What stderr shows for ``exc`` raised by ``command``, after "ckptd: ": one line,
+    a failed restore's files at fault included (the first few by name)."""
     if isinstance(exc, UsageError):
-        return [f"error: {exc}"]  # argparse's own wording, after the usage line
+        return f"error: {exc}"  # argparse's own wording, after the usage line
     if command == "restore":
         from ckptd.core.manifest import ManifestError
         from ckptd.store.restore import RestoreError  # loaded already: the command imported it
 
         if isinstance(exc, RestoreError):
-            return [f"restore failed: {exc}", *(f"  {p.path}: {p.problem}" for p in exc.problems)]
+            named = [f"{p.path}: {p.problem}" for p in exc.problems[:NAMED_PROBLEMS]]
+            if len(exc.problems) > NAMED_PROBLEMS:
+                named.append(f"and {len(exc.problems) - NAMED_PROBLEMS} more")
+            return f"restore failed: {exc}" + (f" ({'; '.join(named)})" if named else "")
         if isinstance(exc, ManifestError):
-            return [f"restore refused: {exc}"]
+            return f"restore refused: {exc}"
     if command == "verify":
         from ckptd.core.signing import AuthenticationError
 
         if isinstance(exc, AuthenticationError):
-            return [f"verify refused: {exc}"]
-    return [str(exc)]
+            return f"verify refused: {exc}"
+    return str(exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,16 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CkptdError as exc:
         if isinstance(exc, UsageError):
             parser.print_usage(sys.stderr)
-        first, *details = error_lines(exc, args.command)
-        print(f"ckptd: {first}", file=sys.stderr)
-        for line in details:
-            print(line, file=sys.stderr)
+        print(f"ckptd: {error_line(exc, args.command)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
 
 
-__all__ = ["DaemonUnreachableError", "UsageError", "build_parser", "error_lines", "main"]
+__all__ = ["DaemonUnreachableError", "UsageError", "build_parser", "error_line", "main"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -9,7 +9,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptd import __version__
-from ckptd.cli.commands import config, drill, report, restore, run, status, verify
+from ckptd.cli.commands import (
+    check,
+    config,
+    doctor,
+    drill,
+    prune,
+    report,
+    restore,
+    rm,
+    run,
+    status,
+    verify,
+)
 from ckptd.cli.commands import exec as exec_command
 from ckptd.cli.commands import list as list_command
 
@@ -31,17 +43,22 @@ COMMANDS: dict[str, Command] = {
     "exec": Command(exec_command.add_parser, exec_command.handle),
     "list": Command(list_command.add_parser, list_command.handle),
     "verify": Command(verify.add_parser, verify.handle),
+    "check": Command(check.add_parser, check.handle),
     "restore": Command(restore.add_parser, restore.handle),
+    "prune": Command(prune.add_parser, prune.handle),
+    "rm": Command(rm.add_parser, rm.handle),
     "report": Command(report.add_parser, report.handle),
     "status": Command(status.add_parser, status.handle),
     "drill": Command(drill.add_parser, drill.handle),
     "config": Command(config.add_parser, config.handle),
+    "doctor": Command(doctor.add_parser, doctor.handle),
 }
 
 
 # Commands that talk to the running daemon, never to a store: a destination flag would be
 # accepted and do nothing, so they have none (argparse then says it is unrecognised).
-DAEMON_COMMANDS = ("status", "drill")
+# (``drill`` keeps them for ``--restore-only``, and refuses them without it.)
+DAEMON_COMMANDS = ("status",)
 _STORE_FLAGS = ("dest", "endpoint_url")
 
 

@@ -1,10 +1,12 @@
 """``ckptd status`` for people: the ``/v1/status`` document as a rich table.
 
 One row per run: pending checkpoints, the upload in flight with its progress, the last
-committed checkpoint, and the sync lag; a line above for the destination (and one per
-further tier: reachable, its backlog, its last commit), one per
+committed checkpoint, the sync lag and the failed attempts (the count
+``ckptd_checkpoints_failed_total`` has); a line above for the destination, with why it is
+unreachable (and one per further tier: reachable, its backlog, its last commit), one per
+run whose queued checkpoint last failed (why) and per checkpoint given up, one per
 checkpoint waiting for other nodes (many nodes), one for the preemption notice below and
-one per run for the advised checkpoint cadence. Pure presentation: it takes the document,
+one per run for the advised checkpoint cadence and one for its drills. Pure presentation: it takes the document,
 asks nothing.
 """
 
@@ -18,7 +20,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ckptd.cli.drillview import drill_line
 from ckptd.cli.humanize import human_bytes, human_seconds
+from ckptd.cli.peersview import peers_text
 
 BAR_WIDTH = 16
 # A run quiet for longer than this gets a line naming its watch dir and what it holds.
@@ -70,16 +74,46 @@ def status_table(doc: Mapping[str, Any]) -> Table:
     runs: Mapping[str, Any] = doc.get("runs") or {}
     for run_id, run in sorted(runs.items()):
         pending = list(run.get("pending") or [])
-        failed = run.get("failed") or {}
+        failed = failed_count(run)
         table.add_row(
             run_id,
             str(len(pending)),
             progress_text(run.get("uploading")),
             _last_committed(run.get("last_committed")),
             _lag(float(run.get("sync_lag_seconds") or 0)),
-            Text(str(len(failed)), style="bold red" if failed else "dim"),
+            Text(str(failed), style="bold red" if failed else "dim"),
         )
     return table
+
+
+def failed_count(run: Mapping[str, Any]) -> int:
+    """The run's failed attempts, as ``ckptd_checkpoints_failed_total`` counts them (a
+    daemon older than ``failures`` said only how many checkpoints it gave up)."""
+    failures = run.get("failures")
+    if isinstance(failures, Mapping):
+        return int(failures.get("count") or 0)
+    return len(run.get("failed") or {})
+
+
+def failures_text(doc: Mapping[str, Any]) -> list[Text]:
+    """Per run: why its queued checkpoint last failed, and each checkpoint given up
+    (but a conflict, which ``conflicts_text`` shows)."""
+    lines = []
+    for run_id, run in sorted((doc.get("runs") or {}).items()):
+        last = (run.get("failures") or {}).get("last") or {}
+        if last and last.get("checkpoint") in (run.get("pending") or []):
+            text = Text.assemble(("failing: ", "bold red"), f"{run_id}/{last['checkpoint']} ")
+            text.append(f"({last.get('reason', '?')}, {last.get('at') or '?'}): ", style="dim")
+            text.append(str(last.get("error") or "?"), style="red")
+            lines.append(text)
+        conflicts = run.get("conflicts") or {}
+        for name, why in sorted((run.get("failed") or {}).items()):
+            if name in conflicts:
+                continue  # a CONFLICT line of its own says more (conflicts_text)
+            text = Text.assemble(("given up: ", "bold red"), f"{run_id}/{name}: ")
+            text.append(str(why), style="red")
+            lines.append(text)
+    return lines
 
 
 def notice_text(preemption: Mapping[str, Any] | None) -> Text:
@@ -159,14 +193,20 @@ def trainer_text(trainer: Mapping[str, Any] | None) -> Text | None:
 
 
 def destination_text(destination: Mapping[str, Any] | None) -> Text:
+    """'destination: URL  ok', or UNREACHABLE and why (the last check's error)."""
     destination = destination or {}
-    ok = destination.get("ok")
-    return Text.assemble(
-        ("destination: ", "bold"),
-        str(destination.get("url") or "?"),
-        "  ",
-        ("ok", "green") if ok else ("UNREACHABLE", "bold red"),
-    )
+    text = Text.assemble(("destination: ", "bold"), str(destination.get("url") or "?"), "  ")
+    _reachability(text, destination)
+    return text
+
+
+def _reachability(text: Text, destination: Mapping[str, Any]) -> None:
+    if destination.get("ok"):
+        text.append("ok", style="green")
+        return
+    text.append("UNREACHABLE", style="bold red")
+    if destination.get("error"):
+        text.append(f": {destination['error']}", style="red")
 
 
 def tiers_text(doc: Mapping[str, Any]) -> list[Text]:
@@ -177,7 +217,7 @@ def tiers_text(doc: Mapping[str, Any]) -> list[Text]:
     for name, tier in list(tiers.items())[1:]:
         destination = tier.get("destination") or {}
         text = Text.assemble((f"tier {name}: ", "bold"), str(destination.get("url") or "?"), "  ")
-        text.append(*(("ok", "green") if destination.get("ok") else ("UNREACHABLE", "bold red")))
+        _reachability(text, destination)
         for run_id, run in sorted((tier.get("runs") or {}).items()):
             last = run.get("last_committed") or {}
             backlog = len(run.get("pending") or [])
@@ -199,6 +239,23 @@ def waiting_text(doc: Mapping[str, Any]) -> list[Text]:
             text.append(f"{run_id}/{entry.get('checkpoint', '?')}")
             text.append(f" for node(s) {missing}", style="yellow")
             text.append(f"  since {entry.get('since') or '?'}", style="dim")
+            lines.append(text)
+    return lines
+
+
+def conflicts_text(doc: Mapping[str, Any]) -> list[Text]:
+    """One line per local checkpoint refused because another content holds its name."""
+    lines = []
+    runs: Mapping[str, Any] = doc.get("runs") or {}
+    for run_id, run in sorted(runs.items()):
+        for name, detail in sorted((run.get("conflicts") or {}).items()):
+            theirs = detail.get("theirs") or {}
+            text = Text.assemble(("CONFLICT: ", "bold red"), f"{run_id}/{name}")
+            text.append(
+                f" held by {theirs.get('host', '?')} (slot {theirs.get('slot', '?')}); "
+                "kept here, not committed",
+                style="red",
+            )
             lines.append(text)
     return lines
 
@@ -231,6 +288,24 @@ def advice_text(doc: Mapping[str, Any]) -> list[Text]:
     return lines
 
 
+def drills_text(doc: Mapping[str, Any]) -> list[Text]:
+    """One line per run with a drill or a schedule: the success rate, the last drill
+    (each stage's time, or where it failed, in red), the next one."""
+    drills: Mapping[str, Any] = doc.get("drills") or {}
+    lines = []
+    for run_id, summary in sorted(drills.items()):
+        schedule = doc.get("drill_schedule")
+        schedule = schedule if schedule and schedule.get("run") == run_id else None
+        if not summary.get("drills") and not schedule:
+            continue
+        last = summary.get("last") or {}
+        failed = bool(last) and last.get("result") != "success"
+        text = Text.assemble(("drills: ", "bold"))
+        text.append(drill_line(run_id, summary, schedule), style="bold red" if failed else "")
+        lines.append(text)
+    return lines
+
+
 def render_status(doc: Mapping[str, Any], console: Console) -> None:
     """Print a ``/v1/status`` document: destination, the per-run table, the notice."""
     console.print(destination_text(doc.get("destination")))
@@ -240,12 +315,16 @@ def render_status(doc: Mapping[str, Any], console: Console) -> None:
         console.print(status_table(doc))
     else:
         console.print(Text("no runs watched", style="dim"))
-    for line in waiting_text(doc):
+    for line in [*failures_text(doc), *waiting_text(doc), *conflicts_text(doc)]:
         console.print(line)
     console.print(notice_text(doc.get("preemption")))
     for line in [*notice_sources_text(doc), *quiet_runs_text(doc)]:
         console.print(line)
     for line in advice_text(doc):
+        console.print(line)
+    for line in drills_text(doc):
+        console.print(line)
+    for line in peers_text(doc):  # peer replication ([peers] enabled)
         console.print(line)
     trainer = trainer_text(doc.get("trainer"))
     if trainer is not None:
@@ -279,6 +358,10 @@ def goodput_text(goodput: Mapping[str, Any] | None) -> Text | None:
 
 __all__ = [
     "advice_text",
+    "conflicts_text",
+    "drills_text",
+    "failed_count",
+    "failures_text",
     "goodput_text",
     "progress_text",
     "render_status",

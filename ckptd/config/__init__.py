@@ -13,6 +13,7 @@ The package re-exports what callers use; each name lives in one module:
   ``[authentication]``;
 - ``node``: ``[preemption]``, ``[trainer]``, ``[cluster]``, ``[resources]``,
   ``[cadence]``, ``[metrics]``, ``[http]``, ``[state]``;
+- ``drill``: ``[drill]``;
 - ``settings``: ``Settings``, the whole, and the checks across sections;
 - ``environment``: the ``CKPTD_*`` layer; ``loading``: ``load_settings``;
 - ``translation``: pydantic's errors as one line per key;

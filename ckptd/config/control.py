@@ -18,7 +18,15 @@ from ckptd.config.errors import ConfigError
 from ckptd.config.node import CONTROL_SOCKET_NAME, HttpConfig
 from ckptd.config.settings import Settings
 
-__all__ = ["control_socket", "control_tcp", "meaning_changes", "read_token", "token_source"]
+__all__ = [
+    "control_socket",
+    "control_tcp",
+    "exposed_bits",
+    "meaning_changes",
+    "read_token",
+    "token_exposure",
+    "token_source",
+]
 
 
 def control_socket(settings: Settings) -> Path | None:
@@ -47,6 +55,41 @@ def token_source(http: HttpConfig, environ: Mapping[str, str] | None = None) -> 
         if credential.is_file():
             return credential
     return Path(http.token_file)
+
+
+def exposed_bits(mode: int, owned_by_reader: bool) -> int:
+    """The permission bits by which someone other than the daemon may read a token file
+    of ``mode`` (0: none), judged as ssh judges a private key: a file the reader owns must
+    give group and others nothing (``mode & 0o077``); one it reads through its group (a
+    Kubernetes Secret under ``fsGroup``: root's, group-readable) must give others nothing."""
+    return mode & (0o077 if owned_by_reader else 0o007)
+
+
+def token_exposure(http: HttpConfig, environ: Mapping[str, str] | None = None) -> str:
+    """A line saying the token file is readable by others and the fix ("" when it is not,
+    or there is no token file, or it cannot be read: ``read_token`` says that). ``ckptd
+    doctor`` fails on it; the daemon warns at start-up."""
+    source = token_source(http, environ)
+    if source is None:
+        return ""
+    try:
+        st = source.stat()
+    except OSError:
+        return ""
+    bits = exposed_bits(st.st_mode, st.st_uid == os.geteuid())
+    if not bits:
+        return ""
+    who = (
+        "group and others"
+        if bits & 0o070 and bits & 0o007
+        else "group"
+        if bits & 0o070
+        else "others"
+    )
+    return (
+        f"the token file {source} is readable by {who} (mode {st.st_mode & 0o777:04o}): "
+        f"anyone who reads it can stop training; chmod 600 {source}"
+    )
 
 
 def read_token(http: HttpConfig, environ: Mapping[str, str] | None = None) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from ckptd.config.drill import DrillConfig
 from ckptd.config.errors import keyed_error
 from ckptd.config.node import (
     CadenceConfig,
@@ -23,6 +24,7 @@ from ckptd.config.node import (
     StateConfig,
     TrainerConfig,
 )
+from ckptd.config.peers import PeersConfig, peers_problem
 from ckptd.config.shipping import (
     AuthenticationConfig,
     DestinationConfig,
@@ -63,7 +65,18 @@ class Settings(BaseSettings):
     cadence: CadenceConfig = Field(default_factory=CadenceConfig)
     authentication: AuthenticationConfig = Field(default_factory=AuthenticationConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    drill: DrillConfig = Field(default_factory=DrillConfig)
+    peers: PeersConfig = Field(default_factory=PeersConfig)
     tiers: list[TierConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _peers_fit(self) -> Settings:
+        problem = peers_problem(
+            self.peers, self.cluster.nodes, self.state.dir, [w.dir for w in self.watch]
+        )
+        if problem is not None:
+            raise keyed_error(("peers", problem[0]), problem[1])
+        return self
 
     @model_validator(mode="after")
     def _tiers_are_distinct(self) -> Settings:

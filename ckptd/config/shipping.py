@@ -25,10 +25,10 @@ from ckptd.config.base import (
 )
 from ckptd.config.errors import keyed_error, unset_destination
 from ckptd.core.signing import KeyRing
-from ckptd.storage.url import (
-    GOOGLE_STORAGE_HOSTS,
+from ckptd.core.url import (
     DestinationKind,
     DestinationURL,
+    is_google_storage_host,
     parse_destination,
 )
 
@@ -164,7 +164,9 @@ class DestinationConfig(Section):
         default=8,
         ge=1,
         le=64,
-        description="Parallel parts and files: the threads that read, checksum and send.",
+        description="Parallel parts and files: the threads that read, checksum and send. "
+        "Files up to 1 MiB get 4 per unit (32 requests in flight at the default): their "
+        "time is the store's latency. `restore --concurrency` overrides it for a restore.",
     )
     max_upload_mib_per_s: float = Field(
         default=0.0,
@@ -239,7 +241,7 @@ class DestinationConfig(Section):
     @model_validator(mode="after")
     def _not_gcs_through_s3(self) -> DestinationConfig:
         host = urlsplit(self.endpoint_url).hostname or ""
-        if self.url.startswith("s3://") and host.endswith(GOOGLE_STORAGE_HOSTS):
+        if self.url.startswith("s3://") and is_google_storage_host(host):
             raise keyed_error(
                 ("endpoint_url",),
                 f"is Google Cloud Storage ({host}), whose S3 API ignores the conditional "

@@ -1,7 +1,7 @@
 """The manifest: what a committed checkpoint holds, and the rules a manifest must obey.
 
 Pure: building, validating and (de)serialising; no I/O. ``ckptd.manifest.json`` is
-written last (see ``ckptd.sync.commit``): its presence is what "committed" means.
+written last (see ``ckptd.commit.single``): its presence is what "committed" means.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -96,6 +97,68 @@ class ManifestFile(BaseModel):
         return value
 
 
+_LETTERS8 = re.compile(r"^[a-z]{8}$")
+
+
+def check_trajectory_id(value: str) -> str:
+    """A trajectory id: "" (the run's first trajectory) or 8 lowercase letters."""
+    if value and not _LETTERS8.match(value):
+        raise ValueError(f"a trajectory id is 8 lowercase letters, got {value!r}")
+    return value
+
+
+class ForkPoint(BaseModel):
+    """Where a trajectory left another: the checkpoint it resumed from, by store name."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    checkpoint: str
+    step: int | None
+    trajectory: str
+
+    _checkpoint = field_validator("checkpoint")(lambda cls, v: check_path_component(v))
+    _trajectory = field_validator("trajectory")(lambda cls, v: check_trajectory_id(v))
+
+
+class Trajectory(BaseModel):
+    """The line of training a checkpoint belongs to (``ckptd.commit.lineage``): the run's
+    first is id "" at generation 0; a trainer that resumed from an older checkpoint than
+    the newest (a rollback), or from scratch, starts a new one, one generation above the
+    one LATEST named then."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    id: str
+    generation: int = Field(ge=0)
+    # Where it forked (absent for the first trajectory and for one started from scratch).
+    forked_from: ForkPoint | None = None
+    from_scratch: bool | None = None
+
+    _id = field_validator("id")(lambda cls, v: check_trajectory_id(v))
+
+    def to_document(self) -> dict[str, object]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+ROOT_TRAJECTORY = Trajectory(id="", generation=0)
+
+
+class Parent(BaseModel):
+    """The committed checkpoint the trainer resumed from, by store name."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    checkpoint: str
+    step: int | None = None
+    manifest_crc32c: str | None = None
+
+    _checkpoint = field_validator("checkpoint")(lambda cls, v: check_path_component(v))
+
+
+#: ``Manifest.parent`` of a trainer known to have started from scratch.
+SCRATCH: Final = "scratch"
+
+
 class Manifest(BaseModel):
     """``ckptd.manifest.json`` (docs/design.md, "Remote layout and manifest")."""
 
@@ -121,6 +184,13 @@ class Manifest(BaseModel):
     digest: str | None = None
     key_id: str | None = None
     signature: str | None = None
+    # One name, one content, one trajectory (docs/design.md "Slots, claims and
+    # trajectories"): the local name when the store name (``checkpoint``) differs from it;
+    # the trajectory (absent: the run's first); the checkpoint the trainer resumed from
+    # (absent: not known; "scratch": none).
+    name: str | None = None
+    trajectory: Trajectory | None = None
+    parent: Parent | Literal["scratch"] | None = None
 
     @field_validator("format")
     @classmethod
@@ -133,6 +203,21 @@ class Manifest(BaseModel):
     @classmethod
     def _one_component(cls, value: str) -> str:
         return check_path_component(value)
+
+    @field_validator("name")
+    @classmethod
+    def _local_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_path_component(value)
+
+    @property
+    def local_name(self) -> str:
+        """The name the checkpoint has in a watch dir (and a restore gives it)."""
+        return self.name or self.checkpoint
+
+    @property
+    def lineage(self) -> Trajectory:
+        """Its trajectory; the run's first when the manifest names none."""
+        return self.trajectory or ROOT_TRAJECTORY
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -162,13 +247,16 @@ class Manifest(BaseModel):
         for entry in doc["files"]:
             if entry.get("digest", "") is None:
                 del entry["digest"]
+        for nested in ("trajectory", "parent"):
+            if isinstance(doc.get(nested), dict):
+                doc[nested] = {k: v for k, v in doc[nested].items() if v is not None}
         return doc
 
     def to_bytes(self) -> bytes:
         return (json.dumps(self.to_document(), indent=2, sort_keys=False) + "\n").encode()
 
 
-_OPTIONAL = ("nodes", "save", "digest", "key_id", "signature")
+_OPTIONAL = ("nodes", "save", "digest", "key_id", "signature", "name", "trajectory", "parent")
 SIGNATURE_DOMAIN = b"ckptd.manifest.signature/1\n"
 
 
@@ -221,6 +309,9 @@ def build_manifest(
     save: str | None = None,
     digests: Mapping[str, str] | None = None,
     digest_algorithm: str | None = None,
+    name: str | None = None,
+    trajectory: Trajectory | None = None,
+    parent: Parent | Literal["scratch"] | None = None,
 ) -> Manifest:
     """A manifest from ``(path, size, crc32c hex)`` triples; times are epoch seconds.
     ``digests`` (path -> hex, of ``digest_algorithm``) go with an authenticated one."""
@@ -240,6 +331,9 @@ def build_manifest(
         total_bytes=sum(size for _, size, _ in entries),
         files=[ManifestFile(path=p, size=s, crc32c=c, digest=found.get(p)) for p, s, c in entries],
         environment=dict(environment),
+        name=name if name is not None and name != checkpoint else None,
+        trajectory=trajectory if trajectory is not None and trajectory != ROOT_TRAJECTORY else None,
+        parent=parent,
     )
 
 
@@ -251,9 +345,22 @@ class Latest(BaseModel):
     checkpoint: str
     step: int | None
     manifest_crc32c: str
+    # The trajectory of the checkpoint it names, and its generation (absent: the run's
+    # first, 0): a commit moves LATEST only within it or to a newer generation.
+    trajectory: str | None = None
+    generation: int | None = None
 
     def to_bytes(self) -> bytes:
-        return (json.dumps(self.model_dump(mode="json")) + "\n").encode()
+        doc = self.model_dump(mode="json")
+        for optional in ("trajectory", "generation"):
+            if doc.get(optional) is None:
+                doc.pop(optional, None)
+        return (json.dumps(doc) + "\n").encode()
+
+    @property
+    def lineage(self) -> tuple[str, int]:
+        """``(trajectory id, generation)`` of what it names."""
+        return self.trajectory or "", self.generation or 0
 
 
 def parse_latest(data: bytes) -> Latest:

@@ -22,15 +22,16 @@ from typing import Any
 from ckptd.cadence.advisor import CadenceAdvisor
 from ckptd.config import Settings
 from ckptd.daemon.health import DestinationHealth
+from ckptd.daemon.peering import Peering
 from ckptd.daemon.tier_set import Tier, TierSet, committed_in_every_tier, tier_settings
 from ckptd.notices.cluster import ClusterNoticeSource, NoticePublisher
 from ckptd.notices.responder import Responder
 from ckptd.notices.sigterm import SigtermSource
+from ckptd.repository import Repository
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.instance import STATE_LOCK, WATCH_LOCK, InstanceLocks
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage import RetryingStorage, StorageError, open_destination
-from ckptd.store.repository import Repository
 from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
@@ -87,6 +88,8 @@ class DaemonParts:
     # A cluster NOTICE from before this moment is an earlier cluster's, never followed.
     started_at: datetime
     cluster: ClusterNotices | None
+    # Peer replication (``[peers] enabled``), else None.
+    peering: Peering | None = None
 
 
 def build_daemon(
@@ -103,11 +106,17 @@ def build_daemon(
     locks = InstanceLocks()
     stop = threading.Event()  # set at shutdown: the stores' retries end at once
     opened: list[OpenedTier] = []
+    peering: Peering | None = None
     try:
         # First: a second daemon on this journal or these watch dirs stops here.
         unlocked = take_instance_locks(settings, locks)
         opened = open_tiers(settings, metrics, log, stop)
-        wired = build_pipelines(settings, opened, metrics, clock)
+        peering = (
+            Peering(settings, opened[0].storage, opened[0].journal.writer, metrics, clock, log)
+            if settings.peers.enabled
+            else None
+        )
+        wired = build_pipelines(settings, opened, metrics, clock, peering)
         tiers = TierSet(
             [
                 Tier(o.name, o.journal, health_of(o, log), p)
@@ -136,10 +145,13 @@ def build_daemon(
             sigterm_source=SigtermSource(grace=shutdown_timeout, on_repeat=on_repeated_sigterm),
             started_at=started_at,
             cluster=cluster,
+            peering=peering,
         )
     except BaseException:
         for tier in opened:
             tier.journal.close()
+        if peering is not None:
+            peering.journal.close()
         locks.release()
         raise
 
@@ -194,7 +206,11 @@ def open_tiers(
 
 
 def build_pipelines(
-    settings: Settings, opened: list[OpenedTier], metrics: Metrics, clock: Clock
+    settings: Settings,
+    opened: list[OpenedTier],
+    metrics: Metrics,
+    clock: Clock,
+    peering: Peering | None = None,
 ) -> WiredPipelines:
     """Each tier's pipeline and every pipeline hook, in one place: commits and emergency
     saves go to the responder, what a save cost to the cadence advisor; a further tier
@@ -222,6 +238,14 @@ def build_pipelines(
         assert responder is not None
         responder.on_complete(run, name)
 
+    def on_stored(run: str, name: str, emergency: bool) -> None:
+        # This node's files are in the store: safe off the node that way, and the peers
+        # holding a replica of them need not hand it off.
+        assert responder is not None
+        responder.on_safe(run, name, "store", emergency, {})
+        if peering is not None:
+            peering.replicator.stored(run, name)
+
     pipeline = SyncPipeline(
         settings,
         first.storage,
@@ -234,9 +258,13 @@ def build_pipelines(
             on_emergency_complete=on_emergency_complete,
             on_cost=advisor.record_save,
             locally_deletable=deletable,
+            on_claimed=peering.replicator.claimed if peering is not None else None,
+            on_stored=on_stored,
         ),
     )
     responder = Responder(settings, metrics, pipeline.emergency, clock=clock)
+    if peering is not None:
+        peering.replicator.on_safe = responder.on_safe
     pipelines.append(pipeline)
     for tier in opened[1:]:
         pipelines.append(

@@ -83,4 +83,6 @@ class DestinationHealth:
         return True
 
     def to_json(self) -> dict[str, Any]:
-        return {"url": self.storage.url, "ok": self.ok, "tier": self.tier}
+        """``/v1/status``'s ``destination``: its URL, whether it works, and if not why
+        (the last check's error, as ``/readyz`` and the log have it; "" while it works)."""
+        return {"url": self.storage.url, "ok": self.ok, "tier": self.tier, "error": self.error}

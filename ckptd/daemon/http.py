@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ckptd.drill.runner import DrillBusyError
 from ckptd.runtime.metrics import Metrics
 from ckptd.runtime.socket_path import socket_address
 
@@ -122,7 +123,10 @@ class HttpServer:
             return web.json_response({"error": "deadline must be seconds"}, status=400)
         if not 1 <= deadline <= 3600:
             return web.json_response({"error": "deadline must be 1..3600 seconds"}, status=400)
-        return web.json_response(await self._drill(deadline))
+        try:
+            return web.json_response(await self._drill(deadline))
+        except DrillBusyError as exc:
+            return web.json_response({"error": str(exc)}, status=409)
 
     async def start(self, host: str, port: int) -> int:
         """Listen on TCP; returns the bound port (useful with port 0)."""

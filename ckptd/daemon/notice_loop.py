@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -196,12 +197,14 @@ class NoticeLoop:
             self.responder.clear()
 
 
-def remove_stale_notice_files(watch_dirs: list[Path], log: Any) -> None:
+def remove_stale_notice_files(watch_dirs: list[Path], log: Any, keep: str | None = None) -> None:
     """A notice file left by an earlier daemon (a restart, a crash) describes a notice
-    nobody acts on any more: it must not outlive it. A notice still in force is
-    delivered again by its source and the file written anew."""
+    nobody acts on any more: it must not outlive it, unless it is the notice ``keep``
+    names (one carried over, ``ckptd.notices.carried``: the trainer may be reading it)."""
     for watch_dir in watch_dirs:
         path = watch_dir / NOTICE_FILE
+        if keep is not None and _notice_id(path) == keep:
+            continue
         try:
             path.unlink()
         except FileNotFoundError:
@@ -210,3 +213,12 @@ def remove_stale_notice_files(watch_dirs: list[Path], log: Any) -> None:
             log.error("stale_notice_file_not_removed", path=str(path), error=str(exc))
             continue
         log.info("stale_notice_file_removed", path=str(path))
+
+
+def _notice_id(path: Path) -> str | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    found = doc.get("id") if isinstance(doc, dict) else None
+    return found if isinstance(found, str) else None

@@ -14,7 +14,9 @@
                with many nodes, the cluster poll (announcements, other nodes' parts)
                until a stop; with many nodes the other nodes' NOTICE is one more notice
                source, and our own are published. Every tier has its own worker and its
-               own store checks (``ckptd.daemon.tier_set``)
+               own store checks (``ckptd.daemon.tier_set``). Beside them the drills
+               (``ckptd.drill``): each run's drill history read from the store, and with
+               ``[drill] every`` the schedule that starts them
     shutdown   stop intake (watcher) -> let the checkpoint in flight finish or journal
                it (bounded by ``shutdown_timeout``) -> stop HTTP -> a NOTICE write in
                flight gets a few seconds -> close
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +40,13 @@ from ckptd.config import Settings
 from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import ManifestError
 from ckptd.daemon.build import build_daemon
+from ckptd.daemon.goodput import ledger_for
 from ckptd.daemon.notice_loop import NoticeLoop, remove_stale_notice_files
+from ckptd.daemon.peering import start_peering, stop_peering
 from ckptd.daemon.quiet import QuietRuns, sight
 from ckptd.daemon.sdnotify import SystemdNotifier, summarize
+from ckptd.drill.schedule import build_drills
+from ckptd.notices import carried
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.instance import WATCH_LOCK
@@ -112,6 +119,7 @@ class Service:
         self.watcher = parts.watcher
         self.sigterm_source = parts.sigterm_source
         self.started_at = parts.started_at
+        self.peering = parts.peering  # peer replication ([peers] enabled), else None
         self.publisher = parts.cluster.publisher if parts.cluster else None
         self.cluster_source = parts.cluster.source if parts.cluster else None
         self.notices = NoticeLoop(
@@ -124,6 +132,18 @@ class Service:
             log=self.log,
         )
         self.notices.export_health(self.metrics)  # every source's series, from the start
+        self.drills, self.drill_schedule = build_drills(
+            settings,
+            self.responder,
+            self.pipeline,
+            self.advisor,
+            self.storage,
+            self.metrics,
+            clock=clock,
+            log=self.log,
+            scheduled=not once,
+        )
+        self.ledger = ledger_for(self, once=once)
         self.quiet = QuietRuns(clock.time())
         # What start-up and the main loop learn.
         self.http: Any = None  # ckptd.daemon.http.HttpServer, imported only when serving
@@ -172,9 +192,19 @@ class Service:
         for t in self.tiers.further:
             self.log.info("tier", tier=t.name, destination=t.health.storage.url)
             await t.health.check()  # a tier that is down holds no other back
-        await asyncio.to_thread(remove_stale_notice_files, self.pipeline.watch_dirs(), self.log)
+        now = datetime.fromtimestamp(self.clock.time(), UTC)
+        carried_over = await asyncio.to_thread(carried.load, Path(self.settings.state.dir), now)
+        await asyncio.to_thread(
+            remove_stale_notice_files,
+            self.pipeline.watch_dirs(),
+            self.log,
+            carried_over[0].id if carried_over is not None else None,
+        )
         for t in self.tiers:
             await t.pipeline.recover()
+        if carried_over is not None:
+            self.responder.carry_on(*carried_over)
+        await start_peering(self.peering, once=self.once)
         if not self.once:
             # Off the start-up path: with the store down, reading the history would hold
             # READY, HTTP and the notice watch for its retries. The prior advises till then.
@@ -235,10 +265,9 @@ class Service:
             self.log.error("tiers_not_committed", tiers=refused)
         # Logged as checkpoint_has_unshippable_entries already; never committed, so
         # --once did not ship what is there.
-        unshippable = pipeline.unshippable()
-        if unshippable:
-            self.log.error("checkpoints_not_shipped", checkpoints=unshippable)
-        ok = ok and not refused and not unshippable
+        if unshipped := pipeline.unshippable():
+            self.log.error("checkpoints_not_shipped", checkpoints=[*unshipped], why=unshipped)
+        ok = ok and not refused and not unshipped
         return 0 if ok and not pipeline.cluster_busy() else 1
 
     async def main_loop(self) -> int:
@@ -255,10 +284,16 @@ class Service:
             asyncio.create_task(t.pipeline.work(self.stop_event), name=f"worker-{t.name}")
             for t in self.tiers.further
         ]
-        ticker = asyncio.create_task(self._tick(), name="ticker")
-        rechecks = asyncio.create_task(self.tiers.recheck_stores(TICK_SECONDS), name="rechecks")
-        notices = asyncio.create_task(self.notices.run(self._notice_sources()), name="notices")
-        cluster = asyncio.create_task(self._poll_cluster(), name="cluster")
+        background = [
+            asyncio.create_task(self._tick(), name="ticker"),
+            asyncio.create_task(self.tiers.recheck_stores(TICK_SECONDS), name="rechecks"),
+            asyncio.create_task(self.notices.run(self._notice_sources()), name="notices"),
+            asyncio.create_task(self._poll_cluster(), name="cluster"),
+            asyncio.create_task(self.drills.keep_history(), name="drill-history"),
+        ]
+        if self.drill_schedule is not None:
+            background.append(asyncio.create_task(self.drill_schedule.run(), name="drill-schedule"))
+        self.ledger.begin()
         self.log.info("ckptd_ready", watching=self.watching)
         self.sd.ready(summarize(self.status()))
         stop_wait = asyncio.ensure_future(self.stop_event.wait())
@@ -273,10 +308,8 @@ class Service:
         self.stop_event.set()
         self.log.info("ckptd_stopping")
         self.watcher.stop()
-        ticker.cancel()
-        rechecks.cancel()
-        notices.cancel()
-        cluster.cancel()
+        for task in background:
+            task.cancel()
         try:
             await asyncio.wait_for(
                 asyncio.gather(worker, *tier_workers), timeout=self.shutdown_timeout
@@ -296,12 +329,14 @@ class Service:
                 await server.stop()
         if self.publisher is not None:
             await self.publisher.drain(PUBLISH_DRAIN_SECONDS)
+        await stop_peering(self.peering)
         if not self.once:
             if self._advice_io is not None:
                 # The store's retries end on io_stop: this returns within a request.
                 with contextlib.suppress(Exception):
                     await self._advice_io
             await self.advisor.flush(force=True)
+        await self.ledger.finish()  # the stop marked, the ledger shipped
         await self.tiers.close()
         self.locks.release()
         self.sigterm_source.close()
@@ -314,10 +349,8 @@ class Service:
     def _notice_sources(self) -> list[NoticeSource]:
         """SIGTERM's, and with many nodes the other nodes' NOTICE (the cloud's is found
         by the notice loop)."""
-        sources: list[NoticeSource] = [self.sigterm_source]
-        if self.cluster_source is not None:
-            sources.append(self.cluster_source)
-        return sources
+        cluster = [self.cluster_source] if self.cluster_source is not None else []
+        return [self.sigterm_source, *cluster]
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
         """What a notice means for the daemon: a SIGTERM that is a plain stop stops it;
@@ -325,6 +358,7 @@ class Service:
         if notice.source == "sigterm" and not await self.notices.sigterm_is_a_notice():
             self.request_stop()
             return
+        self.ledger.noticed(self.clock.time(), notice.source)
         response = await self.notices.respond(notice, source)
         if notice.source == "sigterm":
             self.sigterm.set()  # the main loop flushes, then stops
@@ -434,5 +468,10 @@ class Service:
         body["preemption"] = self.responder.preemption_json()
         body["advice"] = self.advisor.advice_json()["runs"]
         body["notice_sources"] = self.notices.export_health(self.metrics)
+        body["drills"] = self.drills.status()
+        if self.drill_schedule is not None:
+            body["drill_schedule"] = self.drill_schedule.status()
+        body.update({"peers": self.peering.status()} if self.peering is not None else {})
         self.quiet.annotate(body["runs"], self.clock.time(), self.metrics)
+        self.ledger.annotate(body)
         return body

@@ -8,7 +8,13 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ckptd.config import ConfigError, Settings
-from ckptd.config.control import control_socket, control_tcp, read_token
+from ckptd.config.control import (
+    control_socket,
+    control_tcp,
+    read_token,
+    token_exposure,
+    token_source,
+)
 from ckptd.daemon.http import HttpServer
 
 
@@ -18,6 +24,7 @@ class Served(Protocol):
     responder: Any
     advisor: Any
     metrics: Any
+    drills: Any
 
     def status(self) -> dict[str, Any]: ...
 
@@ -29,6 +36,12 @@ async def start_surfaces(
 ) -> tuple[HttpServer, HttpServer]:
     """(scrape, control), both listening."""
     token = read_token(settings.http)
+    exposure = token_exposure(settings.http)
+    if exposure:  # as ssh warns of a private key others can read (ckptd doctor fails)
+        source = token_source(settings.http)
+        log.warning(
+            "token_file_readable", file=str(source), why=exposure, fix=f"chmod 600 {source}"
+        )
 
     def server(*, control: bool, token: str = token) -> HttpServer:
         return HttpServer(
@@ -37,7 +50,7 @@ async def start_surfaces(
             ready=daemon.ready,
             preemption=daemon.responder.preemption_json,
             advice=daemon.advisor.advice_json,
-            drill=daemon.responder.drill,
+            drill=daemon.drills.drill,
             token=token,
             control=control,
         )

@@ -21,7 +21,14 @@ from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 
 # The per-run figures a tier shows under ``status()["tiers"]``.
-TIER_RUN_FIELDS = ("pending", "uploading", "last_committed", "failed", "sync_lag_seconds")
+TIER_RUN_FIELDS = (
+    "pending",
+    "uploading",
+    "last_committed",
+    "failed",
+    "failures",
+    "sync_lag_seconds",
+)
 
 
 @dataclass

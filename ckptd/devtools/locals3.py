@@ -1,7 +1,10 @@
 """A loopback SeaweedFS S3 server (``weed mini``) for the demo, the tests and the benchmarks.
 
-Only loopback is ever bound or advertised, and telemetry is off: the defaults of
-``weed mini`` bind every interface and report to the SeaweedFS project.
+Only loopback is bound or advertised, and telemetry is off: the defaults of ``weed mini``
+bind every interface and report to the SeaweedFS project. The one exception is the
+peer-replication rig (``tests/support/netns.py``), which runs the server inside a
+network namespace of its own (``wrap``: ``ip netns exec NS``) bound to that namespace's
+own address (``ip``), so that the store sits behind a shaped link like a real one.
 """
 
 from __future__ import annotations
@@ -44,11 +47,13 @@ class LocalS3:
     data_dir: Path
     buckets: tuple[str, ...] = ("ckpt",)
     s3_port: int = 0
+    ip: str = "127.0.0.1"  # a network namespace's own address in the test rig only
+    wrap: tuple[str, ...] = ()  # a command prefix: ``ip netns exec NS`` in the test rig
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.s3_port}"
+        return f"http://{self.ip}:{self.s3_port}"
 
     def env(self) -> dict[str, str]:
         """Environment variables that give boto3 this server's credentials."""
@@ -91,11 +96,12 @@ class LocalS3:
             "admin.port.grpc": free_port(),
         }
         args = [
+            *self.wrap,
             weed_binary(),
             "mini",
             f"-dir={self.data_dir}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.ip}",
+            f"-ip.bind={self.ip}",
             "-master.telemetry=false",
             "-admin.ui=false",
             "-webdav=false",
@@ -139,7 +145,15 @@ class LocalS3:
             region_name="us-east-1",
         )
         names = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
-        return set(self.buckets) <= names
+        if not set(self.buckets) <= names:
+            return False
+        # SeaweedFS 4.48 answers a conditional write (If-None-Match: *) on a fresh server
+        # with InternalError after 30 s until a plain write has allocated its volumes; the
+        # commit protocol's first write is one (a claim). One plain write, then gone.
+        for bucket in self.buckets:
+            client.put_object(Bucket=bucket, Key=".ckptd-warmup", Body=b"")
+            client.delete_object(Bucket=bucket, Key=".ckptd-warmup")
+        return True
 
     def stop(self) -> None:
         if self.process is None:

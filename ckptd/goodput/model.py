@@ -10,13 +10,24 @@ Two kinds of record:
 - an ``Interval``: a node spent ``[start, end)`` on ``cause`` (``CAUSES``), with the
   ``basis`` it was measured on and, for training, the steps ``[step_from, step_to]``;
 - a ``Mark``: something happened at ``at`` (``MARKS``: a notice, a commit, an
-  interruption, the run's end), drawn on the timeline, counted in the report.
+  interruption, the run's end, a writer's stop, an emergency checkpoint safe off the
+  node, with ``peer:``/``store:`` and the checkpoint as its detail), drawn on the
+  timeline, counted in the report.
+
+A record's ``attempt`` is one trainer start, ``<writer>/<n>``, or the writer itself for
+what happens before its first start: ``attempts`` counts trainer starts only.
 
 Intervals may overlap: a later record can say that time first recorded as productive was
 lost (its steps are re-done after a restore). At each instant the run's cause is the one
 of highest precedence (``PRECEDENCE``) among all intervals of all nodes covering it (one
 stalled node stalls a synchronous run); an instant no interval covers is ``unknown``. So
 the causes tile the wall time exactly: they sum to it, by construction.
+
+The wall time ends where the run ended (``run_end``): at its ``finished`` mark (unless
+training went on after it), else, for a reader who passes ``now``, at ``now`` while a
+writer may still be recording (it has not marked ``stopped`` and its last record is less
+than ``ABANDONED_SECONDS`` old), else at the run's last record: a run that stopped or was
+abandoned stops accruing ``unknown``.
 
 Invariants: no I/O, no clock (``now`` is an argument); unknown is never zero-filled.
 """
@@ -31,16 +42,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT = "ckptd.goodput/1"
-# Highest precedence first: where intervals overlap, the first cause here wins.
-PRECEDENCE = ("save", "wait_commit", "restore", "startup", "lost", "productive", "down")
+# Highest precedence first: where intervals overlap, the first cause here wins. A drill
+# (``ckptd exec``: from its notice until the trainer it stopped is started again) is its
+# own cause, over the save and the restart inside it: neither lost time nor a preemption.
+PRECEDENCE = ("drill", "save", "wait_commit", "restore", "startup", "lost", "productive", "down")
 CAUSES = frozenset(PRECEDENCE)
 UNKNOWN = "unknown"  # time no record covers: never recorded, only derived
 BADPUT_CAUSES = (*tuple(c for c in PRECEDENCE if c != "productive"), UNKNOWN)
-MARKS = frozenset({"notice", "commit", "interrupted", "finished"})
+# "stopped": the writer (one ckptd exec, one ckptd run) stopped recording.
+MARKS = frozenset({"notice", "commit", "interrupted", "finished", "stopped", "safe"})
 MAX_TEXT = 128
 # A chunk over this is not a ledger chunk (never parse it).
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
 DAY_SECONDS = 86400.0
+# A writer without a "stopped" mark whose last record is older than this is taken for gone
+# (killed with its node): the run it wrote no longer accrues unknown time. Ten minutes: a
+# live writer ships every 15 s, but journals nothing while its trainer starts up or
+# waits to be restarted.
+ABANDONED_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -193,29 +212,32 @@ class Segment:
 
 def timeline(intervals: Sequence[Interval], start: float, end: float) -> list[Segment]:
     """``[start, end)`` cut into segments by cause (module doc: precedence, unknown),
-    adjacent segments of one cause joined."""
+    adjacent segments of one cause joined. One sweep over the intervals' ends, sorted:
+    O(n log n), so a week-long run's ledger (tens of thousands of spans) is read in well
+    under a second."""
     if end <= start:
         return []
-    cuts = {start, end}
-    for iv in intervals:
-        if iv.end > start and iv.start < end:
-            cuts.update(x for x in (iv.start, iv.end) if start < x < end)
-    points = sorted(cuts)
     rank = {c: i for i, c in enumerate(PRECEDENCE)}
-    ordered = sorted(intervals, key=lambda iv: iv.start)
+    events: list[tuple[float, int, int]] = []  # (time, +1 covers from / -1 no more, rank)
+    for iv in intervals:
+        lo, hi = max(iv.start, start), min(iv.end, end)
+        if hi > lo:
+            events += [(lo, 1, rank[iv.cause]), (hi, -1, rank[iv.cause])]
+    events.sort(key=lambda e: e[0])
+    covering = [0] * len(PRECEDENCE)
     out: list[Segment] = []
-    for lo, hi in itertools.pairwise(points):
-        best: str | None = None
-        for iv in ordered:
-            if iv.start > lo:
-                break
-            if iv.end > lo and iv.end > iv.start and (best is None or rank[iv.cause] < rank[best]):
-                best = iv.cause
-        cause = best or UNKNOWN
-        if out and out[-1].cause == cause and out[-1].end == lo:
-            out[-1] = Segment(cause, out[-1].start, hi)
+    cursor, k = start, 0
+    while cursor < end:
+        while k < len(events) and events[k][0] <= cursor:
+            covering[events[k][2]] += events[k][1]
+            k += 1
+        upto = min(events[k][0], end) if k < len(events) else end
+        cause = next((PRECEDENCE[i] for i, n in enumerate(covering) if n > 0), UNKNOWN)
+        if out and out[-1].cause == cause:
+            out[-1] = Segment(cause, out[-1].start, upto)
         else:
-            out.append(Segment(cause, lo, hi))
+            out.append(Segment(cause, cursor, upto))
+        cursor = upto
     return out
 
 
@@ -266,34 +288,97 @@ class Goodput:
 
 
 def span(records: Sequence[Record]) -> tuple[float, float] | None:
-    """The first and last instants the ledger covers (None: empty)."""
-    times = [t for r in records for t in ((r.start, r.end) if isinstance(r, Interval) else (r.at,))]
+    """The first and last instants of the run the ledger records (None: empty). A
+    ``stopped`` mark says when a writer stopped recording, not what the run did: it is
+    not counted (so a run does not end, nor a later writer's gap begin, at a writer's
+    exit)."""
+    times = [
+        t
+        for r in records
+        if not (isinstance(r, Mark) and r.kind == "stopped")
+        for t in ((r.start, r.end) if isinstance(r, Interval) else (r.at,))
+    ]
     return (min(times), max(times)) if times else None
 
 
+def writer_of(record: Record) -> str:
+    """The writer that journaled ``record`` (its id is ``<writer>:<n>``)."""
+    return record.id.rpartition(":")[0]
+
+
+def is_trainer_attempt(attempt: str) -> bool:
+    """Whether ``attempt`` is a trainer start (``<writer>/<n>``), not a writer's time
+    before its first start."""
+    return "/" in attempt
+
+
+def finished_at(records: Sequence[Record]) -> float | None:
+    """When the run finished: its last ``finished`` mark, unless training went on after
+    it (a run resumed for more steps); None when it has not."""
+    marks = [r.at for r in records if isinstance(r, Mark) and r.kind == "finished"]
+    if not marks:
+        return None
+    at = max(marks)
+    went_on = any(isinstance(r, Interval) and r.start > at for r in records)
+    return None if went_on else at
+
+
+def recording(records: Sequence[Record], now: float) -> bool:
+    """Whether a writer may still be recording the run at ``now``: one that has not marked
+    ``stopped`` and whose last record is less than ``ABANDONED_SECONDS`` old."""
+    last: dict[str, float] = {}
+    stopped: set[str] = set()
+    for r in records:
+        writer = writer_of(r)
+        at = r.end if isinstance(r, Interval) else r.at
+        last[writer] = max(at, last.get(writer, at))
+        if isinstance(r, Mark) and r.kind == "stopped":
+            stopped.add(writer)
+    return any(now - at < ABANDONED_SECONDS for w, at in last.items() if w not in stopped)
+
+
+def run_end(records: Sequence[Record], now: float | None = None) -> float | None:
+    """Where the run's wall time ends (module doc); None for an empty ledger."""
+    bounds = span(records)
+    if bounds is None:
+        return None
+    done = finished_at(records)
+    if done is not None:
+        return done  # the run ended there; what follows (its last upload) is not it
+    if now is not None and recording(records, now):
+        return max(now, bounds[1])
+    return bounds[1]
+
+
 def goodput(
-    records: Sequence[Record], *, until: float | None = None, since: float | None = None
+    records: Sequence[Record],
+    *,
+    now: float | None = None,
+    until: float | None = None,
+    since: float | None = None,
 ) -> Goodput:
-    """Time by cause from the run's first record (or ``since``, if later) to ``until``
-    (default: the run's ``finished`` mark, else its last record; a live run passes now),
-    and its interruptions."""
+    """Time by cause from the run's first record (or ``since``, if later) to its end
+    (``run_end``: a reader passes ``now``) or to ``until`` (a writer that is recording
+    the run passes its now: it knows the run goes on), and its interruptions."""
     intervals = [r for r in records if isinstance(r, Interval)]
     bounds = span(records)
     if bounds is None:
         return Goodput(0.0, 0.0)
-    start, end = bounds
-    finished = [r.at for r in records if isinstance(r, Mark) and r.kind == "finished"]
-    if finished:
-        end = max(finished)  # the run ended there; what follows (its last upload) is not it
-    if until is not None:
+    start = bounds[0]
+    done = finished_at(records)
+    if until is not None and done is None:
         end = max(until, start)
+    else:
+        end = run_end(records, now) or start
     if since is not None:
         start = min(max(since, start), end)
     result = Goodput(start, end, {c: 0.0 for c in (*PRECEDENCE, UNKNOWN)})
     for seg in timeline(intervals, start, end):
         result.seconds[seg.cause] += seg.end - seg.start
     inside = [iv for iv in intervals if iv.end > start and iv.start < end] if since else intervals
-    result.attempts = len({(iv.node, iv.attempt) for iv in inside})
+    result.attempts = len(
+        {(iv.node, iv.attempt) for iv in inside if is_trainer_attempt(iv.attempt)}
+    )
     result.nodes = len({iv.node for iv in inside})
     result.interruptions = interruptions(records, start, end)
     return result
@@ -356,6 +441,7 @@ def lost_span(
 
 
 __all__ = [
+    "ABANDONED_SECONDS",
     "BADPUT_CAUSES",
     "CAUSES",
     "DAY_SECONDS",
@@ -370,13 +456,18 @@ __all__ = [
     "Record",
     "Segment",
     "chunk_bytes",
+    "finished_at",
     "goodput",
     "interruptions",
+    "is_trainer_attempt",
     "lost_span",
     "merge_records",
     "parse_chunk",
     "parse_record",
+    "recording",
+    "run_end",
     "span",
     "time_at_step",
     "timeline",
+    "writer_of",
 ]

@@ -1,4 +1,4 @@
-"""``ckptd report RUN``: the run ledger as a summary for the terminal and as an HTML
+"""``ckptd report --run RUN``: the run ledger as a summary for the terminal and as an HTML
 timeline (one lane per node, coloured by cause, notices, commits and interruptions marked).
 
 The timeline is drawn with plotly (the ``report`` extra): one self-contained HTML file,
@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ckptd.cadence.model import Advice
+from ckptd.core.extras import install_hint
 from ckptd.goodput.model import (
     PRECEDENCE,
     UNKNOWN,
@@ -27,6 +28,7 @@ from ckptd.goodput.model import (
 # One colour per cause (the HTML timeline, and the test that looks at it in a browser).
 COLOURS = {
     "productive": "#2ca02c",
+    "drill": "#17becf",
     "save": "#1f77b4",
     "wait_commit": "#9467bd",
     "lost": "#d62728",
@@ -40,12 +42,16 @@ MARK_SYMBOLS = {
     "commit": "diamond",
     "interrupted": "x",
     "finished": "star",
+    "stopped": "square-open",
+    "safe": "circle",
 }
 MARK_COLOURS = {
     "notice": "#e377c2",
     "commit": "#17becf",
     "interrupted": "#000000",
     "finished": "#8c564b",
+    "stopped": "#7f7f7f",
+    "safe": "#2ca02c",
 }
 
 
@@ -81,9 +87,12 @@ def lost_comparison(run: Goodput, advice: Advice | None) -> dict[str, Any]:
 
 
 def summary_text(run_id: str, run: Goodput, day: Goodput, advice: Advice | None) -> str:
-    """What ``ckptd report RUN`` prints."""
+    """What ``ckptd report --run RUN`` prints."""
     if run.wall <= 0:
-        return f"run {run_id}: no ledger records (is it trained under ckptd exec?)"
+        return (
+            f"run {run_id}: no ledger records (is it trained under ckptd exec, or beside "
+            "ckptd run?)"
+        )
     lines = [
         f"run {run_id}: {_clock(run.start)} -> {_clock(run.end)} ({_duration(run.wall)})",
         f"goodput {100 * (run.ratio or 0):.1f} %   last 24 h "
@@ -122,7 +131,7 @@ def timeline_html(run_id: str, records: Sequence[Record], run: Goodput) -> str:
     try:
         import plotly.graph_objects as go
     except ImportError as exc:
-        raise MissingExtra("the HTML timeline needs plotly: pip install 'ckptd[report]'") from exc
+        raise MissingExtra(f"the HTML timeline needs plotly, {install_hint('report')}") from exc
     nodes = sorted({r.node for r in records})
     fig = go.Figure()
     for cause in (*PRECEDENCE, UNKNOWN):

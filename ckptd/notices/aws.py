@@ -111,7 +111,12 @@ class AwsImdsSource(MetadataSource):
         self._token_refresh_at = 0.0
         self._skip_token_until = 0.0
         self._token_lock = asyncio.Lock()
-        self._seen: set[str] = set()
+        # Each notice yielded, by id, with the deadline it was yielded with.
+        self._seen: dict[str, datetime | None] = {}
+        # The items present at the last read, and how often each appeared: an item that
+        # went (404) and came back is a new notice; one restated while present is not.
+        self._present: set[str] = set()
+        self._appearances: dict[str, int] = {}
         # The hop-limit hint: once, then at most every HINT_INTERVAL_SECONDS.
         self._hint = RateLimitedLog(log, HINT_INTERVAL_SECONDS, monotonic)
 
@@ -137,7 +142,8 @@ class AwsImdsSource(MetadataSource):
                 await self._sleep(self.poll_interval)
 
     async def poll_once(self, session: aiohttp.ClientSession) -> list[Notice]:
-        """One round over the three items; returns the notices not seen before."""
+        """One round over the three items; returns the notices not seen before, and
+        those seen before whose deadline moved (the same id: an update, not a notice)."""
         token = await self._get_token(session)
         if token is None and not self.imdsv1_fallback:
             return []
@@ -151,9 +157,8 @@ class AwsImdsSource(MetadataSource):
         fresh: list[Notice] = []
         for notices in results:
             for notice in notices:
-                if notice.id not in self._seen:
-                    self._seen.add(notice.id)
-                    self._announce(notice)
+                if notice.id not in self._seen or self._seen[notice.id] != notice.deadline:
+                    self._seen[notice.id] = notice.deadline
                     fresh.append(notice)
         return fresh
 
@@ -268,6 +273,7 @@ class AwsImdsSource(MetadataSource):
             resp = await self._get(session, path)
             if resp.status == 404:
                 notices: list[Notice] = []  # the documented "nothing yet"
+                self._present.discard(key)
             elif resp.status == 200:
                 notices = parse(resp.text, self._clock())
             else:
@@ -280,7 +286,15 @@ class AwsImdsSource(MetadataSource):
         self._warn.recovered(key, "imds read works again", url=self.endpoint + path)
         return notices
 
-    # -- parsing (pure) ----------------------------------------------------------------
+    def _appearance(self, key: str) -> int:
+        """Which appearance of ``key`` (``spot``, ``rebalance``) a 200 is: the same number
+        while it stays, the next once it went (404) and came back."""
+        if key not in self._present:
+            self._present.add(key)
+            self._appearances[key] = self._appearances.get(key, 0) + 1
+        return self._appearances[key]
+
+    # -- parsing -----------------------------------------------------------------------
 
     def _parse_spot(self, text: str, now: datetime) -> list[Notice]:
         data = _json_object(text)
@@ -294,7 +308,10 @@ class AwsImdsSource(MetadataSource):
             Notice(
                 source="aws",
                 kind=SPOT_KINDS[action],
-                id=f"spot:{action}:{when}",
+                # The action (and which appearance of the item) identifies the notice;
+                # its time may be restated (an endpoint that moves it on every read once
+                # made a new notice every poll): that moves the deadline of this one.
+                id=f"spot:{action}:{self._appearance('spot')}",
                 noticed_at=now,
                 deadline=deadline,
                 detail={"action": action, "time": when},
@@ -311,7 +328,8 @@ class AwsImdsSource(MetadataSource):
             Notice(
                 source="aws",
                 kind="rebalance",
-                id=f"rebalance:{notice_time}",
+                # One recommendation while it stays, however often its time is restated.
+                id=f"rebalance:{self._appearance('rebalance')}",
                 noticed_at=now,
                 deadline=None,
                 detail={"noticeTime": notice_time},

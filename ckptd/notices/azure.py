@@ -35,6 +35,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -131,7 +132,8 @@ class AzureScheduledEventsSource(MetadataSource):
                 self._active_session = None
 
     async def poll_once(self, session: aiohttp.ClientSession) -> list[Notice]:
-        """One read of the document; returns new and cancelled notices."""
+        """One read of the document; returns new and cancelled notices, and known ones
+        whose NotBefore moved (the same EventId: an update of its deadline)."""
         if self.vm_name is None and self._monotonic() >= self._next_name_lookup:
             await self._lookup_vm_name(session)
         document = await self._read_document(session)
@@ -244,14 +246,21 @@ class AzureScheduledEventsSource(MetadataSource):
                 current[event["EventId"]] = event
         notices: list[Notice] = []
         for event_id, event in current.items():
-            if event_id in self._known:
+            deadline = _parse_not_before(event.get("NotBefore"))
+            known = self._known.get(event_id)
+            if known is not None:
+                if deadline is not None and known.deadline != deadline:
+                    # NotBefore restated (Azure may move it): the same event, a new deadline.
+                    # (An event that started has none: it keeps the one it had.)
+                    self._known[event_id] = replace(known, deadline=deadline)
+                    notices.append(self._known[event_id])
                 continue
             notice = Notice(
                 source="azure",
                 kind=EVENT_KINDS[event["EventType"]],
                 id=event_id,
                 noticed_at=now,
-                deadline=_parse_not_before(event.get("NotBefore")),
+                deadline=deadline,
                 detail={
                     "event_type": event["EventType"],
                     "event_status": event.get("EventStatus"),
@@ -264,7 +273,6 @@ class AzureScheduledEventsSource(MetadataSource):
                 },
             )
             self._known[event_id] = notice
-            self._announce(notice)
             notices.append(notice)
         for event_id in [i for i in self._known if i not in current]:
             # Gone from the document (completed, or cancelled by Azure before it started),

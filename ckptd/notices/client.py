@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 
 from ckptd.notices.health import SourceHealth
-from ckptd.notices.model import Clock, Notice, RateLimitedLog, Sleep
+from ckptd.notices.model import Clock, RateLimitedLog, Sleep
 
 
 class MetadataSource:
@@ -41,16 +41,6 @@ class MetadataSource:
         self._log = log
         self.health = SourceHealth(self.name)
         self._warn = RateLimitedLog(log, log_interval, monotonic, self.health)
-
-    def _announce(self, notice: Notice) -> None:
-        """Log a notice seen for the first time."""
-        self._log.warning(
-            "notice received",
-            source=self.name,
-            kind=notice.kind,
-            id=notice.id,
-            deadline=notice.to_json()["deadline"],
-        )
 
 
 class BadResponse(Exception):

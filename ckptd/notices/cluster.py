@@ -40,8 +40,8 @@ from ckptd.notices.model import (
     parse_time,
     utc_now,
 )
+from ckptd.repository import Repository
 from ckptd.runtime.metrics import Metrics
-from ckptd.store.repository import Repository
 
 log = structlog.get_logger("ckptd.notices.cluster")
 
@@ -177,13 +177,6 @@ class ClusterNoticeSource:
             self._seen.add(judged.notice.id)
             if self.metrics is not None:
                 self.metrics.cluster_notices.labels(run=run, event="followed").inc()
-            log.warning(
-                "notice received",
-                source=judged.notice.source,
-                kind=judged.notice.kind,
-                id=judged.notice.id,
-                run=run,
-            )
             found.append(judged.notice)
         return found
 

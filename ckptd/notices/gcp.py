@@ -36,7 +36,7 @@ import aiohttp
 import structlog
 
 from ckptd.notices.client import BadResponse, MetadataSource, describe_error, session_scope
-from ckptd.notices.model import Clock, Notice, Sleep, format_time, utc_now
+from ckptd.notices.model import Clock, Notice, Sleep, utc_now
 
 INSTANCE_PATH = "/computeMetadata/v1/instance/"
 FLAVOR_HEADER = "Metadata-Flavor"
@@ -94,6 +94,7 @@ class GcpMetadataSource(MetadataSource):
         self.preemption_notice = timedelta(seconds=preemption_notice)
         self._preempted = False
         self._maintenance: str | None = None
+        self._maintenance_events = 0  # maintenance events seen, for their ids
 
     async def acknowledge(self, notice: Notice) -> None:
         """GCP has nothing to acknowledge."""
@@ -150,11 +151,13 @@ class GcpMetadataSource(MetadataSource):
         if value == self._maintenance:
             return None
         self._maintenance = value
+        self._maintenance_events += 1
         return Notice(
             source="gcp",
             kind="maintenance",
-            # GCP gives maintenance no id; the time tells one event from the next.
-            id=f"maintenance:{value}:{format_time(now)}",
+            # GCP gives maintenance no id: the state names it, and a count tells one
+            # event (NONE -> state -> NONE) from the next. Never the time it was seen.
+            id=f"maintenance:{value}:{self._maintenance_events}",
             noticed_at=now,
             deadline=now + MAINTENANCE_NOTICE[value],
             detail={"key": "instance/maintenance-event", "value": value, "etag": etag},
@@ -219,7 +222,6 @@ class GcpMetadataSource(MetadataSource):
             self._warn.recovered(key, "metadata read works again", url=self._url(key))
             backoff = self.retry_interval
             if notice is not None:
-                self._announce(notice)
                 await queue.put(notice)
             unchanged = waiting and new_etag is not None and new_etag == etag
             etag, waiting = new_etag, True

@@ -64,7 +64,11 @@ class Notice:
     """One preemption, interruption or maintenance notice.
 
     ``id`` is the dedupe key, stable across polls (and, where the cloud allows, across
-    restarts): the AWS action and time, the Azure EventId, the GCP key and ETag.
+    restarts): what the instance is told to do, never when: the AWS spot action (or the
+    scheduled event's EventId), the Azure EventId, GCP's preempted or maintenance state,
+    with a count of appearances where an item can go and come back.
+    A source that reads the same id with another deadline yields it again: an update of
+    that notice's deadline, never a second notice.
     ``cancelled`` is True on a follow-up notice saying that an earlier one (same id)
     went away, e.g. an Azure event removed from the document before it started.
     """
@@ -126,7 +130,7 @@ class NoticeSource(Protocol):
     """A watcher of one notice channel (one cloud's metadata service, or a signal).
 
     ``watch()`` is an async generator: it yields each new notice once (deduplicated by
-    ``Notice.id`` inside the source), never raises on a bad response (garbage, 5xx,
+    ``Notice.id`` inside the source; again only when its deadline moved), never raises on a bad response (garbage, 5xx,
     timeouts, refused connections, a response that is not from the metadata service):
     it logs those at warning level, rate-limited, and keeps polling. It ends only when
     cancelled or closed (``aclose()``). Construction does no I/O.

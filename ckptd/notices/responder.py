@@ -13,7 +13,14 @@ Within one poll interval of a notice the responder
      notice jumps the queue, and an older upload that cannot also finish is paused,
   5. once that checkpoint is committed, acknowledges the notice (Azure StartRequests)
      and logs the timings noticed -> signalled -> complete -> committed.
-One notice is acted on once (deduplicated by id); a cancelled one clears the state.
+One notice is acted on once (deduplicated by id) and logged once (``notice_received``);
+the same id again with another deadline (a time the cloud restated) moves the deadline of
+the notice being acted on, and nothing else: no second signal, and the emergency keeps
+its start, so the checkpoint saved for the notice stays its emergency checkpoint. A
+cancelled one clears the state.
+With peer replication the checkpoint is *safe off the node* at the first of: ``copies``
+peers acknowledged it verified (``on_safe``), this node's part is in the store
+(``on_safe`` from the pipeline), or it committed; the timings say which and when.
 With many nodes, a notice of this node's own is also handed to ``publish_notice`` (the
 cluster's NOTICE, ``ckptd.notices.cluster``), which only schedules the write: the
 trainer's signal never waits for the store. A notice followed from another node is not.
@@ -27,13 +34,14 @@ import itertools
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
 from ckptd.config import Settings
 from ckptd.core import handoff
+from ckptd.notices import carried
 from ckptd.notices.model import Notice, NoticeSource, format_time
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
@@ -107,6 +115,13 @@ class Response:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     # The cluster NOTICE write for this notice (many nodes, a notice of our own only).
     published: asyncio.Task[bool] | None = None
+    # Safe off the node (peer replication): when, and how first ("peer" | "store"); when
+    # peers acknowledged it, and when this node's part was in the store.
+    safe: float | None = None
+    safe_via: str | None = None
+    replicated: float | None = None
+    stored: float | None = None
+    safe_peers: list[str] = field(default_factory=list)
 
     def timings(self, now: datetime) -> dict[str, Any]:
         def rel(t: float | None) -> float | None:
@@ -130,6 +145,19 @@ class Response:
             "committed_before_deadline": None
             if self.committed is None
             else (self.notice.deadline is None or (left is not None and left >= 0)),
+            # Peer replication: safe off the node, first by peers or by the store.
+            "safe_after_s": rel(self.safe),
+            "safe_via": self.safe_via,
+            "replicated_after_s": rel(self.replicated),
+            "stored_after_s": rel(self.stored),
+            "safe_peers": self.safe_peers,
+            "safe_before_deadline": None
+            if self.safe is None
+            else (
+                self.notice.deadline is None
+                or self.notice.noticed_at.timestamp() + (self.safe - self.noticed)
+                <= self.notice.deadline.timestamp()
+            ),
             # Many nodes: whether <run>/NOTICE was written (None: one node, or followed).
             "notice_published": None
             if self.published is None
@@ -148,7 +176,9 @@ class EmergencyMode(Protocol):
 
     def watch_dirs(self) -> list[Path]: ...
 
-    def enter_emergency(self, deadline: datetime | None) -> None: ...
+    def enter_emergency(self, deadline: datetime | None, since: float | None = None) -> None: ...
+
+    def move_deadline(self, deadline: datetime | None) -> None: ...
 
     def leave_emergency(self) -> None: ...
 
@@ -179,6 +209,11 @@ class Responder:
         self.log = get_logger()
         # Set by the service with many nodes: schedules the cluster NOTICE write.
         self.publish_notice: Callable[[Notice], asyncio.Task[bool]] | None = None
+        # Where a notice acted on is carried across a restart (``ckptd.notices.carried``).
+        self.state_dir = Path(settings.state.dir)
+        # When the last drill's notice came (wall) and was cleared (monotonic): ckptd exec.
+        self.drill_noticed: float | None = None
+        self.drill_ended: float | None = None
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.clock.time(), UTC)
@@ -187,30 +222,33 @@ class Responder:
         """What ``GET /v1/preemption`` answers."""
         if self.current is None:
             return {"notice": False}
-        return {"notice": True, **self.current.notice.to_json()}
+        r = self.current
+        safe = {}
+        if r.safe is not None:  # peer replication: safe off the node, and how first
+            safe = {"safe_via": r.safe_via, "safe_after_s": round(r.safe - r.noticed, 3)}
+        return {"notice": True, **r.notice.to_json(), **safe}
 
     async def handle(
         self, notice: Notice, source: NoticeSource | None = None, *, publish: bool = True
     ) -> Response | None:
         """Act on one notice (once per id); ``publish=False`` for one followed from another
         node, which must not be published again."""
-        if notice.cancelled:
-            if self.current is not None and self.current.notice.id == notice.id:
-                self.log.info("notice_cancelled", source=notice.source, id=notice.id)
-                self.clear()
-            return None
-        if notice.id in self.handled:
+        if self._not_new(notice):
             return None
         self.handled.add(notice.id)
         response = Response(notice, source, self.clock.monotonic())
         self.current = response
+        if notice.kind == "drill":
+            self.drill_noticed = notice.noticed_at.timestamp()
         body = notice.to_json()
         self.log.warning(
             "notice_received",
             source=notice.source,
             kind=notice.kind,
+            id=notice.id,
             deadline=body["deadline"],
             seconds_left=notice.seconds_left(self._now()),
+            detail=body["detail"],
         )
         self.metrics.preemption_notice.set(1)
         if notice.deadline is not None:
@@ -259,7 +297,73 @@ class Responder:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         self.pipeline.enter_emergency(notice.deadline)
+        try:
+            await asyncio.to_thread(carried.record, self.state_dir, notice, response.pids)
+        except OSError as exc:
+            self.log.warning("notice_not_carried", error=str(exc))
         return response
+
+    def carry_on(self, notice: Notice, pids: list[int]) -> Response:
+        """An earlier daemon acted on ``notice`` and it is still in force
+        (``ckptd.notices.carried``): handled already, so its source's repeats signal no one;
+        emergency mode from the notice's own time."""
+        self.handled.add(notice.id)
+        response = Response(notice, None, self.clock.monotonic())
+        response.pids = list(pids)
+        response.signalled = response.noticed if pids else None
+        self.current = response
+        self.metrics.preemption_notice.set(1)
+        if notice.deadline is not None:
+            self.metrics.preemption_deadline.set(notice.deadline.timestamp())
+        self.pipeline.enter_emergency(notice.deadline, since=notice.noticed_at.timestamp())
+        self.log.warning(
+            "notice_carried_over",
+            source=notice.source,
+            kind=notice.kind,
+            id=notice.id,
+            seconds_left=notice.seconds_left(self._now()),
+            signalled_before=pids,
+        )
+        return response
+
+    def _not_new(self, notice: Notice) -> bool:
+        """Whether ``notice`` is no new notice: a cancellation (of the current one: it is
+        cleared), or one already handled (the current one restated: its deadline moves)."""
+        current = self.current if self.current and self.current.notice.id == notice.id else None
+        if notice.cancelled:
+            if current is not None:
+                self.log.info("notice_cancelled", source=notice.source, id=notice.id)
+                self.clear()
+            return True
+        if notice.id in self.handled:
+            if current is not None:
+                self._move_deadline(notice)
+            return True
+        return False
+
+    def _move_deadline(self, update: Notice) -> None:
+        """The notice being acted on, restated with another deadline: the deadline moves
+        (``/v1/preemption``, the notice files, the flush's plan); it stays one notice."""
+        current = self.current
+        assert current is not None
+        if update.deadline == current.notice.deadline:
+            return
+        current.notice = replace(current.notice, deadline=update.deadline)
+        self.log.debug(
+            "notice_deadline_moved",
+            source=update.source,
+            id=update.id,
+            deadline=current.notice.to_json()["deadline"],
+        )
+        self.metrics.preemption_deadline.set(
+            update.deadline.timestamp() if update.deadline is not None else 0
+        )
+        self.pipeline.move_deadline(update.deadline)
+        task = asyncio.get_running_loop().create_task(
+            self._write_notice_files(current.notice.to_json())
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _spare(self, pid: int, signal_name: str) -> None:
         """A matched process with no handler for the signal: never signalled; logged
@@ -290,11 +394,44 @@ class Responder:
         if r is not None and r.complete is None:
             r.complete, r.checkpoint, r.run = self.clock.monotonic(), name, run
 
+    def on_safe(
+        self, run: str, name: str, via: str, emergency: bool, detail: dict[str, Any]
+    ) -> None:
+        """This node's part of a checkpoint is safe off the node: acknowledged by
+        ``peers.copies`` peers (``via`` "peer") or in the store ("store"). For the
+        emergency checkpoint, the first of them makes the response safe."""
+        r = self.current
+        if r is None or not emergency:
+            return
+        now = self.clock.monotonic()
+        if via == "peer" and r.replicated is None:
+            r.replicated = now
+            r.safe_peers = list(detail.get("peers", []))
+        elif via == "store" and r.stored is None:
+            r.stored = now
+        if r.safe is not None:
+            return
+        r.safe, r.safe_via = now, via
+        if r.checkpoint is None:
+            r.checkpoint, r.run = name, run
+        self.metrics.emergency_safe_seconds.labels(via=via).set(round(now - r.noticed, 3))
+        left = r.notice.seconds_left(self._now())
+        self.log.warning(
+            "emergency_checkpoint_safe",
+            run=run,
+            checkpoint=name,
+            via=via,
+            after_s=round(now - r.noticed, 3),
+            seconds_left=None if left is None else round(left, 3),
+            **detail,
+        )
+
     async def on_commit(self, run: str, name: str, total_bytes: int, emergency: bool) -> None:
         """A checkpoint was committed; if it was the emergency one, finish the response."""
         r = self.current
         if r is None or not emergency or r.committed is not None:
             return
+        self.on_safe(run, name, "store", emergency, {})
         r.committed = self.clock.monotonic()
         r.checkpoint, r.run, r.bytes = name, run, total_bytes
         if r.complete is None:
@@ -310,12 +447,28 @@ class Responder:
                 self.log.error("notice_ack_failed", source=r.notice.source, error=str(exc))
         r.done.set()
 
+    def drilling(self, within: float) -> bool:
+        """Whether a drill's notice is current (this node's, or another's followed here),
+        or one ended less than ``within`` seconds ago: a trainer that stops now stopped
+        because the drill asked it to save (``ckptd exec`` starts it again)."""
+        if self.current is not None and self.current.notice.kind == "drill":
+            return True
+        ended = self.drill_ended
+        return ended is not None and self.clock.monotonic() - ended < within
+
+    async def settle(self) -> None:
+        """Return once the notice files' writes and removals scheduled so far are done."""
+        await asyncio.gather(*self._background, return_exceptions=True)
+
     def clear(self) -> None:
         """Forget the current notice (cancelled, or a drill that ended)."""
+        if self.current is not None and self.current.notice.kind == "drill":
+            self.drill_ended = self.clock.monotonic()
         self.current = None
         self.metrics.preemption_notice.set(0)
         self.metrics.preemption_deadline.set(0)
         self.pipeline.leave_emergency()
+        carried.forget(self.state_dir)
         paths = [watch_dir / NOTICE_FILE for watch_dir in self.pipeline.watch_dirs()]
 
         def unlink_all() -> None:

@@ -203,8 +203,7 @@ class SlurmJobSource:
                 now = self._clock()
                 for notice in self.due(now):
                     self._yielded.add(notice.id)
-                    log.warning("slurm_notice", kind=notice.kind, job=self.job_id, id=notice.id)
-                    yield notice
+                    yield notice  # logged once, by the responder (notice_received)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._woken.wait(), self._sleep_for(self._clock()))
                 self._woken.clear()

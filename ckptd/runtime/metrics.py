@@ -214,8 +214,8 @@ class Metrics:
         )
         self.goodput_ratio = Gauge(
             "ckptd_goodput_ratio",
-            "Productive training time over wall time since the run started (ckptd exec; "
-            "the run ledger, docs/goodput.md).",
+            "Productive training time over wall time since the run started (ckptd exec, or "
+            "ckptd run beside the trainer; the run ledger, docs/goodput.md).",
             ["run"],
             registry=r,
         )
@@ -236,6 +236,35 @@ class Metrics:
             registry=r,
         )
 
+        # The drill (docs/preemption.md "The drill"): its gauges come from the run's drill
+        # records in the store, so every node and a restarted daemon agree.
+        self.drills = Counter(
+            "ckptd_drills",
+            "Drills this daemon ran, by result (success, failure).",
+            ["run", "result"],
+            registry=r,
+        )
+        self.drill_last_success = Gauge(
+            "ckptd_drill_last_success_timestamp_seconds",
+            "Unix time the run's last successful drill ended (0: none among its last "
+            "[drill] history drills); from the store, once the run has a drill.",
+            ["run"],
+            registry=r,
+        )
+        self.drill_last_failure = Gauge(
+            "ckptd_drill_last_failure_timestamp_seconds",
+            "Unix time the run's last failed drill ended (0: none among its last [drill] "
+            "history drills); from the store, once the run has a drill.",
+            ["run"],
+            registry=r,
+        )
+        self.drill_stage_seconds = Gauge(
+            "ckptd_drill_stage_seconds",
+            "Each stage of the run's last drill, its own duration (signalled, complete, "
+            "committed, restored, verified, loaded).",
+            ["run", "stage"],
+            registry=r,
+        )
         # Several destinations (docs/tiers-and-retention.md): each tier counted on its own; the
         # unlabelled metrics above are the first tier's.
         self.tier_committed = Counter(
@@ -275,6 +304,75 @@ class Metrics:
             registry=r,
         )
 
+        # -- peer replication (ckptd.peers; docs/peers.md) --------------------------------
+        self.peer_pushes = Counter(
+            "ckptd_peer_pushes",
+            "Parts pushed to a peer, by outcome (acknowledged, or why not: refused reasons,"
+            " unreachable, restarted, changed).",
+            ["run", "outcome"],
+            registry=r,
+        )
+        self.peer_sent_bytes = Counter(
+            "ckptd_peer_sent_bytes", "Bytes of checkpoint data sent to peers.", registry=r
+        )
+        self.peer_received_bytes = Counter(
+            "ckptd_peer_received_bytes",
+            "Bytes of other nodes' parts received and verified chunk by chunk.",
+            registry=r,
+        )
+        self.peer_served_bytes = Counter(
+            "ckptd_peer_served_bytes", "Bytes served to restores on other nodes.", registry=r
+        )
+        self.peer_refused = Counter(
+            "ckptd_peer_refused",
+            "Requests the peer port refused, by reason (unauthorized, corrupt, quota,"
+            " unknown, changed, bad_request).",
+            ["reason"],
+            registry=r,
+        )
+        self.peer_replicas_sealed = Counter(
+            "ckptd_peer_replicas_sealed",
+            "Other nodes' parts received whole, verified and fsynced (acknowledged).",
+            registry=r,
+        )
+        self.peer_replicas_held = Gauge(
+            "ckptd_peer_replicas_held", "Replicas of other nodes' parts held here.", registry=r
+        )
+        self.peer_replica_bytes = Gauge(
+            "ckptd_peer_replica_bytes", "Bytes of the replicas held here.", registry=r
+        )
+        self.peer_quota_bytes = Gauge(
+            "ckptd_peer_quota_bytes", "The replicas' disk quota (peers.quota_gib).", registry=r
+        )
+        self.peers_known = Gauge(
+            "ckptd_peers_known",
+            "Other nodes of the run whose peer announcement is fresh in the store.",
+            registry=r,
+        )
+        self.peer_replication_seconds = Histogram(
+            "ckptd_peer_replication_seconds",
+            "From a part complete to acknowledged by peers.copies peers.",
+            ["run"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.emergency_safe_seconds = Gauge(
+            "ckptd_emergency_safe_seconds",
+            "Seconds from the last notice to its emergency checkpoint safe off the node, by"
+            " the way it first was (peer: acknowledged by peers.copies peers; store:"
+            " committed); 0 until then.",
+            ["via"],
+            registry=r,
+        )
+        self.peer_handoffs = Counter(
+            "ckptd_peer_handoffs",
+            "Dead nodes' parts this node put in the store in their name, by outcome"
+            " (committed: part written; refused: a replica that failed its checks or a"
+            " save no longer announced; failed: the store).",
+            ["run", "outcome"],
+            registry=r,
+        )
+
     def init_run(self, run: str) -> None:
         """Every series an alert watches, at 0, for a run this daemon ships."""
         for reason in FAILURE_REASONS:
@@ -288,6 +386,17 @@ class Metrics:
         """A tier's counters, at 0, for a run this daemon ships to it."""
         for counter in (self.tier_committed, self.tier_failed):
             counter.labels(run=run, tier=tier)
+
+    def failures_of(self, run: str) -> dict[str, int]:
+        """``ckptd_checkpoints_failed_total`` of ``run`` by reason, as exported (the
+        reasons with none left out): what ``/v1/status`` shows is the metric itself."""
+        found: dict[str, int] = {}
+        for family in self.failed.collect():
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name.endswith("_total") and labels.get("run") == run and sample.value:
+                    found[labels["reason"]] = int(sample.value)
+        return found
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -26,6 +26,19 @@ def stat_fields(pid: int, *, proc: Path = PROC) -> list[str] | None:
     return stat[stat.rfind(")") + 2 :].split()
 
 
+def start_ticks(pid: int, *, proc: Path = PROC) -> int | None:
+    """``pid``'s start in clock ticks since boot (field 22 of /proc/PID/stat, the same in
+    every PID namespace): with the pid it names one process, never a later one given the
+    same number. None when it is gone, a zombie or not visible."""
+    fields = stat_fields(pid, proc=proc)
+    if fields is None or fields[0] in ("Z", "X"):
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
 def all_stat_fields(*, proc: Path = PROC) -> Iterator[tuple[int, list[str]]]:
     """``(pid, stat_fields(pid))`` of every process alive while /proc is walked."""
     for entry in proc.iterdir():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from ckptd.core.concurrency import lanes_for
+from ckptd.core.url import DestinationURL, parse_destination
 from ckptd.storage.base import (
     ConditionalWrite,
     MultipartUpload,
@@ -24,10 +26,9 @@ from ckptd.storage.base import (
 )
 from ckptd.storage.limited import LimitedStorage, RateLimiter
 from ckptd.storage.retrying import RetryHook, RetryingStorage
-from ckptd.storage.url import DestinationURL, parse_destination
 from ckptd.storage.wrapper import StorageWrapper
 
-if TYPE_CHECKING:  # config imports storage.url; a run-time import would be a cycle
+if TYPE_CHECKING:  # only for a type: the settings models pull in far more than storage needs
     from ckptd.config import DestinationConfig
 
 __all__ = [
@@ -142,7 +143,9 @@ def open_storage(
         url,
         endpoint_url=endpoint_url,
         region=region,
-        max_connections=concurrency + 4,
+        # The large files' threads and the small files' lanes (``ckptd.core.concurrency``)
+        # each hold a connection; a pool smaller than that drops and reopens them.
+        max_connections=concurrency + lanes_for(concurrency) + 4,
         sse=sse,
         sse_kms_key_id=sse_kms_key_id,
     )

@@ -176,7 +176,14 @@ class AzureBlobStorage:
             raise classify(exc, what) from exc
 
     def _info(self, key: str, props: Any) -> ObjectInfo:
-        return ObjectInfo(key, int(props.size), "", str(props.etag or ""))
+        modified = getattr(props, "last_modified", None)
+        return ObjectInfo(
+            key,
+            int(props.size),
+            "",
+            str(props.etag or ""),
+            modified.timestamp() if modified is not None else 0.0,
+        )
 
     def _put(self, what: str, key: str, data: bytes, crc32c: int, **conditions: Any) -> ObjectInfo:
         # Azure checks no CRC-32C: the body is checked against it here (as file:// does),

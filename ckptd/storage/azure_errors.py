@@ -4,6 +4,7 @@ configured unusable (no container, access refused, no or refused credential)."""
 
 from __future__ import annotations
 
+from ckptd.core.extras import install_hint
 from ckptd.storage.base import (
     NotFoundError,
     PreconditionFailedError,
@@ -26,7 +27,7 @@ _UNUSABLE_CODES = {
 
 def missing_extra() -> StorageError:
     return StorageError(
-        "az:// destinations need the Azure client: pip install 'ckptd[azure]'",
+        f"az:// destinations need the Azure client, {install_hint('azure')}",
         transient=False,
         code="MissingExtra",
         destination_unusable=True,

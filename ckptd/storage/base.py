@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, runtime_checkable
 
 from ckptd.core.errors import CkptdError
@@ -106,6 +106,9 @@ class ObjectInfo:
     # composite multipart value; "" when the store reports none.
     checksum: str = ""
     etag: str = ""
+    # When the store last wrote it, by the store's clock (Unix seconds; 0 when the call
+    # that made this ObjectInfo does not say). Only ``head`` must fill it in.
+    modified: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ class FileStorage:
             return None
         except OSError as exc:
             raise _error(exc, f"head {key}") from exc
-        return ObjectInfo(key, st.st_size)
+        return ObjectInfo(key, st.st_size, modified=st.st_mtime)
 
     def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
         base_key = prefix.rsplit("/", 1)[0] if "/" in prefix else ""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -90,11 +91,15 @@ class GCSStorage:
         return name[len(self.prefix) + 1 :] if self.prefix else name
 
     def _info(self, key: str, item: dict[str, Any]) -> ObjectInfo:
+        updated = item.get("updated")
         return ObjectInfo(
             key,
             int(item.get("size", 0)),
             str(item.get("crc32c", "")),
             str(item.get("generation", "")),
+            datetime.fromisoformat(updated.replace("Z", "+00:00")).timestamp()
+            if isinstance(updated, str) and updated
+            else 0.0,
         )
 
     def put_bytes(self, key: str, data: bytes, *, crc32c: int) -> ObjectInfo:
@@ -155,7 +160,7 @@ class GCSStorage:
                 f"head {key}",
                 "GET",
                 self._object_url(self._name(key)),
-                params={"fields": "size,crc32c,generation"},
+                params={"fields": "size,crc32c,generation,updated"},
             )
         except NotFoundError:
             return None

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ckptd.core import checksum
+from ckptd.core.extras import install_hint
 from ckptd.storage.base import (
     FileRange,
     NotFoundError,
@@ -31,7 +32,7 @@ _TIMEOUT = (10.0, 60.0)  # connect, read
 
 def missing_extra() -> StorageError:
     return StorageError(
-        "gs:// destinations need the GCS client: pip install 'ckptd[gcs]'",
+        f"gs:// destinations need the GCS client, {install_hint('gcs')}",
         transient=False,
         code="MissingExtra",
         destination_unusable=True,

@@ -10,7 +10,7 @@ went) costs nothing on later passes. Each pass (``refresh``):
   longer listed;
 - reads the manifest of each name it has not seen yet, and again of each name it saw
   without one (an upload in flight may have committed since): in a steady run, the one
-  checkpoint just committed;
+  checkpoint just committed (kept without its file list: ``kept``);
 - checks the newest ``window`` committed manifests with a HEAD each (the ones whose
   presence decides what the count rule deletes): one gone is dropped, one whose
   ETag/size/checksum changed since the last check is read again;
@@ -37,8 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptd.core.manifest import Manifest, ManifestError, parse_manifest
+from ckptd.repository import LIST_CONCURRENCY, Repository, manifest_key
 from ckptd.storage.base import ObjectInfo
-from ckptd.store.repository import LIST_CONCURRENCY, Repository, manifest_key
 
 # How often a catalog forgets everything and reads every manifest again (seconds).
 FULL_REFRESH_SECONDS = 24 * 3600.0
@@ -46,11 +46,18 @@ FULL_REFRESH_SECONDS = 24 * 3600.0
 
 @dataclass
 class KnownManifest:
-    """A committed manifest as read, and the store's identity of its object when last
-    checked with a HEAD (None until the first check)."""
+    """A committed manifest as read, without its file list (``kept``), and the store's
+    identity of its object when last checked with a HEAD (None until the first check)."""
 
     manifest: Manifest
     identity: tuple[int, str, str] | None = None
+
+
+def kept(manifest: Manifest) -> Manifest:
+    """What the catalog keeps of a manifest: everything but its file list, which no
+    retention rule reads. A manifest of 100,000 files is about 70 MiB as objects, and a
+    catalog holds one per checkpoint it knows."""
+    return manifest.model_copy(update={"files": []})
 
 
 def identity_of(info: ObjectInfo) -> tuple[int, str, str]:
@@ -148,7 +155,7 @@ class RunCatalog:
                 self.uncommitted.add(name)
                 continue
             try:
-                self.committed[name] = KnownManifest(parse_manifest(body))
+                self.committed[name] = KnownManifest(kept(parse_manifest(body)))
             except ManifestError:
                 self.committed.pop(name, None)
                 self.unparsable.add(name)
@@ -168,4 +175,4 @@ class RunCatalog:
         self._read(repo, run_id, changed)
 
 
-__all__ = ["FULL_REFRESH_SECONDS", "KnownManifest", "RunCatalog", "identity_of"]
+__all__ = ["FULL_REFRESH_SECONDS", "KnownManifest", "RunCatalog", "identity_of", "kept"]

@@ -3,7 +3,7 @@
 The policies (``plan_retention``, ``plan_orphans``, ``plan_local_cleanup``) are functions
 of names, steps and settings: no I/O, no clock. The executors list, then delete.
 
-Deletion runs in the reverse of the commit order (``ckptd.sync.commit``): the manifest
+Deletion runs in the reverse of the commit order (``ckptd.commit.single``): the manifest
 goes **first**, then the objects. A run killed half-way therefore leaves at worst
 objects without a manifest, which no reader takes for a committed checkpoint, and which
 the next run collects as orphans. It never leaves a manifest naming a deleted object.
@@ -19,7 +19,7 @@ is protected (in flight on this node, being restored) or one whose manifest exis
 does not parse (a newer ckptd's format, say) is never touched.
 
 Many nodes: a checkpoint whose parts never all arrived leaves an announcement and parts
-(``ckptd.cluster.protocol``) beside its objects. Once its step is below the newest committed one
+(``ckptd.commit.parts``) beside its objects. Once its step is below the newest committed one
 and its announcement is older than a grace period (``cluster_grace_seconds``), it can
 never commit: ``sweep_cluster`` removes its announcement and parts (its objects are
 orphans, collected by the rule above).
@@ -30,7 +30,12 @@ deleted or collected costs nothing afterwards, so a pass after a commit costs th
 at the 2,000th checkpoint as at the 10th. An orphan is checked for a manifest with a
 HEAD right before it is deleted, catalog or not.
 
-Restores in progress announce themselves with a lease object (``ckptd.store.repository``
+A pass can be dry (``dry_run``, what ``ckptd prune`` does without ``--yes``): the same
+reads and the same rules, with each deletion listed instead of made. Every deletion, made
+or not, is handed to ``on_action`` as a ``RetentionAction`` (what, which run and name,
+how many objects), in the order it is made.
+
+Restores in progress announce themselves with a lease object (``ckptd.repository``
 writes and reads them, JSON with the time it was taken); a checkpoint
 with a lease younger than ``LEASE_TTL_SECONDS`` is protected, and older leases are
 removed. A retention pass that lists the leases just before a restore writes its own can
@@ -44,14 +49,20 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from ckptd.cluster.protocol import epoch_of, superseded
+from ckptd.commit import objects
+from ckptd.commit.lineage import abandoned
+from ckptd.commit.parts import epoch_of, superseded
+from ckptd.commit.slots import trajectory_slot
+from ckptd.core.manifest import Manifest
 from ckptd.layouts.base import step_of
+from ckptd.repository import LEASE_TTL_SECONDS, Repository, manifest_key, redirect_target
 from ckptd.storage.base import Storage
 from ckptd.store.catalog import RunCatalog
-from ckptd.store.repository import LEASE_TTL_SECONDS, Repository, manifest_key
 
 Entry = tuple[str, int | None]
 """A checkpoint as the policies see it: ``(name, step)``; step None when unknown."""
@@ -69,6 +80,7 @@ def plan_retention(
     keep_within: float = 0.0,
     committed_at: Mapping[str, float] | None = None,
     now: float | None = None,
+    abandoned: Set[str] = frozenset(),
 ) -> list[str]:
     """Names of committed checkpoints to delete, oldest first.
 
@@ -78,7 +90,10 @@ def plan_retention(
     committed within ``keep_within`` seconds before ``now`` (when > 0; by
     ``committed_at``, epoch seconds per name, one without a time is kept); it is in
     ``protected``; or it is the newest. With neither a count nor an age rule
-    (``keep_last`` and ``keep_within`` 0) everything is kept.
+    (``keep_last`` and ``keep_within`` 0) everything is kept. Checkpoints in
+    ``abandoned`` (off the live trajectory, ``ckptd.commit.lineage``) go first: they rank
+    below every live one for the count (kept only where the live ones leave room), and
+    the step rule and "the newest" keep live ones only.
     """
     if keep_last < 0 or keep_every_steps < 0 or keep_within < 0:
         raise ValueError("keep_last, keep_every_steps and keep_within must be >= 0")
@@ -86,14 +101,23 @@ def plan_retention(
         return []
     if keep_within > 0 and (committed_at is None or now is None):
         raise ValueError("keep_within needs committed_at and now")
-    newest = {name for name, _ in committed[-keep_last:]} if keep_last > 0 else set()
-    if committed:
-        newest.add(committed[-1][0])  # the newest committed checkpoint is never deleted
+    live = [entry for entry in committed if entry[0] not in abandoned]
+    # Abandoned ones rank below every live one: they fill the count only where the live
+    # ones leave room, and go first when the count is exceeded.
+    ranked = [entry for entry in committed if entry[0] in abandoned] + live
+    newest = {name for name, _ in ranked[-keep_last:]} if keep_last > 0 else set()
+    if live:
+        newest.add(live[-1][0])  # the newest live checkpoint is never deleted
     victims: list[str] = []
     for name, step in committed:
         if name in newest or name in protected:
             continue
-        if keep_every_steps > 0 and step is not None and step % keep_every_steps == 0:
+        if (
+            keep_every_steps > 0
+            and step is not None
+            and step % keep_every_steps == 0
+            and name not in abandoned
+        ):
             continue
         if keep_within > 0 and _within(name, keep_within, committed_at, now):
             continue
@@ -155,6 +179,65 @@ def plan_local_cleanup(
 
 # -- executors -------------------------------------------------------------------------
 
+ActionKind = Literal["checkpoint", "orphan", "cluster", "lease"]
+
+
+@dataclass(frozen=True)
+class RetentionAction:
+    """One deletion of a pass: a committed ``checkpoint`` (manifest first, then its
+    objects), an ``orphan`` prefix, a ``cluster`` checkpoint's announcement and parts, or
+    a stale restore ``lease`` (``name`` is then its key); ``objects`` removed (or, dry,
+    that would be)."""
+
+    kind: ActionKind
+    run_id: str
+    name: str
+    objects: int
+
+
+@dataclass
+class Deletions:
+    """Where a pass's deletions go: to the store, or with ``dry_run`` nowhere; each is
+    reported to ``on_action`` either way."""
+
+    repo: Repository
+    run_id: str
+    dry_run: bool = False
+    on_action: Callable[[RetentionAction], None] | None = None
+    made: list[RetentionAction] = field(default_factory=list)
+
+    def _report(self, kind: ActionKind, name: str, objects: int) -> None:
+        action = RetentionAction(kind, self.run_id, name, objects)
+        self.made.append(action)
+        if self.on_action is not None:
+            self.on_action(action)
+
+    def checkpoint(self, name: str, manifest: Manifest | None = None) -> int:
+        """A committed checkpoint: its manifest first, then its objects (and the redirect
+        naming it, ``delete_checkpoint``)."""
+        if self.dry_run:
+            objects = len(self.repo.list_objects(self.run_id, name))
+        else:
+            objects = delete_checkpoint(self.repo, self.run_id, name, manifest)
+        self._report("checkpoint", name, objects)
+        return objects
+
+    def prefix(self, name: str) -> int:
+        """Every object under a name with no manifest (an orphan)."""
+        keys = [info.key for info in self.repo.list_objects(self.run_id, name)]
+        if not self.dry_run:
+            self.repo.delete(keys)
+        if keys:
+            self._report("orphan", name, len(keys))
+        return len(keys)
+
+    def keys(self, kind: ActionKind, name: str, keys: list[str]) -> None:
+        """``keys`` (a checkpoint's announcement and parts, or a lease) as one action."""
+        if not self.dry_run:
+            self.repo.delete(keys)
+        if keys:
+            self._report(kind, name, len(keys))
+
 
 def _delete_prefix(repo: Repository, run_id: str, name: str) -> int:
     keys = [info.key for info in repo.list_objects(run_id, name)]
@@ -162,12 +245,24 @@ def _delete_prefix(repo: Repository, run_id: str, name: str) -> int:
     return len(keys)
 
 
-def delete_checkpoint(storage: Storage | Repository, run_id: str, name: str) -> int:
-    """Delete one committed checkpoint: its manifest first, then its objects."""
+def delete_checkpoint(
+    storage: Storage | Repository, run_id: str, name: str, manifest: Manifest | None = None
+) -> int:
+    """Delete one committed checkpoint: its manifest first, then its objects; then the
+    redirect that named its slot (``ckptd.commit.slots``: a content committed from a
+    private slot), last, so the name is never free while the slot still holds a manifest.
+    Returns how many objects went, the manifest included."""
     repo = storage if isinstance(storage, Repository) else Repository(storage)
     # Manifest first: from this instant no reader counts it committed, whatever follows.
     repo.delete([manifest_key(run_id, name)])
-    return _delete_prefix(repo, run_id, name)
+    count = 1 + _delete_prefix(repo, run_id, name)
+    if manifest is not None and manifest.local_name != name:
+        local = manifest.local_name
+        for canonical in {local, trajectory_slot(local, manifest.lineage.id)}:
+            body = repo.read_manifest_bytes(run_id, canonical)
+            if body is not None and redirect_target(body) == name:
+                repo.delete([manifest_key(run_id, canonical)])
+    return count
 
 
 def apply_retention(
@@ -183,6 +278,8 @@ def apply_retention(
     lease_ttl_seconds: float = LEASE_TTL_SECONDS,
     cluster_grace_seconds: float | None = None,
     catalog: RunCatalog | None = None,
+    dry_run: bool = False,
+    on_action: Callable[[RetentionAction], None] | None = None,
 ) -> list[str]:
     """Apply the policy to ``run_id``; returns the names deleted (victims, then orphans).
 
@@ -190,13 +287,15 @@ def apply_retention(
     node has in flight) or one with a fresh restore lease. Idempotent: rerun after a
     kill, it finishes the job (module doc). ``catalog`` (kept by the caller from one
     pass to the next) is what makes a pass cost the same however long the run
-    (``ckptd.store.catalog``); without one, every manifest is read.
+    (``ckptd.store.catalog``); without one, every manifest is read. ``dry_run`` deletes
+    nothing and returns what it would delete; ``on_action`` hears of each deletion.
     """
     known = RunCatalog() if catalog is None else catalog
+    repo = storage if isinstance(storage, Repository) else Repository(storage)
+    deletions = Deletions(repo, run_id, dry_run=dry_run, on_action=on_action)
     with known.lock:  # one pass at a time per run: a commit's and a global commit's
         return _apply_retention(
-            storage,
-            run_id,
+            deletions,
             keep_last=keep_last,
             keep_every_steps=keep_every_steps,
             keep_within=keep_within,
@@ -210,8 +309,7 @@ def apply_retention(
 
 
 def _apply_retention(
-    storage: Storage | Repository,
-    run_id: str,
+    deletions: Deletions,
     *,
     keep_last: int,
     keep_every_steps: int,
@@ -225,8 +323,8 @@ def _apply_retention(
 ) -> list[str]:
     from ckptd.runtime import logs  # here, not at the top: structlog imports asyncio
 
+    repo, run_id, dry = deletions.repo, deletions.run_id, deletions.dry_run
     log = logs.get_logger(run=run_id)
-    repo = storage if isinstance(storage, Repository) else Repository(storage)
     clock = time.time() if now is None else now
     guarded = set(protected)
     latest = repo.read_latest(run_id)
@@ -237,7 +335,9 @@ def _apply_retention(
 
     known.refresh(repo, run_id, now=clock, window=keep_last)
     committed = known.entries()
+    by_slot = {m.checkpoint: m for m in committed}
     entries = [(m.checkpoint, m.step) for m in committed]
+    off_line = abandoned(committed, latest.checkpoint if latest is not None else None)
     times = {m.checkpoint: t for m in committed if (t := epoch_of(m.committed_at)) is not None}
     victims = plan_retention(
         entries,
@@ -247,19 +347,23 @@ def _apply_retention(
         keep_within=keep_within,
         committed_at=times,
         now=clock,
+        abandoned=off_line,
     )
     deleted: list[str] = []
     for name in victims:
-        objects = delete_checkpoint(repo, run_id, name)
+        objects = deletions.checkpoint(name, by_slot.get(name))
         known.settle(name)
-        log.info("retention_deleted", checkpoint=name, objects=objects)
+        if not dry:
+            log.info(
+                "retention_deleted", checkpoint=name, objects=objects, abandoned=name in off_line
+            )
         deleted.append(name)
 
     if collect_orphans and (keep_last > 0 or keep_within > 0):
         # The orphan floor: the count rule's window or, with the age rule alone, what
         # the age rule keeps (an upload in flight is newer than both).
         window = entries if keep_last > 0 else kept_by_age(entries, keep_within, times, clock)
-        deleted += _collect_orphans(repo, run_id, known, window, guarded, keep_last)
+        deleted += _collect_orphans(deletions, known, window, guarded, keep_last)
 
     if cluster_grace_seconds is not None:
         sweep_cluster(
@@ -270,14 +374,15 @@ def _apply_retention(
             now=clock,
             grace_seconds=cluster_grace_seconds,
             candidates=sorted(known.uncommitted),
+            deletions=deletions,
         )
-    repo.delete(stale_leases)
+    for key in stale_leases:
+        deletions.keys("lease", key, [key])
     return deleted
 
 
 def _collect_orphans(
-    repo: Repository,
-    run_id: str,
+    deletions: Deletions,
     known: RunCatalog,
     window: Sequence[Entry],
     guarded: Set[str],
@@ -288,6 +393,7 @@ def _collect_orphans(
     prefix the store keeps listing once emptied costs nothing on later passes."""
     from ckptd.runtime import logs
 
+    repo, run_id = deletions.repo, deletions.run_id
     log = logs.get_logger(run=run_id)
     candidates = [(name, step_of(name)) for name in sorted(known.uncommitted)]
     collected: list[str] = []
@@ -296,10 +402,11 @@ def _collect_orphans(
         # that does not parse): checked again right before deleting; such a name is kept.
         if repo.has_manifest(run_id, name):
             continue
-        objects = _delete_prefix(repo, run_id, name)
+        objects = deletions.prefix(name)
         known.settle(name)
         if objects:  # some stores list an emptied prefix for a while: nothing to do
-            log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
+            if not deletions.dry_run:
+                log.info("retention_orphan_deleted", checkpoint=name, objects=objects)
             collected.append(name)
     return collected
 
@@ -313,11 +420,15 @@ def sweep_cluster(
     now: float,
     grace_seconds: float,
     candidates: Sequence[str] | None = None,
+    deletions: Deletions | None = None,
 ) -> list[str]:
     """Remove the announcement and parts of uncommitted checkpoints that can never commit
     (module doc); returns their names. One whose age cannot be read is kept. Looks at
-    ``candidates`` (a catalog's uncommitted names), else at every name listed."""
+    ``candidates`` (a catalog's uncommitted names), else at every name listed.
+    ``deletions`` (a pass's) may make them dry, and hears of each."""
     from ckptd.runtime import logs
+
+    sink = Deletions(repo, run_id) if deletions is None else deletions
 
     steps = [step for _, step in committed if step is not None]
     if not steps:
@@ -331,19 +442,22 @@ def sweep_cluster(
             continue
         if step is None or step >= newest or repo.has_manifest(run_id, name):
             continue
-        announcement = repo.read_announcement(run_id, name)
+        announcement = objects.read_announcement(repo, run_id, name)
         since = epoch_of(announcement.announced_at) if announcement is not None else None
         if since is None:
-            times = [epoch_of(p.verified_at) for p in repo.read_parts(run_id, name).values()]
+            times = [
+                epoch_of(p.verified_at) for p in objects.read_parts(repo, run_id, name).values()
+            ]
             since = min((t for t in times if t is not None), default=None)
         if since is None or not superseded(step, newest, since, now, grace_seconds):
             continue
         keys = repo.cluster_keys(run_id, name)
-        repo.delete(keys)
-        if keys:
+        sink.keys("cluster", name, keys)
+        if keys and not sink.dry_run:
             logs.get_logger(run=run_id).info(
                 "retention_cluster_swept", checkpoint=name, objects=len(keys), newest_step=newest
             )
+        if keys:
             swept.append(name)
     return swept
 
@@ -393,6 +507,8 @@ def apply_local_cleanup(
 
 
 __all__ = [
+    "Deletions",
+    "RetentionAction",
     "apply_local_cleanup",
     "apply_retention",
     "delete_checkpoint",

@@ -26,13 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ckptd.commit.lineage import abandoned
 from ckptd.config import ConfigError, DestinationConfig, Settings
 from ckptd.core.manifest import Manifest, ManifestError
 from ckptd.core.signing import KeyRing
+from ckptd.repository import CommittedCheckpoint, FileProblem, Repository
 from ckptd.storage import open_destination
 from ckptd.storage.base import NotFoundError, Storage, StorageError
 from ckptd.storage.retrying import RetryHook
-from ckptd.store.repository import CommittedCheckpoint, FileProblem, Repository
 from ckptd.store.restore import RestoreError, RestoreRequest, RestoreResult, restore
 from ckptd.store.verify import verify_checkpoint
 
@@ -126,6 +127,9 @@ class TieredCheckpoint:
     latest_in: list[str]  # the tiers whose LATEST names it
     # One destination's contract: the first tier's LATEST, whatever the others say.
     latest: bool = False
+    # Off the live trajectory's lineage in the first tier holding it
+    # (``ckptd.commit.lineage.abandoned``): restorable by its slot, removed first.
+    abandoned: bool = False
 
 
 @dataclass
@@ -146,10 +150,19 @@ def list_across_tiers(tiers: Sequence[TierStore], run_id: str | None = None) -> 
     if len(errors) == len(tiers):
         raise next(iter(errors.values()))  # nothing could be read at all
     merged: dict[tuple[str, str], TieredCheckpoint] = {}
+    off_line: set[tuple[str, str]] = set()
     for run in runs:
+        judged = False
         for listing in list_tiers(tiers, run):
             if listing.error is not None:
                 errors.setdefault(listing.tier, listing.error)
+            if listing.committed and not judged:  # the first readable tier's lineage
+                judged = True
+                latest = next(
+                    (c.manifest.checkpoint for c in listing.committed if c.is_latest), None
+                )
+                off = abandoned((c.manifest for c in listing.committed), latest)
+                off_line.update((run, slot) for slot in off)
             for committed in listing.committed:
                 name = committed.manifest.checkpoint
                 entry = merged.setdefault(
@@ -161,6 +174,8 @@ def list_across_tiers(tiers: Sequence[TierStore], run_id: str | None = None) -> 
                     entry.latest = entry.latest or listing.tier == first
     if len(errors) == len(tiers):
         raise next(iter(errors.values()))
+    for key, entry in merged.items():
+        entry.abandoned = key in off_line
     ordered = sorted(
         merged.values(),
         key=lambda c: (c.run, _step_key(c.manifest), c.manifest.committed_at),
@@ -211,6 +226,31 @@ def verify_across_tiers(
     return results
 
 
+class NothingCommittedError(NotFoundError):
+    """No tier holds a committed checkpoint of the run, and every tier could be read."""
+
+
+def require_roots(tiers: Sequence[TierStore]) -> None:
+    """StorageError naming the first ``file://`` tier whose root directory is missing.
+
+    To a listing, a missing root and an empty store look the same; but a root that is
+    missing is most often a filesystem not mounted (or a typo), and that must never read
+    as "nothing committed yet". Object stores need no such check: listing a bucket or
+    container that does not exist is an error already."""
+    for tier in tiers:
+        if not tier.config.url.startswith("file://"):
+            continue
+        root = tier.config.root_path
+        if not root.is_dir():
+            raise StorageError(
+                f"{tier.storage.url}: {root} is not a directory (a filesystem not mounted?): "
+                "mount it, or create it for a new store",
+                transient=False,
+                code="NoSuchBucket",
+                destination_unusable=True,
+            )
+
+
 @dataclass(frozen=True)
 class TierRestore:
     """A restore over tiers: the result, and the tier it came from."""
@@ -223,9 +263,17 @@ class TierRestore:
 def newest_in_tiers(
     tiers: Sequence[TierStore], run_id: str, log: Any
 ) -> tuple[Manifest, list[TierStore]]:
+    """``_newest`` without the manifests each tier's LATEST named."""
+    best, holders, _ = _newest(tiers, run_id, log)
+    return best, holders
+
+
+def _newest(
+    tiers: Sequence[TierStore], run_id: str, log: Any
+) -> tuple[Manifest, list[TierStore], dict[str, Manifest]]:
     """The manifest of the newest checkpoint committed in any tier, and the tiers holding
-    it (in order). NotFoundError when no tier holds one; when none holds one but some
-    could not be read, that tier's error (it may hold the run's history)."""
+    it (in order). NothingCommittedError when no tier holds one; when none holds one but
+    some could not be read, that tier's error (it may hold the run's history)."""
     found: list[tuple[TierStore, Manifest]] = []
     error: StorageError | ManifestError | None = None
     for tier in tiers:
@@ -234,14 +282,17 @@ def newest_in_tiers(
         except NotFoundError:
             continue
         except (StorageError, ManifestError) as exc:
-            log.warning("restore_tier_unreadable", tier=tier.name, error=str(exc))
+            if len(tiers) > 1:  # with one tier, the error raised below says it (once)
+                log.warning("restore_tier_unreadable", tier=tier.name, error=str(exc))
             error = error or exc
     if not found:
         if error is not None:
             raise error
-        raise NotFoundError(f"run {run_id!r} has no committed checkpoint in any tier")
-    # max() keeps the first of equals: the earliest tier wins a tie of steps.
-    _, best = max(found, key=lambda pair: _step_key(pair[1]))
+        raise NothingCommittedError(f"run {run_id!r} has no committed checkpoint in any tier")
+    # Each tier's LATEST names its live trajectory's newest; across tiers the newer
+    # trajectory (``ckptd.commit.lineage``), then the higher step. max() keeps the first
+    # of equals: the earliest tier wins a tie.
+    _, best = max(found, key=lambda pair: (pair[1].lineage.generation, _step_key(pair[1])))
     holders = [t for t, m in found if m.checkpoint == best.checkpoint]
     # A tier whose LATEST is older may still hold this checkpoint (a later one of its own
     # deleted, say); it is a fallback all the same, in its place in the order.
@@ -254,7 +305,7 @@ def newest_in_tiers(
         except StorageError:
             continue
     holders.sort(key=list(tiers).index)
-    return best, holders
+    return best, holders, {t.name: m for t, m in found}
 
 
 def restore_from_tiers(tiers: Sequence[TierStore], request: RestoreRequest) -> TierRestore:
@@ -265,19 +316,25 @@ def restore_from_tiers(tiers: Sequence[TierStore], request: RestoreRequest) -> T
 
     run_id, checkpoint = request.run_id, request.checkpoint
     log = logs.get_logger(run=run_id)
+    local = checkpoint
+    read: dict[str, Manifest] = {}  # a tier's manifest of the newest, read already
     if checkpoint is None:
-        newest, holders = newest_in_tiers(tiers, run_id, log)
-        name = newest.checkpoint
+        newest, holders, found = _newest(tiers, run_id, log)
+        name, local = newest.checkpoint, newest.local_name
+        read = {t: m for t, m in found.items() if m.checkpoint == name}
     else:
         name, holders = checkpoint, list(tiers)
     skipped: list[str] = []
     last: Exception | None = None
     for index, tier in enumerate(holders):
         try:
-            result = restore(tier.storage, replace(request, checkpoint=name))
+            # A manifest read to find the newest is not read again.
+            result = restore(
+                tier.storage, replace(request, checkpoint=name), manifest=read.get(tier.name)
+            )
             return TierRestore(result, tier.name, tuple(skipped))
         except RestoreError as exc:
-            if not exc.problems or os.path.lexists(request.target_dir / name):
+            if not exc.problems or os.path.lexists(request.target_dir / (local or name)):
                 raise  # not the tier's fault: the target, a local I/O error
             last = exc
         except NotFoundError as exc:
@@ -304,6 +361,7 @@ def restore_from_tiers(tiers: Sequence[TierStore], request: RestoreRequest) -> T
 
 
 __all__ = [
+    "NothingCommittedError",
     "TierListing",
     "TierRestore",
     "TierStore",
@@ -315,6 +373,7 @@ __all__ = [
     "list_tiers",
     "newest_in_tiers",
     "open_tiers",
+    "require_roots",
     "restore_from_tiers",
     "tier_configs",
     "verify_across_tiers",

@@ -13,6 +13,8 @@
                  waited for and committed, then the trainer stopped; exit 0 when that
                  checkpoint is committed, ``EXIT_FLUSH_FAILED`` when it is not
                - a second SIGTERM/SIGINT: stop now (``EXIT_FLUSH_FAILED``)
+               A drill is none of these: the trainer that saved and exited 0 for it is
+               started again from its checkpoint once the drill's notice is over.
 The trainer is never left running: whatever ends the daemon stops it first.
 """
 
@@ -37,9 +39,11 @@ from ckptd.goodput.model import DAY_SECONDS
 from ckptd.goodput.recorder import GoodputRecorder
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.sigterm import SigtermSource
+from ckptd.peers.source import with_peers
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.storage import StorageError
 from ckptd.storage.base import NotFoundError
+from ckptd.store.nearby import SHOWN, where_runs_are
 from ckptd.store.restore import RestoreError, RestoreRequest
 from ckptd.store.tiers import TierStore, newest_in_tiers, restore_from_tiers, tier_configs
 from ckptd.supervision import leftover
@@ -53,6 +57,8 @@ TRAINER_STOP_GRACE_SECONDS = 10.0
 # The goodput recorder reads the trainer's reports this often, and ships this often.
 GOODPUT_POLL_SECONDS = 0.25
 GOODPUT_SHIP_SECONDS = 15.0
+# A trainer that exits 0 this long after a drill's notice ended stopped for the drill.
+DRILL_EXIT_SECONDS = 60.0
 # A newer checkpoint complete but for its quiet window (the trainer that wrote it is
 # gone) is waited for this long at most before the trainer starts again.
 RESUME_SETTLE_MAX_SECONDS = 15.0
@@ -64,6 +70,8 @@ class ExecError(CkptdError):
 
 class SupervisedService(Service):
     """One daemon supervising one trainer: ``await SupervisedService(...).serve()``."""
+
+    OBSERVES_TRAINER = False  # it knows its child: its own recorder keeps the ledger
 
     def __init__(
         self,
@@ -104,6 +112,7 @@ class SupervisedService(Service):
             ),
             on_started=self._trainer_started,
             on_ended=self._trainer_ended,
+            stopped_for_drill=self._stopped_for_drill,
             pidfile=self.trainer_pidfile,
             clock=clock,
         )
@@ -127,6 +136,7 @@ class SupervisedService(Service):
         self.responding = False
         self.restored: dict[str, Any] | None = None
         self._commit_seen: str | None = None  # the last commit marked in the run ledger
+        self._drill_began: float | None = None  # the drill the trainer stopped for (wall)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -185,6 +195,7 @@ class SupervisedService(Service):
             # Its result, or its error, was taken above; only its end is awaited here.
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await trainer
+        self.goodput.stopped(f"exit:{code}")
         await self.goodput.ship()
         self.log.info("exec_exit", code=code)
         return code
@@ -214,9 +225,27 @@ class SupervisedService(Service):
             self.goodput.mark("commit", self.clock.time(), name, last.get("step"))
 
     def _trainer_started(self, step: int | None) -> None:
-        if self.goodput.starts:
-            self.goodput.restarting(step)
-        self.goodput.trainer_started(step)
+        self.goodput.exec_started(step)
+        self._drill_cost()
+
+    async def _stopped_for_drill(self) -> bool:
+        """Whether the trainer's exit 0 was for a drill; if so, return once the drill's
+        notice is over (at its commit, at most its deadline) and its notice file gone, so
+        the trainer started again does not take it for a notice of its own."""
+        if not self.responder.drilling(DRILL_EXIT_SECONDS):
+            return False
+        self._drill_began = self.responder.drill_noticed
+        while self.responder.drilling(0.0) and not self.stop_event.is_set():
+            await asyncio.sleep(0.1)
+        await self.responder.settle()
+        return True
+
+    def _drill_cost(self) -> None:
+        """The run ledger: from the drill's notice until its trainer is started again, the
+        time is the drill's (its own cause, over the save and the restart within it)."""
+        began, self._drill_began = self._drill_began, None
+        if began is not None:
+            self.goodput.interval("drill", began, self.clock.time(), "drill")
 
     def _trainer_ended(self, returncode: int, held: bool) -> None:
         cause = "notice" if held else cause_of(returncode)
@@ -237,7 +266,22 @@ class SupervisedService(Service):
         try:
             manifest, _ = await asyncio.to_thread(newest_in_tiers, stores, self.run_id, self.log)
         except NotFoundError:
-            self.log.info("exec_nothing_to_restore", run=self.run_id, local=str(local_path))
+            # A new run starts from scratch; but a typo'd prefix or run id looks the same,
+            # so what the store holds instead is said, loudly (ckptd.store.nearby).
+            first = stores[0]
+            hint = await asyncio.to_thread(where_runs_are, first.storage, first.config, self.run_id)
+            if hint.message:
+                self.log.warning(
+                    "exec_nothing_to_restore",
+                    run=self.run_id,
+                    local=str(local_path),
+                    hint=hint.message,
+                    runs=list(hint.runs[:SHOWN]),
+                    beside=list(hint.beside),
+                    fix="check --dest and --run: the trainer starts from scratch",
+                )
+            else:
+                self.log.info("exec_nothing_to_restore", run=self.run_id, local=str(local_path))
             return
         except (StorageError, ManifestError) as exc:
             raise ExecError(
@@ -245,7 +289,7 @@ class SupervisedService(Service):
                 "fix the destination (or run the trainer without ckptd exec)"
             ) from exc
         if local_path is not None and (
-            local_path.name == manifest.checkpoint
+            local_path.name == manifest.local_name
             or (
                 local_step is not None and manifest.step is not None and local_step >= manifest.step
             )
@@ -256,6 +300,7 @@ class SupervisedService(Service):
             self.restored = {"checkpoint": manifest.checkpoint, "skipped": True, "seconds": 0.0}
             return
         restore_start = self.clock.time()
+        stores = await asyncio.to_thread(with_peers, self.settings, stores, manifest, self.log)
         try:
             done = await asyncio.to_thread(
                 functools.partial(
@@ -283,6 +328,7 @@ class SupervisedService(Service):
             "skipped": result.skipped,
             "seconds": round(result.seconds, 3),
             "bytes": result.total_bytes,
+            "tier": done.tier,
         }
         self.advisor.record_restore(self.run_id, manifest.checkpoint, skipped=result.skipped)
         self.goodput.restored(restore_start, self.clock.time())
@@ -312,6 +358,11 @@ class SupervisedService(Service):
         return [self.sigint_source, *super()._notice_sources()]
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
+        current = self.responder.current
+        if self.responding and current is not None and current.notice.id == notice.id:
+            # The notice being flushed for, restated with another deadline: an update.
+            await self.notices.respond(notice, source)
+            return
         if self.responding:
             # One flush per exec: a second notice (SIGINT after SIGTERM) would replace the
             # response the flush is waiting on with one no save will ever complete.
@@ -327,7 +378,8 @@ class SupervisedService(Service):
 
     async def _flush_on_notice(self, trainer: asyncio.Task[int]) -> int:
         """Wait for the emergency checkpoint to be committed (or for it to be clear that
-        none is coming), then stop the trainer. 0 when committed, else EXIT_FLUSH_FAILED."""
+        none is coming), then stop the trainer. 0 when committed, or safe on its peers by
+        the deadline; else EXIT_FLUSH_FAILED."""
         response = self.responder.current
         deadline = self.clock.monotonic() + self.shutdown_timeout
         if response is not None:
@@ -361,13 +413,22 @@ class SupervisedService(Service):
         await self.supervisor.stop(TRAINER_STOP_GRACE_SECONDS)
         self._note_commit()
         self.goodput.flushed()
+        # Safe off the node counts as flushed: acknowledged by peers.copies peers, which
+        # hand it to the store if this node dies first (ckptd.sync.handoff).
+        on_peers = response is not None and response.safe_via == "peer"
+        safe_via = "store" if committed else ("peer" if on_peers else None)
+        if response is not None and response.safe is not None and response.safe_via:
+            # The run ledger shows which way it was safe first, and when.
+            at = self.clock.time() - (self.clock.monotonic() - response.safe)
+            self.goodput.mark("safe", at, f"{response.safe_via}:{response.checkpoint}")
         self.log.log(
-            20 if committed else 40,
+            20 if safe_via else 40,
             "exec_preempted",
             emergency_checkpoint=response.checkpoint if response else None,
             committed=committed,
+            safe_via=safe_via,
         )
-        return 0 if committed else EXIT_FLUSH_FAILED
+        return 0 if safe_via else EXIT_FLUSH_FAILED
 
     # -- what HTTP shows -----------------------------------------------------------------
 

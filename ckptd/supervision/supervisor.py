@@ -10,7 +10,9 @@ Invariants:
   while its successor starts. While it runs, ``pidfile`` names it, so that the next exec
   can end it if this one dies first (``ckptd.supervision.leftover``).
 - Whether and when to start again is ``ckptd.supervision.restarts.decide`` (pure); once ``hold()`` is
-  called (a notice, a shutdown) nothing is started again.
+  called (a notice, a shutdown) nothing is started again. A trainer that exits 0 because a
+  drill asked it to save (``stopped_for_drill``) is started again at once: a drill is
+  neither a failure nor the run's end.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ckptd.core import handoff
 from ckptd.core.errors import EXIT_GAVE_UP, EXIT_USAGE, CkptdError
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
@@ -84,6 +87,7 @@ class TrainerSupervisor:
         on_restart: Callable[[str], None] | None = None,
         on_started: Callable[[int | None], None] | None = None,
         on_ended: Callable[[int, bool], None] | None = None,
+        stopped_for_drill: Callable[[], Awaitable[bool]] | None = None,
         pidfile: Path | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -99,6 +103,9 @@ class TrainerSupervisor:
         self.on_restart = on_restart  # each restart, with its cause: an interruption record
         self.on_started = on_started  # each start, with the step it resumes from (goodput)
         self.on_ended = on_ended  # each end: its return code, and whether held (goodput)
+        # Whether an exit 0 now is the trainer stopping for a drill (then: start it again,
+        # once the drill's notice is over).
+        self.stopped_for_drill = stopped_for_drill
         self.pidfile = pidfile  # names the running trainer (ckptd.supervision.leftover)
         self.clock = clock
         self.log = get_logger(run=run_id)
@@ -198,6 +205,9 @@ class TrainerSupervisor:
                 self.log.info("trainer_exited", cause=cause_of(returncode), held=True)
                 self.exit_code = shell_code(returncode)
                 return self.exit_code
+            if await self._drilled(returncode):  # started again, from its checkpoint
+                crashed_at, (path, step) = None, await self.resume_point()
+                continue
             new_path, new_step = await self.resume_point()
             attempt = Attempt(returncode, ended - started, self._newer(new_path, new_step, step))
             self.history.append(attempt)
@@ -236,6 +246,17 @@ class TrainerSupervisor:
         self.exit_code = shell_code(self.history[-1].returncode) if self.history else 0
         return self.exit_code
 
+    async def _drilled(self, returncode: int) -> bool:
+        """An exit 0 while a drill asked the trainer to save: it stopped as after a notice,
+        and starts again from that checkpoint once the drill's notice is over, as a
+        resumed trainer does after a preemption; neither a failure nor the run's end."""
+        if returncode != 0 or self.stopped_for_drill is None:
+            return False
+        drill = await self.stopped_for_drill()
+        if drill:
+            self.log.warning("trainer_stopped_for_drill", restart="from its checkpoint")
+        return drill
+
     @staticmethod
     def _newer(path: Path | None, step: int | None, before: int | None) -> bool:
         if path is None:
@@ -250,6 +271,7 @@ class TrainerSupervisor:
         if path is not None:
             env["CKPTD_RESUME_FROM"] = str(path)
         self.resumed_from = None if path is None else path.name
+        self._report_resumed(env)
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.command, env=env, start_new_session=True
@@ -277,6 +299,19 @@ class TrainerSupervisor:
             resume_from=None if path is None else str(path),
             step=step,
         )
+
+    def _report_resumed(self, env: dict[str, str]) -> None:
+        """What this start resumes from, in the trainer's resume report (the trainer's own
+        report, if it makes one, comes later and is believed over this): the daemon
+        decides the trajectory of its saves from it (``ckptd.sync.lineage``)."""
+        where = env.get("CKPTD_WATCH_DIR")
+        if not where:
+            return
+        document = {"checkpoint": self.resumed_from, "pid": 0, "at": self.clock.time()}
+        try:
+            handoff.replace_json(Path(where) / handoff.RESUMED, document)
+        except OSError as exc:
+            self.log.warning("resume_report_failed", error=str(exc))
 
     # -- stopping ------------------------------------------------------------------------
 

@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ckptd.core.manifest import ManifestError
+from ckptd.repository import Repository, checkpoint_prefix, claim_key, manifest_key
 from ckptd.storage.base import StorageError
-from ckptd.store.repository import Repository
 from ckptd.sync.journal import Journal, UploadRecord
 from ckptd.sync.transfer import abort_journalled_upload
 
@@ -61,6 +62,15 @@ def recover(repo: Repository, journal: Journal, dirs: Mapping[str, Path], log: A
             log.warning("orphan_abort_failed", key=rec.key, error=str(exc))
 
 
+def _committed_in(repo: Repository, run: str, slot: str) -> bool:
+    """Whether ``slot`` holds a committed manifest (a redirect there is another writer's:
+    the slot's objects are garbage; a manifest that does not parse: when unsure, keep)."""
+    try:
+        return repo.read_manifest(run, slot) is not None
+    except ManifestError:
+        return True
+
+
 def discard(
     repo: Repository,
     journal: Journal,
@@ -71,19 +81,34 @@ def discard(
     whole_prefix: bool = False,
 ) -> None:
     """Abort ``run/name``'s uploads and delete what it sent, unless it is committed;
-    then forget it in the journal. ``whole_prefix`` (one node: the prefix is this
-    daemon's alone) deletes every object listed under the checkpoint's prefix, so an
-    object that reached the store just before a crash, unjournalled, goes too. Blocking;
-    a storage failure is logged."""
+    then forget it in the journal. Only this node's slots are touched (``ckptd.commit
+    .slots``: the ones it claimed, kept in the journal), never another writer's objects.
+    ``whole_prefix`` (one node: a slot it claimed is this daemon's alone) deletes every
+    object listed under such a slot, so an object that reached the store just before a
+    crash, unjournalled, goes too; whatever stands at its manifest key (a manifest, or
+    another writer's redirect) stays. The claims of the slots it emptied go last: those
+    slots are free again. Blocking; a storage failure is logged."""
     try:
         for rec in journal.all_uploads():
             if rec.run == run and rec.checkpoint == name:
                 _abort(repo, rec)
-        if not repo.has_manifest(run, name):
-            keys = {r.key for r in journal.objects_for(run, name).values()}
-            if whole_prefix:
-                keys.update(o.key for o in repo.list_objects(run, name))
-            repo.delete(sorted(keys))
+        slots = journal.slots_of(run, name)
+        committed = {slot for slot in slots if _committed_in(repo, run, slot)}
+        keys = {
+            r.key
+            for r in journal.objects_for(run, name).values()
+            if not any(r.key.startswith(checkpoint_prefix(run, slot)) for slot in committed)
+        }
+        if whole_prefix:
+            for slot in set(slots) - committed:
+                keep = {manifest_key(run, slot)}
+                keys.update(o.key for o in repo.list_objects(run, slot) if o.key not in keep)
+        keys -= {manifest_key(run, slot) for slot in slots}
+        # Its claims last: with no object left there, the slots are free again.
+        keys -= {claim_key(run, slot) for slot in slots}
+        repo.delete(sorted(keys))
+        if whole_prefix:  # many nodes: the slot is the job's, its claim stays
+            repo.delete(sorted(claim_key(run, slot) for slot in set(slots) - committed))
         journal.forget_checkpoint(run, name)
     except StorageError as exc:
         log.warning("abandon_cleanup_failed", error=str(exc))

@@ -4,8 +4,9 @@ Most of a checkpoint's bytes (weights, each rank's optimizer shard) are written 
 closed long before its commit record appears; ``EarlyUploads`` sends them meanwhile, so
 that when the completion rule holds only the last files are left to send.
 
-Invariant: an early upload writes nothing but objects under the checkpoint's own prefix
-and their journal rows, each row with the identity (size, mtime, ctime, inode) its file
+Invariant: an early upload writes nothing but objects under the checkpoint's own slot
+(``ckptd.commit.slots``: claimed before the first, ``ckptd.sync.claims``) and their journal
+rows, each row with the identity (size, mtime, ctime, inode) its file
 had when it was read. It never writes a manifest, a part or an announcement: what is
 committed is decided by the ordinary ship (``ckptd.sync.ship``) once the completion rule
 holds, which takes an early object only while its file still has that identity, sends
@@ -21,9 +22,16 @@ journal row has the identity its file had before that read, as an upload's has.
 
 A file goes early when it is not held open for writing (the ``/proc`` check the
 quiescent rule uses; where ``/proc`` cannot tell, nothing goes early) and unchanged for
-``EARLY_SETTLE_SECONDS``. Early uploads share the node's transfers (its workers and
-its bandwidth cap) and obey the emergency rules: during a preemption notice only the
-checkpoint being written since the notice goes early, and it pauses other uploads.
+``EARLY_SETTLE_SECONDS``. Early uploads share the node's transfers (its workers, the
+small files' lanes of ``ckptd.sync.lanes``, its bandwidth cap) and obey the emergency
+rules: during a preemption notice only the checkpoint being written since the notice
+goes early, and it pauses other uploads. With peer replication (``emergency_early``
+False) not even that one: its part goes to its peers first and to the store after
+(``ckptd.sync.replicate``), and an early upload would take the link and the cores the
+push needs.
+The small files ready at one look go as one batch, said in one log line
+(``early_batch_started``/``_done``) rather than two per file; a large file is said on
+its own (``early_upload_started``/``_done``).
 """
 
 from __future__ import annotations
@@ -37,12 +45,15 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.core import checksum
+from ckptd.core.concurrency import SMALL_FILE_MAX
 from ckptd.core.manifest import Manifest
 from ckptd.layouts.base import CheckpointListing, FileEntry, shippable
+from ckptd.repository import object_key
 from ckptd.storage.base import StorageError
-from ckptd.store.repository import object_key
+from ckptd.sync.claims import Claims
 from ckptd.sync.journal import Journal
-from ckptd.sync.plan import plan_upload, resolve_copies
+from ckptd.sync.lanes import SmallFile, SmallFiles
+from ckptd.sync.plan import CopySources, plan_upload, resolve_copies
 from ckptd.sync.queue import InFlight
 from ckptd.sync.transfer import (
     CheckpointChangedError,
@@ -102,8 +113,12 @@ class EarlyShip:
     name: str
     emergency: bool
     ctx: TransferContext
+    slot: str  # where its objects go (``ckptd.commit.slots``), claimed before the first
     files: dict[str, EarlyFile] = field(default_factory=dict)
     closed: bool = False  # handed to the ordinary ship: no new file starts
+    # path -> (size, mtime_ns) of what an earlier process sent (the journal at the first
+    # look); None until read.
+    journalled: dict[str, tuple[int, int]] | None = None
 
     def busy(self, listing: CheckpointListing) -> set[str]:
         """Paths being sent, or tried already as they are now in ``listing`` (one that
@@ -125,12 +140,28 @@ class EarlyShip:
 class EarlyUploads:
     """Every checkpoint's early uploads on this node (module doc)."""
 
-    def __init__(self, transfers: Transfers, journal: Journal, *, slots: int, log: Any) -> None:
+    def __init__(
+        self,
+        transfers: Transfers,
+        journal: Journal,
+        claims: Claims,
+        *,
+        slots: int,
+        small: SmallFiles,
+        log: Any,
+        emergency_early: bool = True,
+    ) -> None:
+        self.emergency_early = emergency_early  # module doc
         self.transfers = transfers
         self.journal = journal
+        self.claims = claims
+        self.small = small
         self.log = log
         self._slots = asyncio.Semaphore(slots)
         self.ships: dict[tuple[str, str], EarlyShip] = {}
+        self._batches: set[asyncio.Task[None]] = set()
+        # The last committed manifest, indexed once for the copy checks (not per file).
+        self._sources: tuple[Manifest, CopySources] | None = None
 
     async def offer(
         self,
@@ -142,10 +173,14 @@ class EarlyUploads:
         now_ns: int,
         settle_seconds: float = EARLY_SETTLE_SECONDS,
         previous: Manifest | None = None,
+        trajectory: str = "",
     ) -> tuple[int, float | None]:
         """Start the uploads of ``listing``'s files that are ready; returns ``(bytes
         started, seconds until another file may be ready or None)``. ``previous`` is
-        the run's last committed manifest, the base of server-side copies."""
+        the run's last committed manifest, the base of server-side copies;
+        ``trajectory`` the one the checkpoint's content belongs to (its slot's)."""
+        if emergency and not self.emergency_early:
+            return 0, None  # its peers first, the store after (module doc)
         key = (run, listing.name)
         ship = self.ships.get(key)
         if ship is not None and ship.closed:
@@ -155,30 +190,104 @@ class EarlyUploads:
                 return 0, None  # paused: the ones in flight stop at their next part
             ship = None  # made way for an emergency before: start afresh
         if ship is None:
+            prepared = await self.claims.prepare(run, listing.name, trajectory)
+            if prepared.slot is None or prepared.committed is not None:
+                # The name is committed (or being committed) on this trajectory: the
+                # ordinary ship compares, and sends nothing if it is the same content.
+                return 0, None
             ship = self.ships[key] = EarlyShip(
-                run, listing.name, emergency, TransferContext(run, listing.name)
+                run, listing.name, emergency, TransferContext(run, listing.name), prepared.slot.slot
             )
         ship.emergency = ship.emergency or emergency
-        records = await asyncio.to_thread(self.journal.objects_for, run, listing.name)
+        if ship.journalled is None:
+            # Sent by an earlier process (the journal's rows), read once per checkpoint:
+            # what this one sends since is in ``ship.files``.
+            records = await asyncio.to_thread(self.journal.objects_for, run, listing.name)
+            ship.journalled = {p: (r.size, r.mtime_ns) for p, r in records.items()}
         if ship.closed:  # handed over while the journal was read
             return 0, None
-        done = {p: (r.size, r.mtime_ns) for p, r in records.items()}
-        ready, wait = ready_files(listing, done, ship.busy(listing), now_ns, settle_seconds)
+        ready, wait = ready_files(
+            listing, ship.journalled, ship.busy(listing), now_ns, settle_seconds
+        )
+        sources = self._copy_sources(previous)
+        small = [f for f in ready if self.small.fits(f)]
         for f in ready:
+            if self.small.fits(f):
+                continue
             local = run_dir / listing.name / f.path
-            future = asyncio.ensure_future(self._send(ship, local, f, previous))
+            future = asyncio.ensure_future(self._send(ship, local, f, sources))
             ship.files[f.path] = (f, future)
             self.log.info(
                 "early_upload_started", run=run, checkpoint=listing.name, path=f.path, bytes=f.size
             )
+        if small:
+            self._start_batch(ship, run_dir / listing.name, small)
         return sum(f.size for f in ready), wait
 
+    def _copy_sources(self, previous: Manifest | None) -> CopySources | None:
+        if previous is None:
+            return None
+        if self._sources is None or self._sources[0] is not previous:
+            self._sources = (previous, CopySources.of(previous))
+        return self._sources[1]
+
+    def _start_batch(self, ship: EarlyShip, ckpt_dir: Path, files: list[FileEntry]) -> None:
+        """Small files through the lanes (``ckptd.sync.lanes``), one future each for the
+        ordinary ship, and one log line for the batch rather than two per file."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[FileResult | None]] = []
+        for f in files:
+            future: asyncio.Future[FileResult | None] = loop.create_future()
+            ship.files[f.path] = (f, future)
+            futures.append(future)
+        self.log.info(
+            "early_batch_started",
+            run=ship.run,
+            checkpoint=ship.name,
+            files=len(files),
+            bytes=sum(f.size for f in files),
+        )
+        task = asyncio.ensure_future(self._send_batch(ship, ckpt_dir, files, futures))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _send_batch(
+        self,
+        ship: EarlyShip,
+        ckpt_dir: Path,
+        files: list[FileEntry],
+        futures: list[asyncio.Future[FileResult | None]],
+    ) -> None:
+        """Each file's future gets its result, or None where the batch stopped first
+        (the ordinary ship then sends it), whatever happens."""
+        results: list[FileResult | None] = [None] * len(files)
+        error: BaseException | None = None
+        try:
+            batch = [
+                SmallFile(object_key(ship.run, ship.slot, f.path), ckpt_dir / f.path, f)
+                for f in files
+            ]
+            results, error = await self.small.try_send(batch, ship.ctx)
+        finally:
+            for future, result in zip(futures, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
+        sent = [r for r in results if r is not None]
+        done = {"files": len(sent), "bytes": sum(r.size for r in sent)}
+        log = self.log.bind(run=ship.run, checkpoint=ship.name)
+        if error is None:
+            log.info("early_batch_done", **done)
+        elif isinstance(error, TransferPausedError | CheckpointChangedError):
+            log.info("early_batch_stopped", reason=str(error), left=len(files) - len(sent), **done)
+        else:
+            log.warning("early_batch_failed", error=str(error), left=len(files) - len(sent), **done)
+
     async def _send(
-        self, ship: EarlyShip, local: Path, entry: FileEntry, previous: Manifest | None
+        self, ship: EarlyShip, local: Path, entry: FileEntry, previous: CopySources | None
     ) -> FileResult | None:
         """One file's early upload, or copy; None when it did not finish (the ordinary
         ship then sends it: paused, changed, or the store failed)."""
-        key = object_key(ship.run, ship.name, entry.path)
+        key = object_key(ship.run, ship.slot, entry.path)
         log = self.log.bind(run=ship.run, checkpoint=ship.name, path=entry.path)
         try:
             async with self._slots:
@@ -205,13 +314,14 @@ class EarlyUploads:
         key: str,
         local: Path,
         entry: FileEntry,
-        previous: Manifest | None,
+        previous: CopySources | None,
     ) -> FileResult | None:
         """The server-side copy of ``entry`` from ``previous`` when a file there has its
         size and CRC-32C; None (nothing done but the read) when none has."""
         if previous is None or not self.transfers.can_copy:
             return None
-        if not plan_upload([entry], previous, {}).copy_candidates:
+        plan = plan_upload([entry], previous, {}, min_copy_size=SMALL_FILE_MAX + 1)
+        if not plan.copy_candidates:
             return None  # no file of that size: not worth reading
         # Taken before the read: a file replaced after it has another identity at
         # commit (ctime, inode), and is sent again (``ship.unchanged``).
@@ -252,6 +362,14 @@ class EarlyUploads:
         if running:
             await asyncio.wait(running)
         return bool(ship.files)
+
+    def pause(self, run: str, name: str) -> None:
+        """Pause ``run/name``'s early uploads at their next part (their finished parts
+        stay journalled; the ordinary ship sends the rest): an emergency push to peers
+        goes first (``ckptd.sync.replicate``)."""
+        ship = self.ships.get((run, name))
+        if ship is not None:
+            ship.ctx.pause.set()
 
     def in_flight(self) -> list[tuple[InFlight, TransferContext]]:
         """Early uploads sending now, as the emergency's pause decision sees them."""

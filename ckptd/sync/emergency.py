@@ -64,14 +64,22 @@ class Emergency:
         """Every watched run's directory (where the responder writes notice files)."""
         return [state.dir for state in self.runs.values()]
 
-    def enter_emergency(self, deadline: datetime | None) -> None:
-        """A notice arrived now: what completes from now on goes first."""
-        self.since = self.clock.time()
+    def enter_emergency(self, deadline: datetime | None, since: float | None = None) -> None:
+        """A notice arrived now (or at ``since``: one an earlier daemon acted on, carried
+        over): what completes from then on goes first."""
+        self.since = self.clock.time() if since is None else since
         self.deadline = deadline
         for state in self.runs.values():
             for name in state.seen - state.committed:
                 self._look_again(state.run_id, name, 0.0)
         self._wake()
+
+    def move_deadline(self, deadline: datetime | None) -> None:
+        """The notice's deadline moved (restated by its source): the emergency keeps its
+        start, so what was saved for it since stays its emergency checkpoint."""
+        if self.since is not None:
+            self.deadline = deadline
+            self.update_eta()
 
     def leave_emergency(self) -> None:
         self.since = None

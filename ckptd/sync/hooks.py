@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckptd.sync.request import ShipRequest
 
 # (run, checkpoint, bytes, emergency): a checkpoint was committed (the responder's
 # report of an emergency save waits for it).
@@ -17,6 +21,13 @@ CommitHook = Callable[[str, str, int, bool], Awaitable[None]]
 # (run, checkpoint, complete at (wall clock), first file -> last file written (s),
 # complete -> committed (s), emergency): what a committed checkpoint cost.
 CostHook = Callable[[str, str, float, float, float, bool], None]
+# (request, emergency, seconds left before the notice's deadline or None): step 0 is done
+# for a checkpoint (its slot claimed), and no object of it is sent yet; what it returns,
+# when not None, is awaited before the first object goes.
+ClaimedHook = Callable[["ShipRequest", bool, "float | None"], "Awaitable[None] | None"]
+# (run, checkpoint, emergency): this node's files of it are in the store (one node: its
+# commit; many nodes: its part written, or the global commit).
+StoredHook = Callable[[str, str, bool], None]
 
 
 def _tell_nobody(run: str, name: str) -> None:
@@ -25,6 +36,10 @@ def _tell_nobody(run: str, name: str) -> None:
 
 def _never_held() -> bool:
     return False
+
+
+def _stored_nowhere(run: str, name: str, emergency: bool) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -42,3 +57,7 @@ class PipelineHooks:
     locally_deletable: Callable[[str], set[str]] | None = None
     # Further tiers start nothing new while the first is in emergency mode.
     held: Callable[[], bool] = _never_held
+    # Peer replication (``ckptd.sync.replicate``): a checkpoint's push starts once its slot
+    # is claimed, and its holders hear when this node's part is in the store.
+    on_claimed: ClaimedHook | None = None
+    on_stored: StoredHook = _stored_nowhere

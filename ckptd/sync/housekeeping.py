@@ -15,9 +15,9 @@ from typing import Any
 from ckptd.config import RetentionConfig
 from ckptd.core.manifest import ManifestError
 from ckptd.layouts.base import step_of
+from ckptd.repository import Repository
 from ckptd.storage.base import StorageError
 from ckptd.store.catalog import RunCatalog
-from ckptd.store.repository import Repository
 from ckptd.store.retention import apply_local_cleanup, apply_retention
 from ckptd.sync.scanner import list_candidates
 

@@ -16,19 +16,20 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptd.cluster.assemble import ClusterShip
-from ckptd.cluster.coordination import ClusterCoordination
+from ckptd.commit.assemble import ClusterShip
 from ckptd.layouts.base import CheckpointListing, Completion, step_of
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.metrics import Metrics
+from ckptd.sync.coordination import ClusterCoordination
 from ckptd.sync.early import EarlyUploads
 from ckptd.sync.emergency import Emergency
 from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.journal import Journal
+from ckptd.sync.lineage import restored_as
 from ckptd.sync.queue import Pending, ShipQueue, completed_in_emergency
-from ckptd.sync.runs import RunState
+from ckptd.sync.request import fingerprint, fingerprint_id
+from ckptd.sync.runs import RunState, lineage_of
 from ckptd.sync.scanner import snapshot
-from ckptd.sync.ship import fingerprint
 
 
 class Intake:
@@ -72,9 +73,11 @@ class Intake:
     async def look(self, run_id: str, name: str) -> Completion | None:
         """Apply the completion rule to one checkpoint now; queue it if complete."""
         state = self.runs[run_id]
-        if name in state.committed or name in state.failed_for_good:
+        if name in state.failed_for_good and name not in state.conflicts:
             return None
         listing = await asyncio.to_thread(snapshot, state.dir, name)
+        if listing is not None and not await self._content_is_new(state, listing):
+            return None
         current, ctx = state.current, state.current_ctx
         if (ctx is not None and current is not None and current.name == name) and (
             listing is None or fingerprint(listing.files) != state.current_files
@@ -107,6 +110,60 @@ class Intake:
             return verdict
         self._queue_complete(state, listing, verdict, role)
         return verdict
+
+    async def _content_is_new(self, state: RunState, listing: CheckpointListing) -> bool:
+        """Whether ``listing`` holds content not yet committed nor refused: a committed
+        (or refused) name whose files changed since is new content, said as such (a
+        re-save under a name); one ``ckptd restore`` wrote, unchanged, is committed."""
+        name, run = listing.name, state.run_id
+        if name not in state.committed and name not in state.conflicts:
+            # Neither committed nor refused (every look at a checkpoint being saved): its
+            # fingerprint, a sort of every file, is not needed.
+            return await self._not_restored(state, listing)
+        local = fingerprint_id(listing.files)
+        if name in state.committed:
+            known = state.committed_files.get(name, "")
+            if not known or known == local:
+                return False
+            self.log.warning(
+                "checkpoint_resaved_after_commit",
+                run=run,
+                checkpoint=name,
+                reason="its files changed after it was committed: the new content ships "
+                "only if its trajectory is not the committed one's, else it is a conflict",
+            )
+            state.committed.discard(name)
+            state.committed_files.pop(name, None)
+            await asyncio.to_thread(self.journal.forget_committed, run, name)
+        refused = state.conflicts.get(name)
+        if refused is not None:
+            if refused[0] == local:
+                return False
+            state.conflicts.pop(name, None)
+            state.failed_for_good.pop(name, None)
+            await asyncio.to_thread(self.journal.forget_conflict, run, name)
+        return await self._not_restored(state, listing)
+
+    async def _not_restored(self, state: RunState, listing: CheckpointListing) -> bool:
+        """False for a checkpoint ``ckptd restore`` wrote and no one changed since: it
+        is taken as committed (from the slot it was restored from) and said so."""
+        name, run = listing.name, state.run_id
+        restored = await asyncio.to_thread(restored_as, state.dir, listing)
+        if restored is not None:
+            local = fingerprint_id(listing.files)
+            await asyncio.to_thread(
+                self.journal.mark_committed,
+                run,
+                name,
+                step_of(name),
+                slot=restored,
+                fingerprint=local,
+            )
+            state.committed.add(name)
+            state.committed_files[name] = local
+            self.log.info("checkpoint_restored_here", run=run, checkpoint=name, slot=restored)
+            return False
+        return True
 
     async def _vanished(self, state: RunState, name: str) -> None:
         """Gone locally: nothing left to announce or follow (a part already written
@@ -194,6 +251,7 @@ class Intake:
         emergency = completed_in_emergency(listing.newest_mtime_ns / 1e9, self.emergency.since)
         if self.emergency.since is not None and not emergency:
             return None  # during a notice only the checkpoint being written goes early
+        trajectory, _ = await lineage_of(state, listing)
         started, wait = await self.early.offer(
             run,
             state.dir,
@@ -202,6 +260,7 @@ class Intake:
             now_ns=int(self.clock.time() * 1e9),
             # Read at start-up (``SyncPipeline.recover``) and kept by each commit.
             previous=state.previous,
+            trajectory=trajectory.id,
         )
         if started and emergency:
             self.emergency.make_way(started)

@@ -23,9 +23,12 @@ import os
 import sqlite3
 import threading
 import time
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.commit.single import Slot
 from ckptd.config import ConfigError
 from ckptd.storage.base import PartInfo
 
@@ -61,6 +64,8 @@ CREATE TABLE IF NOT EXISTS objects (
     ctime_ns INTEGER NOT NULL DEFAULT 0,  -- 0: not recorded (a journal of an older ckptd)
     inode INTEGER NOT NULL DEFAULT 0
 );
+-- A checkpoint's rows, read at each look and each ship: without it, a scan of every row.
+CREATE INDEX IF NOT EXISTS objects_of_checkpoint ON objects (run, checkpoint);
 CREATE TABLE IF NOT EXISTS touched (  -- may hold objects in the store, not yet committed
     run TEXT NOT NULL,
     checkpoint TEXT NOT NULL,
@@ -72,6 +77,33 @@ CREATE TABLE IF NOT EXISTS committed (
     step INTEGER,
     committed_at REAL NOT NULL,
     PRIMARY KEY (run, checkpoint)
+);
+CREATE TABLE IF NOT EXISTS claims (  -- the slot a local checkpoint ships into (claimed first)
+    run TEXT NOT NULL,
+    checkpoint TEXT NOT NULL,   -- the local name
+    trajectory TEXT NOT NULL,
+    slot TEXT NOT NULL,
+    canonical TEXT NOT NULL,
+    PRIMARY KEY (run, checkpoint, trajectory)
+);
+CREATE TABLE IF NOT EXISTS meta (  -- this journal's own facts: its writer id
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS conflicts (  -- local checkpoints refused: another content holds the name
+    run TEXT NOT NULL,
+    checkpoint TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,  -- the local files when refused: refused again only if unchanged
+    detail TEXT NOT NULL,       -- JSON: who holds the name, as the warning said
+    at REAL NOT NULL,
+    PRIMARY KEY (run, checkpoint)
+);
+CREATE TABLE IF NOT EXISTS attempts (  -- a trainer's start: the trajectory decided for it
+    run TEXT NOT NULL,
+    started REAL NOT NULL,      -- when the trainer started (its report's time)
+    report TEXT NOT NULL,       -- what identifies the start (pid and time of the report)
+    trajectory TEXT NOT NULL,   -- JSON: ckptd.core.manifest.Trajectory, parent
+    PRIMARY KEY (run, report)
 );
 """
 
@@ -121,6 +153,13 @@ class Journal:
                     self._db.execute(
                         f"ALTER TABLE objects ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"
                     )
+            columns = {str(r[1]) for r in self._db.execute("PRAGMA table_info(committed)")}
+            for column in ("slot", "fingerprint"):  # '': written before slots existed
+                if column not in columns:
+                    self._db.execute(
+                        f"ALTER TABLE committed ADD COLUMN {column} TEXT NOT NULL DEFAULT ''"
+                    )
+            self.writer = self._writer_id()
         except (OSError, sqlite3.Error) as exc:
             # An operator's mistake (a root-owned dir, a read-only mount), not a crash.
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -132,6 +171,16 @@ class Journal:
             ) from None
         self._lock = threading.Lock()
         self._touched: set[tuple[str, str]] = set()  # rows known written, to skip a write
+
+    def _writer_id(self) -> str:
+        """This journal's writer id (``ckptd.commit.single.Writer``): made once, kept for
+        good, so a restarted daemon knows its own claims in the store."""
+        rows = self._db.execute("SELECT value FROM meta WHERE key = 'writer'").fetchall()
+        if rows:
+            return str(rows[0][0])
+        writer = uuid.uuid4().hex[:16]
+        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('writer', ?)", (writer,))
+        return str(self._db.execute("SELECT value FROM meta WHERE key = 'writer'").fetchone()[0])
 
     def close(self) -> None:
         with self._lock:
@@ -218,6 +267,30 @@ class Journal:
             ),
         )
 
+    def record_objects(self, run: str, checkpoint: str, recs: Sequence[ObjectRecord]) -> None:
+        """``record_object`` for many, in one transaction (a batch of small files)."""
+        rows = [
+            (r.key, run, checkpoint, r.path, r.size, r.mtime_ns, r.crc32c, r.ctime_ns, r.inode)
+            for r in recs
+        ]
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "INSERT OR REPLACE INTO objects "
+                "(key, run, checkpoint, path, size, mtime_ns, crc32c, ctime_ns, inode) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            self._db.execute("COMMIT")
+
+    def object_at(self, key: str) -> ObjectRecord | None:
+        """The finished object at ``key``, if the journal holds one."""
+        rows = self._exec(
+            "SELECT key, path, size, mtime_ns, crc32c, ctime_ns, inode FROM objects WHERE key = ?",
+            (key,),
+        )
+        return ObjectRecord(*rows[0]) if rows else None  # type: ignore[arg-type]
+
     def objects_for(self, run: str, checkpoint: str) -> dict[str, ObjectRecord]:
         rows = self._exec(
             "SELECT key, path, size, mtime_ns, crc32c, ctime_ns, inode FROM objects "
@@ -238,18 +311,26 @@ class Journal:
         self._exec("DELETE FROM objects WHERE key = ?", (key,))
 
     def uncommitted(self) -> set[tuple[str, str]]:
-        """``(run, checkpoint)`` of every checkpoint with an object or upload in flight."""
+        """``(run, checkpoint)`` of every checkpoint with an object or upload in flight, or
+        a slot claimed and not committed (a crash between the claim and the first object
+        leaves nothing else: the claim must still be found and freed)."""
         rows = self._exec(
             "SELECT run, checkpoint FROM objects UNION SELECT run, checkpoint FROM uploads "
-            "UNION SELECT run, checkpoint FROM touched"
+            "UNION SELECT run, checkpoint FROM touched "
+            "UNION SELECT run, checkpoint FROM claims AS c WHERE NOT EXISTS "
+            "(SELECT 1 FROM committed WHERE run = c.run AND checkpoint = c.checkpoint)"
         )
         return {(str(r[0]), str(r[1])) for r in rows}
 
     def forget_checkpoint(self, run: str, checkpoint: str) -> None:
-        """Drop the in-flight records of a checkpoint (abandoned)."""
+        """Drop the in-flight records of a checkpoint (abandoned), and its claims (its
+        slots were emptied: ``ckptd.sync.cleanup.discard``)."""
         with self._lock:
             self._db.execute("BEGIN")
             self._delete_in_flight(run, checkpoint)
+            self._db.execute(
+                "DELETE FROM claims WHERE run = ? AND checkpoint = ?", (run, checkpoint)
+            )
             self._db.execute("COMMIT")
 
     def _delete_in_flight(self, run: str, checkpoint: str) -> None:
@@ -267,16 +348,98 @@ class Journal:
 
     # -- commits --------------------------------------------------------------------
 
-    def mark_committed(self, run: str, checkpoint: str, step: int | None) -> None:
-        """Record the commit and drop its in-flight records, in one transaction."""
+    def mark_committed(
+        self,
+        run: str,
+        checkpoint: str,
+        step: int | None,
+        *,
+        slot: str = "",
+        fingerprint: str = "",
+    ) -> None:
+        """Record that the local checkpoint ``checkpoint`` (its files as ``fingerprint``
+        says) is committed in ``slot``, and drop its in-flight records and any conflict
+        recorded for it, in one transaction."""
         with self._lock:
             self._db.execute("BEGIN")
             self._db.execute(
-                "INSERT OR REPLACE INTO committed VALUES (?, ?, ?, ?)",
-                (run, checkpoint, step, time.time()),
+                "INSERT OR REPLACE INTO committed (run, checkpoint, step, committed_at, slot, "
+                "fingerprint) VALUES (?, ?, ?, ?, ?, ?)",
+                (run, checkpoint, step, time.time(), slot or checkpoint, fingerprint),
             )
             self._delete_in_flight(run, checkpoint)
+            self._db.execute(
+                "DELETE FROM conflicts WHERE run = ? AND checkpoint = ?", (run, checkpoint)
+            )
             self._db.execute("COMMIT")
+
+    def committed_files(self, run: str) -> dict[str, tuple[str, str]]:
+        """Local checkpoint name -> ``(slot, fingerprint)`` of each committed one (the
+        fingerprint '' when recorded before fingerprints were)."""
+        rows = self._exec(
+            "SELECT checkpoint, slot, fingerprint FROM committed WHERE run = ?", (run,)
+        )
+        return {str(r[0]): (str(r[1]) or str(r[0]), str(r[2])) for r in rows}
+
+    def forget_committed(self, run: str, checkpoint: str) -> None:
+        """The local checkpoint changed after its commit (a re-save): no longer known
+        committed as it is."""
+        self._exec("DELETE FROM committed WHERE run = ? AND checkpoint = ?", (run, checkpoint))
+
+    # -- claims ---------------------------------------------------------------------
+
+    def record_claim(self, run: str, slot: Slot) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?)",
+            (run, slot.name, slot.trajectory, slot.slot, slot.canonical),
+        )
+
+    def claim_for(self, run: str, checkpoint: str, trajectory: str) -> Slot | None:
+        rows = self._exec(
+            "SELECT slot, canonical FROM claims WHERE run = ? AND checkpoint = ? AND trajectory = ?",
+            (run, checkpoint, trajectory),
+        )
+        return Slot(checkpoint, str(rows[0][0]), str(rows[0][1]), trajectory) if rows else None
+
+    def slots_of(self, run: str, checkpoint: str) -> list[str]:
+        """Every slot this node claimed for the local checkpoint ``checkpoint``."""
+        rows = self._exec(
+            "SELECT slot FROM claims WHERE run = ? AND checkpoint = ?", (run, checkpoint)
+        )
+        return sorted({str(r[0]) for r in rows})
+
+    # -- conflicts ------------------------------------------------------------------
+
+    def record_conflict(self, run: str, checkpoint: str, fingerprint: str, detail: str) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO conflicts VALUES (?, ?, ?, ?, ?)",
+            (run, checkpoint, fingerprint, detail, time.time()),
+        )
+
+    def conflicts(self, run: str) -> dict[str, tuple[str, str]]:
+        """Local checkpoint name -> ``(fingerprint, detail JSON)`` of each refused one."""
+        rows = self._exec(
+            "SELECT checkpoint, fingerprint, detail FROM conflicts WHERE run = ?", (run,)
+        )
+        return {str(r[0]): (str(r[1]), str(r[2])) for r in rows}
+
+    def forget_conflict(self, run: str, checkpoint: str) -> None:
+        self._exec("DELETE FROM conflicts WHERE run = ? AND checkpoint = ?", (run, checkpoint))
+
+    # -- trainer starts and their trajectories ----------------------------------------
+
+    def record_attempt(self, run: str, started: float, report: str, trajectory: str) -> None:
+        self._exec(
+            "INSERT OR IGNORE INTO attempts VALUES (?, ?, ?, ?)", (run, started, report, trajectory)
+        )
+
+    def attempts(self, run: str) -> list[tuple[float, str, str]]:
+        """``(started, report, trajectory JSON)`` of the run's trainer starts, oldest first."""
+        rows = self._exec(
+            "SELECT started, report, trajectory FROM attempts WHERE run = ? ORDER BY started",
+            (run,),
+        )
+        return [(float(r[0]), str(r[1]), str(r[2])) for r in rows]  # type: ignore[arg-type]
 
     def is_committed(self, run: str, checkpoint: str) -> bool:
         return bool(

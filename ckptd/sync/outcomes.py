@@ -19,25 +19,33 @@ A global commit another node made, or this node's poll found (``ClusterCoordinat
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from ckptd.cluster.coordination import ClusterCoordination
+from ckptd.commit.assemble import Assembly
+from ckptd.commit.single import CommitConflictError
 from ckptd.config import Settings
-from ckptd.core.manifest import Manifest, epoch_of_timestamp
+from ckptd.core.manifest import (
+    Manifest,
+    epoch_of_timestamp,
+)
+from ckptd.layouts.base import CheckpointListing
+from ckptd.repository import Repository
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage.base import NO_SPACE_CODES, StorageError, storage_error_kind
-from ckptd.store.repository import Repository
+from ckptd.sync.coordination import ClusterCoordination
 from ckptd.sync.early import EarlyUploads
 from ckptd.sync.emergency import Emergency
 from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.housekeeping import after_commit
 from ckptd.sync.journal import Journal
 from ckptd.sync.queue import Pending, ShipQueue
-from ckptd.sync.runs import Progress, RunState, previous_manifest
+from ckptd.sync.request import ShipRequest, fingerprint, fingerprint_id
+from ckptd.sync.runs import Progress, RunState, lineage_of, previous_manifest
 from ckptd.sync.scanner import snapshot
-from ckptd.sync.ship import Outcome, Shipper, ShipRequest, ShipResult, fingerprint
+from ckptd.sync.ship import Outcome, Shipper, ShipResult
 from ckptd.sync.transfer import TransferContext
 
 
@@ -116,19 +124,25 @@ class Outcomes:
         def started(total_bytes: int) -> None:
             state.current = Progress(name, self.clock.time(), total_bytes)
 
+        previous = await previous_manifest(self.repo, state, self.log)
+        trajectory, parent = await lineage_of(state, listing)
         request = ShipRequest(
             run,
             state.dir,
             listing,
             verdict,
-            await previous_manifest(self.repo, state, self.log),
+            previous,
             ctx,
             on_started=started,
             on_copied=lambda n: self.metrics.copied_bytes.labels(run=run).inc(n),
             cluster=role,
             early=self.early.take(run, name),
+            trajectory=trajectory,
+            parent=parent,
+            on_claimed=claimed_hook(self.hooks, self.early, self.emergency, pending),
         )
         state.current_files, state.current_ctx = fingerprint(listing.files), ctx
+        local = fingerprint_id(listing.files)
         # The save as the files tell it: first file written -> last (a trainer that
         # reports its own save time is believed first, ``ckptd.cadence.advisor``).
         mtimes = [f.mtime_ns for f in listing.files]
@@ -142,7 +156,7 @@ class Outcomes:
             await self.early.cancel(run, name)
         log = self.log.bind(run=run, checkpoint=name)
         if result.outcome is Outcome.COMMITTED:
-            await self.committed(state, pending, result, log)
+            await self.committed(state, pending, result, log, local=local)
             if self.hooks.on_cost is not None and result.commit is not None:
                 upload = max(0.0, self.clock.time() - pending.completed_at)
                 self.hooks.on_cost(
@@ -155,8 +169,10 @@ class Outcomes:
             await self.abandon(state, pending, str(result.error), log)
         elif result.outcome is Outcome.CONFLICT:
             self.queue.remove(run, name)
-            self.cluster.conflict(state, name, result.error, log)
+            await self.conflicted(state, name, local, listing, request, result, log)
         elif result.outcome is Outcome.WAITING:
+            if result.assembly is None or result.assembly.outcome is not Assembly.RESAVED:
+                self.hooks.on_stored(run, name, pending.emergency)  # this node's part is there
             self.queue.remove(run, name)
             self.cluster.waiting(
                 state, name, role, result.assembly, log, emergency=pending.emergency
@@ -165,14 +181,64 @@ class Outcomes:
             await self.failed(state, pending, result, log)
         return False
 
-    async def committed(
-        self, state: RunState, pending: Pending, result: ShipResult, log: Any
+    async def conflicted(
+        self,
+        state: RunState,
+        name: str,
+        local: str,
+        listing: CheckpointListing,
+        request: ShipRequest,
+        result: ShipResult,
+        log: Any,
     ) -> None:
-        """``pending`` is committed (by this ship, or globally by any node)."""
+        """Another content holds ``name`` on its trajectory: never committed, said loudly
+        (both writers named), counted, kept in the journal and ``/v1/status``, never
+        deleted locally, and looked at again only once its files change. What this
+        attempt sent (its own slot's objects) is removed."""
+        error = result.error
+        theirs = error.theirs if isinstance(error, CommitConflictError) else {}
+        ours = {
+            "host": self.shipper.host,
+            "writer": self.shipper.writer.id,
+            "node": self.settings.cluster.rank,
+            "slot": request.slot.slot if request.slot is not None else None,
+            "files": len(listing.files),
+            "bytes": sum(f.size for f in listing.files),
+        }
+        detail = {"error": str(error), "ours": ours, "theirs": theirs}
+        state.conflicts[name] = (local, detail)
+        await asyncio.to_thread(
+            self.journal.record_conflict, state.run_id, name, local, json.dumps(detail)
+        )
+        log.warning("checkpoint_conflict_writers", ours=ours, theirs=theirs)
+        self.cluster.conflict(state, name, error, log)
+        if request.slot is not None and self.cluster.committer is None:
+            await asyncio.to_thread(self._discard, state.run_id, name)
+
+    async def committed(
+        self,
+        state: RunState,
+        pending: Pending,
+        result: ShipResult,
+        log: Any,
+        *,
+        local: str = "",
+    ) -> None:
+        """``pending`` is committed (by this ship, or globally by any node); ``local`` is
+        the fingerprint of the local files it was shipped from ('' when not known)."""
         manifest = result.manifest
         assert manifest is not None  # an Outcome.COMMITTED always carries it
         self.unusable = None
-        self._mark_committed(state, manifest, log, already=result.already_committed)
+        self._mark_committed(
+            state,
+            pending.name,
+            manifest,
+            log,
+            already=result.already_committed,
+            local=local,
+            result_latest_moved=result.commit.latest_moved if result.commit is not None else None,
+        )
+        self.hooks.on_stored(state.run_id, pending.name, pending.emergency)
         if self.hooks.on_commit is not None:
             await self.hooks.on_commit(
                 state.run_id, pending.name, manifest.total_bytes, pending.emergency
@@ -180,6 +246,8 @@ class Outcomes:
         if result.commit is None:
             return  # committed before this attempt: nothing was shipped now
         state.catalog.forget(manifest.checkpoint)  # read afresh by the next pass
+        if not result.commit.latest_moved and not result.already_committed:
+            self._said_latest_stays(state, manifest, log)
         if self.emergency.since is None:  # never spend a preemption's seconds on deletes
             protected = (
                 set(self.queue.names(state.run_id))
@@ -222,13 +290,29 @@ class Outcomes:
         )
 
     def _mark_committed(
-        self, state: RunState, manifest: Manifest, log: Any, *, already: bool
+        self,
+        state: RunState,
+        name: str,
+        manifest: Manifest,
+        log: Any,
+        *,
+        already: bool,
+        local: str,
+        result_latest_moved: bool | None,
     ) -> None:
-        self.journal.mark_committed(state.run_id, manifest.checkpoint, manifest.step)
-        self.queue.remove(state.run_id, manifest.checkpoint)
-        state.forget_cluster(manifest.checkpoint)
+        self.journal.mark_committed(
+            state.run_id, name, manifest.step, slot=manifest.checkpoint, fingerprint=local
+        )
+        self.queue.remove(state.run_id, name)
+        state.forget_cluster(name)
+        state.failed_for_good.pop(name, None)
+        if (state.last_failure or {}).get("checkpoint") == name:
+            state.last_failure = None  # what failed went through after all
         run = state.run_id
-        if state.record_commit(manifest) and state.last_step is not None:
+        before = state.previous
+        if state.record_commit(manifest, local, live=result_latest_moved) and (
+            state.last_step is not None
+        ):
             self.metrics.last_step.labels(run=run).set(state.last_step)
         self.metrics.committed.labels(run=run).inc()
         self.metrics.last_commit_ts.labels(run=run).set(self.clock.time())
@@ -238,13 +322,57 @@ class Outcomes:
             self.tier_metrics.tier_last_step.labels(run=run, tier=self.tier).set(state.last_step)
         if already:
             log.info("checkpoint_already_committed", step=manifest.step)
+        if (
+            not already
+            and (before is None or before.lineage != manifest.lineage)
+            and (manifest.trajectory is not None)
+        ):
+            self._said_new_trajectory(manifest, before, log)
         self._changed()
+
+    def _said_new_trajectory(self, manifest: Manifest, before: Manifest | None, log: Any) -> None:
+        """The first commit of a trajectory other than the run's first: loud, since it
+        moves LATEST off the line ``restore --latest`` returned so far."""
+        lineage = manifest.lineage
+        log.warning(
+            "checkpoint_starts_trajectory",
+            trajectory=lineage.id,
+            generation=lineage.generation,
+            from_scratch=bool(lineage.from_scratch),
+            forked_from=lineage.forked_from.checkpoint if lineage.forked_from else None,
+            previous_latest=before.checkpoint if before is not None else None,
+            hint="the trainer resumed from an older checkpoint than the newest, or from "
+            "scratch: the abandoned checkpoints stay restorable by their slot ('ckptd list' "
+            "marks them) and retention removes them first",
+        )
+
+    def _said_latest_stays(self, state: RunState, manifest: Manifest, log: Any) -> None:
+        """A new commit that does not move LATEST: said, with why, since ``restore
+        --latest`` will not return it."""
+        latest = state.previous
+        if latest is None:
+            return
+        if manifest.parent is None and (manifest.step or 0) < (latest.step or 0):
+            why = (
+                "its step is below LATEST's on the live trajectory and its trainer did not say "
+                "what it resumed from: if it rolled back, call ckptd.trainer.report_resumed "
+                "(load_training_state and the callbacks do) so its trajectory becomes live"
+            )
+        else:
+            why = "LATEST names a checkpoint of a newer trajectory or a higher step"
+        log.warning(
+            "latest_not_moved",
+            step=manifest.step,
+            latest=latest.checkpoint,
+            latest_step=latest.step,
+            reason=why,
+        )
 
     def found_committed(self, state: RunState, manifest: Manifest) -> None:
         """``manifest`` is the run's last commit as the store held it at start-up: shown
         by ``/v1/status`` and the last-commit gauges; no commit is counted (none
         happened now)."""
-        state.record_commit(manifest)
+        state.record_commit(manifest, live=True)
         run = state.run_id
         at = epoch_of_timestamp(manifest.committed_at)
         if at is not None:
@@ -283,6 +411,7 @@ class Outcomes:
         reason = "local" if kind is None else kind if kind in ("unusable", "verify") else "storage"
         self.metrics.failed.labels(run=state.run_id, reason=reason).inc()
         self.tier_metrics.tier_failed.labels(run=state.run_id, tier=self.tier).inc()
+        state.failed_attempt(pending.name, reason, str(exc), self.clock.time())
         # Counted as a storage error only when the store said no; a local I/O error or
         # a manifest that would not build is a failed checkpoint, not a storage error.
         if isinstance(exc, StorageError) and kind is not None:
@@ -312,3 +441,23 @@ class Outcomes:
         log = self.log.bind(run=pending.run, checkpoint=pending.name)
         result = ShipResult(Outcome.FAILED, error=exc)
         await self.failed(self.runs[pending.run], pending, result, log, traceback=True)
+
+
+def claimed_hook(
+    hooks: PipelineHooks, early: EarlyUploads, emergency: Emergency, pending: Pending
+) -> Callable[[ShipRequest], Awaitable[None] | None] | None:
+    """``ShipRequest.on_claimed``: the pipeline's ``on_claimed`` told whether the checkpoint
+    is an emergency one and how long the notice leaves. When the push to peers goes first,
+    the checkpoint's early uploads pause (their parts kept) and the ship sends the rest
+    once it may."""
+    hook = hooks.on_claimed
+    if hook is None:
+        return None
+
+    def claimed(request: ShipRequest) -> Awaitable[None] | None:
+        first = hook(request, pending.emergency, emergency.seconds_left())
+        if first is not None:
+            early.pause(request.run, request.name)
+        return first
+
+    return claimed

@@ -13,7 +13,7 @@ function elsewhere. All time is read from one injected ``Clock``.
 The parts share the run states (``ckptd.sync.runs``) and the queue. Besides the two
 above: the emergency mode a preemption notice switches on (``ckptd.sync.emergency``),
 and, with many nodes, the coordination with the other nodes through the store
-(``ckptd.cluster.coordination``: who announces, who follows, the global commit). What
+(``ckptd.sync.coordination``: who announces, who follows, the global commit). What
 the pipeline tells the daemon and asks of it are constructor arguments
 (``ckptd.sync.hooks``), never attributes assigned afterwards.
 """
@@ -26,22 +26,26 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from ckptd.cluster.assemble import Committer
-from ckptd.cluster.coordination import ClusterCoordination
+from ckptd.commit.assemble import Committer
 from ckptd.config import Settings
+from ckptd.core.concurrency import lanes_for
 from ckptd.layouts.base import Completion
+from ckptd.repository import Repository
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.environment import describe
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage.base import Storage, StorageError
-from ckptd.store.repository import Repository
 from ckptd.sync import cleanup
+from ckptd.sync.claims import Claims
+from ckptd.sync.coordination import ClusterCoordination
 from ckptd.sync.early import EarlyUploads
 from ckptd.sync.emergency import Emergency
 from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.intake import Intake
 from ckptd.sync.journal import Journal
+from ckptd.sync.lanes import SmallFiles
+from ckptd.sync.lineage import RunLineage
 from ckptd.sync.outcomes import Outcomes
 from ckptd.sync.priority import ThreadPriority
 from ckptd.sync.queue import ShipQueue
@@ -56,6 +60,11 @@ EVENT_DEBOUNCE_SECONDS = 0.2
 # ...but a burst that goes on (a save writing GiBs) is looked at at least this often, or
 # the files it closed meanwhile would wait for its end to go early.
 EVENT_MAX_DELAY_SECONDS = 1.0
+# A look lists every file of the checkpoint (0.7 CPU-s for 100,000 files): the next look
+# at it waits at least this many times as long as the last one took, so looking at a
+# checkpoint being saved costs at most a third of a core, however many files it has
+# (and nothing a checkpoint of a few hundred files would notice).
+LOOK_SPACING = 2.0
 
 
 class SyncPipeline:
@@ -93,6 +102,8 @@ class SyncPipeline:
         self.runs: dict[str, RunState] = {
             w.effective_run_id: RunState.of(w) for w in settings.watch
         }
+        for state in self.runs.values():
+            state.lineage = RunLineage(state.run_id, state.dir, self.repo, journal, self.log)
         for run in self.runs:
             self.metrics.init_run(run)
             self.tier_metrics.init_tier(run, tier)
@@ -100,10 +111,15 @@ class SyncPipeline:
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         # When the pending look at a checkpoint was first asked for (loop time).
         self._first_hint: dict[tuple[str, str], float] = {}
+        # When the last look at a checkpoint ended, and how long it took (loop time); the
+        # look running now, and whether another was asked for meanwhile.
+        self._last_look: dict[tuple[str, str], tuple[float, float]] = {}
+        self._looking: dict[tuple[str, str], asyncio.Task[Completion | None]] = {}
+        self._look_after: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._evaluating = 0
         self.priority = ThreadPriority(settings, self.log)
-        self.transfers, self.shipper, self.early = self._shipping(storage)
+        self.transfers, self.small, self.claims, self.shipper, self.early = _shipping(self, storage)
         self.emergency = Emergency(
             self.runs,
             self.queue,
@@ -118,33 +134,6 @@ class SyncPipeline:
         self.cluster = self._cluster()
         self.intake = self._intake()
         self.outcomes = self._outcomes()
-
-    def _shipping(self, storage: Storage) -> tuple[Transfers, Shipper, EarlyUploads]:
-        """The transfers' worker pools, the shipper over them, and the early uploads."""
-        dest = self.settings.destination
-        transfers = Transfers(
-            storage,
-            self.journal,
-            part_size=dest.part_size_mib * 1024 * 1024,
-            concurrency=dest.concurrency,
-            on_bytes=self._count_bytes,
-            drop_page_cache=self.settings.resources.drop_page_cache,
-            thread_setup=self.priority.lower_worker,
-            urgent_setup=self.priority.lower_urgent_worker,
-            is_urgent=self._urgent,
-            digests=self.keys is not None,
-        )
-        shipper = Shipper(
-            self.repo,
-            transfers,
-            self.journal,
-            self.clock,
-            file_slots=max(4, dest.concurrency * 2),
-            log=self.log,
-            keys=self.keys,
-        )
-        early = EarlyUploads(transfers, self.journal, slots=max(2, dest.concurrency), log=self.log)
-        return transfers, shipper, early
 
     def _cluster(self) -> ClusterCoordination:
         """The coordination with the other nodes (inert with one node)."""
@@ -255,7 +244,7 @@ class SyncPipeline:
             )
         )
         for state in self.runs.values():
-            state.committed.update(name for name, _ in self.journal.committed(state.run_id))
+            state.recall(self.journal)
             # What the store holds as the run's last commit is shown (/v1/status, the
             # gauges) before anything new ships, and is the base early copies start from.
             manifest = await previous_manifest(self.repo, state, self.log)
@@ -279,9 +268,6 @@ class SyncPipeline:
         old = self._timers.pop(key, None)
         if old is not None:
             old.cancel()
-        if name in state.committed:
-            self._first_hint.pop(key, None)
-            return
         loop = asyncio.get_running_loop()
         now = loop.time()
         if old is None:
@@ -289,6 +275,8 @@ class SyncPipeline:
         else:  # a burst: no later than EVENT_MAX_DELAY_SECONDS after its first hint
             first = self._first_hint.setdefault(key, now)
             delay = min(delay, max(0.0, first + EVENT_MAX_DELAY_SECONDS - now))
+        ended, took = self._last_look.get(key, (0.0, 0.0))
+        delay = max(delay, ended + LOOK_SPACING * took - now)
 
         def fire() -> None:
             self._first_hint.pop(key, None)
@@ -312,18 +300,43 @@ class SyncPipeline:
                 await self.evaluate(run_id, name)
 
     async def evaluate(self, run_id: str, name: str) -> Completion | None:
-        """Apply the completion rule to one checkpoint now; queue it if complete."""
+        """Apply the completion rule to one checkpoint now; queue it if complete. While
+        a look at it runs, another is not started beside it: the caller gets that
+        look's verdict, and one more look follows it (a look lists every file: looks
+        side by side would hold as many listings, and take as many times the CPU)."""
+        key = (run_id, name)
+        running = self._looking.get(key)
+        if running is not None:
+            self._look_after.add(key)
+            return await asyncio.shield(running)
         # Counted from before the timer is dropped to after a verdict is queued, so idle()
         # never sees the gap between "timer fired" and "checkpoint pending".
         self._evaluating += 1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        look = self._looking[key] = loop.create_task(self.intake.look(run_id, name))
+        self._tasks.add(look)  # cancelled by close() like the rest
+        look.add_done_callback(self._tasks.discard)
         try:
-            self._timers.pop((run_id, name), None)
-            return await self.intake.look(run_id, name)
+            self._timers.pop(key, None)
+            return await asyncio.shield(look)
         finally:
+            if look.done():
+                self._looking.pop(key, None)
+            else:  # cancelled while it runs: the look finishes on its own
+                look.add_done_callback(lambda _: self._looking.pop(key, None))
             self._evaluating -= 1
+            ended = loop.time()
+            self._last_look[key] = (ended, ended - started)
+            if len(self._last_look) > 4096:  # a long run's old names: nothing to space
+                self._last_look = {k: v for k, v in self._last_look.items() if v[0] > ended - 600}
+            if key in self._look_after:
+                self._look_after.discard(key)
+                self.hint(run_id, name)  # spaced by LOOK_SPACING
 
     def _discard(self, run: str, name: str) -> None:
-        """``cleanup.discard``; with one node the checkpoint's whole prefix is ours."""
+        """``cleanup.discard``; with one node the checkpoint's whole slot is ours."""
+        self.claims.forget(run, name)
         cleanup.discard(
             self.repo, self.journal, run, name, self.log, whole_prefix=self.cluster.whole_prefix
         )
@@ -379,17 +392,16 @@ class SyncPipeline:
         # Failures left in backoff count as not done.
         return ok and not len(self.queue)
 
-    def unshippable(self) -> list[str]:
-        """``run/name`` of each checkpoint seen with entries that cannot be shipped and
-        not committed (``run --once`` fails on them: they never will be)."""
-        return sorted(
-            f"{run}/{name}"
-            for run, state in self.runs.items()
-            for name, entries in state.reported_unshippable.items()
-            if entries and name not in state.committed
-        )
+    def unshippable(self) -> dict[str, str]:
+        """``run/name`` of each checkpoint that, as it is, never ships (``RunState
+        .never_shipped``), with why: ``run --once`` fails on them."""
+        return {
+            f"{run}/{name}": why
+            for run, state in sorted(self.runs.items())
+            for name, why in sorted(state.why_never_shipped().items())
+        }
 
-    # -- many nodes (``ckptd.cluster.coordination``) -------------------------------------
+    # -- many nodes (``ckptd.sync.coordination``) -------------------------------------
 
     async def poll_cluster(self) -> None:
         """Many nodes, one look at the store (``ClusterCoordination.poll``); a global
@@ -440,7 +452,9 @@ class SyncPipeline:
         multi = self.cluster.committer is not None
         return {
             "runs": {
-                run: state.status(self.queue, now, cluster=multi)
+                run: state.status(
+                    self.queue, now, failures=self.metrics.failures_of(run), cluster=multi
+                )
                 for run, state in self.runs.items()
             }
         }
@@ -452,3 +466,54 @@ class SyncPipeline:
             task.cancel()
         await self.early.close()
         await asyncio.to_thread(self.transfers.close)
+        await asyncio.to_thread(self.small.close)
+
+
+def _shipping(
+    self: SyncPipeline, storage: Storage
+) -> tuple[Transfers, SmallFiles, Claims, Shipper, EarlyUploads]:
+    """A pipeline's transfers (worker pools for large files, lanes for small ones), its
+    claims, the shipper over them, and the early uploads."""
+    dest = self.settings.destination
+    transfers = Transfers(
+        storage,
+        self.journal,
+        part_size=dest.part_size_mib * 1024 * 1024,
+        concurrency=dest.concurrency,
+        on_bytes=self._count_bytes,
+        drop_page_cache=self.settings.resources.drop_page_cache,
+        thread_setup=self.priority.lower_worker,
+        urgent_setup=self.priority.lower_urgent_worker,
+        is_urgent=self._urgent,
+        digests=self.keys is not None,
+    )
+    claims = Claims.of(self.repo, self.journal, self.settings.cluster, self.clock, self.log)
+    small = SmallFiles(
+        transfers,
+        lanes=lanes_for(dest.concurrency),
+        thread_setup=self.priority.lower_worker,
+        urgent_setup=self.priority.lower_urgent_worker,
+        is_urgent=self._urgent,
+    )
+    shipper = Shipper(
+        self.repo,
+        transfers,
+        self.journal,
+        self.clock,
+        file_slots=max(4, dest.concurrency * 2),
+        log=self.log,
+        claims=claims,
+        small=small,
+        keys=self.keys,
+    )
+    # With peers, an emergency part goes to them first (ckptd.sync.replicate).
+    early = EarlyUploads(
+        transfers,
+        self.journal,
+        claims,
+        slots=max(2, dest.concurrency),
+        small=small,
+        log=self.log,
+        emergency_early=not self.settings.peers.enabled,
+    )
+    return transfers, small, claims, shipper, early

@@ -1,7 +1,8 @@
 """Which local checkpoint a (re)started trainer resumes from: the newest complete one.
 
 "Complete" is the run's own completion rule (``ckptd.layouts``), the same verdict that
-decides what is shipped, so a trainer never resumes from a checkpoint the daemon would
+decides what is shipped (or a checkpoint ``ckptd restore`` wrote and nothing changed since:
+``ckptd.sync.lineage.restored_as``, no quiet window), so a trainer never resumes from a checkpoint the daemon would
 refuse to commit (a DCP save without ``.metadata``, an HF save without
 ``trainer_state.json``). "Newest" is the highest step (the name's last run of digits);
 among names without a step, or equal steps, the newest file wins.
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from ckptd import layouts
 from ckptd.layouts.base import RuleSettings, step_of
+from ckptd.sync.lineage import restored_as
 from ckptd.sync.scanner import list_candidates, snapshot
 
 
@@ -48,7 +50,9 @@ def find_resume_point(
             continue
         verdict = layouts.evaluate(layout, listing, now_ns, rules)
         rank = _rank(step_of(name), listing.newest_mtime_ns)
-        if verdict.complete:
+        # What ``ckptd restore`` wrote, still as written, is complete without a quiet
+        # window: ckptd wrote those files itself (a fresh node resumes from its restore).
+        if verdict.complete or restored_as(watch_dir, listing) is not None:
             if best is None or rank > best[0]:
                 best = (rank, LocalCheckpoint(watch_dir / name, step_of(name)))
         elif verdict.recheck_after is not None:

@@ -13,17 +13,27 @@ every other node's (``/v1/status``'s ``waiting``).
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from ckptd.cluster.protocol import Announcement
+from ckptd.commit.parts import Announcement
 from ckptd.config import WatchConfig
-from ckptd.core.manifest import Manifest, ManifestError, utc_timestamp
-from ckptd.layouts.base import RuleSettings
+from ckptd.core.manifest import (
+    ROOT_TRAJECTORY,
+    Manifest,
+    ManifestError,
+    Parent,
+    Trajectory,
+    utc_timestamp,
+)
+from ckptd.layouts.base import CheckpointListing, RuleSettings
+from ckptd.repository import Repository
 from ckptd.storage.base import StorageError
 from ckptd.store.catalog import RunCatalog
-from ckptd.store.repository import Repository
+from ckptd.sync.journal import Journal
+from ckptd.sync.lineage import RunLineage
 from ckptd.sync.queue import ShipQueue
 from ckptd.sync.transfer import TransferContext
 
@@ -62,6 +72,9 @@ class RunState:
     seen: set[str] = field(default_factory=set)
     committed: set[str] = field(default_factory=set)
     failed_for_good: dict[str, str] = field(default_factory=dict)
+    # The last failed attempt (``/v1/status``'s ``failures.last``): which checkpoint, why
+    # (the metric's reason), the error, when (wall clock); None since that one committed.
+    last_failure: dict[str, Any] | None = None
     # Checkpoints whose unshippable entries were logged and counted (once each).
     reported_unshippable: dict[str, tuple[str, ...]] = field(default_factory=dict)
     previous: Manifest | None = None
@@ -79,6 +92,15 @@ class RunState:
     waiting: dict[str, WaitingEntry] = field(default_factory=dict)
     # What retention has read of the run's store, kept from one pass to the next.
     catalog: RunCatalog = field(default_factory=RunCatalog)
+    # The trainer's starts and their trajectories (set by the pipeline, which has the
+    # store and journal it needs).
+    lineage: RunLineage | None = None
+    # Local checkpoints refused because another content holds the name on their
+    # trajectory: name -> (the local files' fingerprint then, who holds it).
+    conflicts: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    # The fingerprint of each committed local checkpoint's files when committed ('' when
+    # not known): a re-save under a committed name shows as another.
+    committed_files: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, watch: WatchConfig) -> RunState:
@@ -93,10 +115,31 @@ class RunState:
     def dir(self) -> Path:
         return Path(self.watch.dir)
 
-    def record_commit(self, manifest: Manifest) -> bool:
-        """Remember ``manifest`` as committed; True when its step is the run's highest."""
-        self.committed.add(manifest.checkpoint)
-        if self.previous is None or (manifest.step or -1) >= (self.previous.step or -1):
+    def recall(self, journal: Journal) -> None:
+        """What the journal holds of this run from earlier lives: the local checkpoints
+        committed (with their files' fingerprints) and those refused as conflicts."""
+        committed = journal.committed_files(self.run_id)
+        self.committed.update(committed)
+        self.committed_files.update({name: fp for name, (_, fp) in committed.items()})
+        for name, (local, detail) in journal.conflicts(self.run_id).items():
+            said = json.loads(detail)
+            self.conflicts[name] = (local, said)
+            self.failed_for_good[name] = str(said.get("error", "conflict"))
+
+    def record_commit(
+        self, manifest: Manifest, local: str | None = None, *, live: bool | None = None
+    ) -> bool:
+        """Remember ``manifest`` as committed, and the local checkpoint whose files are its
+        content (``local``: a fingerprint; None when no local copy is known to be it, as
+        for the run's last commit read from the store); ``live``: whether LATEST names it
+        now (None: not known; then the higher step is taken to). True when its step is the
+        run's highest."""
+        if local is not None:
+            self.committed.add(manifest.local_name)
+            self.committed_files[manifest.local_name] = local
+            self.conflicts.pop(manifest.local_name, None)
+        newer = self.previous is None or (manifest.step or -1) >= (self.previous.step or -1)
+        if live or (live is None and newer):
             self.previous = manifest
             self.previous_loaded = True
         self.last_committed = {
@@ -109,6 +152,24 @@ class RunState:
             self.last_step = manifest.step
             return True
         return False
+
+    def never_shipped(self) -> set[str]:
+        """Local checkpoints that, as they are, will never commit: seen with entries that
+        cannot be shipped, or refused as a conflict."""
+        return set(self.why_never_shipped())
+
+    def why_never_shipped(self) -> dict[str, str]:
+        """``never_shipped``'s checkpoints, each with why: a conflict's recorded error (a
+        later ``run --once`` says it again, not only the run that met it), or the entries
+        it holds that cannot be shipped."""
+        why = {
+            name: f"entries it cannot ship: {', '.join(entries)}"
+            for name, entries in self.reported_unshippable.items()
+            if entries and name not in self.committed
+        }
+        for name, (_, said) in self.conflicts.items():
+            why[name] = f"conflict: {said.get('error', 'another writer committed this name')}"
+        return why
 
     def forget_cluster(self, name: str) -> None:
         """Drop what many-node bookkeeping holds for ``name`` (committed, or given up)."""
@@ -128,9 +189,27 @@ class RunState:
             for name, entry in sorted(self.waiting.items())
         ]
 
-    def status(self, queue: ShipQueue, now: float, *, cluster: bool = False) -> dict[str, Any]:
+    def failed_attempt(self, name: str, reason: str, error: str, now: float) -> None:
+        """An attempt to ship ``name`` failed (counted in the metric by the caller)."""
+        self.last_failure = {
+            "checkpoint": name,
+            "reason": reason,
+            "error": error,
+            "at": utc_timestamp(now),
+        }
+
+    def status(
+        self,
+        queue: ShipQueue,
+        now: float,
+        *,
+        failures: dict[str, int] | None = None,
+        cluster: bool = False,
+    ) -> dict[str, Any]:
         """This run's entry in ``/v1/status`` (``now``: wall clock, for the sync lag);
-        ``cluster`` adds the checkpoints waiting for other nodes."""
+        ``failures`` the run's ``ckptd_checkpoints_failed_total`` by reason (so status and
+        the metric count the same thing); ``cluster`` adds the checkpoints waiting for
+        other nodes."""
         current = self.current
         doc: dict[str, Any] = {
             "dir": str(self.dir),
@@ -145,7 +224,13 @@ class RunState:
             },
             "last_committed": self.last_committed,
             "failed": self.failed_for_good,
+            "failures": {
+                "count": sum((failures or {}).values()),
+                "by_reason": dict(failures or {}),
+                "last": self.last_failure,
+            },
             "sync_lag_seconds": queue.sync_lag(self.run_id, now),
+            "conflicts": {name: detail for name, (_, detail) in sorted(self.conflicts.items())},
         }
         if cluster:
             doc["waiting"] = self.waiting_status()
@@ -169,3 +254,17 @@ async def previous_manifest(repo: Repository, state: RunState, log: Any) -> Mani
             return None
         state.previous_loaded = True
     return state.previous
+
+
+async def lineage_of(
+    state: RunState, listing: CheckpointListing
+) -> tuple[Trajectory, Parent | Literal["scratch"] | None]:
+    """The trajectory a local checkpoint's content belongs to and what its trainer
+    resumed from (``ckptd.sync.lineage``): the trainer's report is looked at first."""
+    lineage = state.lineage
+    if lineage is None:
+        live = state.previous
+        return (live.lineage if live is not None else ROOT_TRAJECTORY), None
+    await asyncio.to_thread(lineage.refresh)
+    oldest = min((f.mtime_ns for f in listing.files), default=0) / 1e9
+    return lineage.for_checkpoint(oldest, state.previous)

@@ -8,7 +8,7 @@ The checksum has to lead the body: S3 takes it after the body only in aws-chunke
 encoding, which botocore applies over TLS alone and whose wrapper re-copies its buffer
 on every read. Memory is a few MiB per part in flight, whatever the part or checkpoint
 size (94 MiB peak RSS for a 4 GiB checkpoint with the defaults). Files up to 8 MiB go in
-one PUT from memory.
+one PUT from memory (``send_small``; many at a time through ``ckptd.sync.lanes``).
 
 Page cache, too, stays bounded: with ``drop_page_cache`` (the default) each range is
 dropped from the cache (``posix_fadvise(DONTNEED)``) once it is sent or hashed, so at
@@ -27,8 +27,8 @@ digest costs no extra read. Parts finished before a restart are read again for t
 (their CRC-32C must still be the journal's); copy candidates get theirs in the pass
 that CRCs them, files the journal holds as sent in a pass of their own.
 
-File-level logic runs as coroutines; only leaf operations (read+send one part, one
-request) run in the thread pool, so a file never waits on a pool slot it holds.
+File-level logic runs as coroutines and only leaf operations (one part, one request) in
+the pool: a file never waits on a pool slot it holds.
 """
 
 from __future__ import annotations
@@ -146,6 +146,8 @@ class Transfers:
         digests: bool = False,
     ) -> None:
         self.storage = storage
+        # Asked once: a runtime Protocol check costs more than a small file's request.
+        self._store_checksums = capability(storage, StoreChecksums)
         self.digests = digests
         self.drop_page_cache = drop_page_cache
         self.journal = journal
@@ -271,14 +273,22 @@ class Transfers:
         ctx.check()
         try:
             if entry.size <= self.single_put_max:
-                return await self._in_pool(lambda: self._put_small(key, local, entry, ctx))
+
+                def put() -> FileResult:
+                    result, record = self.send_small(key, local, entry, ctx)
+                    self.journal.record_object(ctx.run, ctx.checkpoint, record)
+                    return result
+
+                return await self._in_pool(put)
             return await self._upload_multipart(key, local, entry, ctx)
         except FileNotFoundError as exc:
             raise CheckpointChangedError(f"{entry.path} vanished") from exc
 
-    def _put_small(
+    def send_small(
         self, key: str, local: Path, entry: FileEntry, ctx: TransferContext
-    ) -> FileResult:
+    ) -> tuple[FileResult, ObjectRecord]:
+        """One PUT of a whole file read into memory, verified by the store's reply; the
+        journal row is the caller's to write (one transaction for many: ``lanes``)."""
         if ctx.cancel.is_set():
             raise CheckpointChangedError("cancelled")
         with open(local, "rb", buffering=0) as fh:
@@ -294,11 +304,11 @@ class Transfers:
         stored = self.storage.put_bytes(key, data, crc32c=crc)
         self.on_bytes(ctx.run, len(data))
         self._verify(key, entry.size, [], crc, reported=stored)
-        self.journal.record_object(ctx.run, ctx.checkpoint, _record(key, entry, crc, opened))
         sums = digest.digest_of_bytes(data) if self.digests else None
-        return FileResult(
+        result = FileResult(
             entry.path, entry.size, crc, "uploaded", bytes_sent=len(data), digest=sums
         )
+        return result, _record(key, entry, crc, opened)
 
     def _verify(
         self,
@@ -311,7 +321,7 @@ class Transfers:
         """Compare what the store reports with what ckptd read and sent: the write's own
         response when it carries the store's checksum (one request saved per file),
         else a HEAD. A store that reports no checksum is checked by size alone."""
-        sums = capability(self.storage, StoreChecksums)
+        sums = self._store_checksums
         expected = sums.expected_checksum(parts, whole_crc) if sums is not None else ""
         if (
             reported is not None

@@ -2,12 +2,15 @@
 
 Events are only hints: they are lost on NFS and overlay filesystems, and across a
 restart, which is why the pipeline also rescans periodically and at start-up. The
-watchdog thread never touches pipeline state; it hands each hint to the event loop.
+watchdog thread never touches pipeline state; it hands the hints to the event loop, the
+names a burst of events touched in one call (a save of 100,000 files makes some
+300,000 events, and a call per event would keep the loop busy for seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,34 +32,53 @@ class _Handler(FileSystemEventHandler):
         self.run_id = run_id
         self.loop = loop
         self.hint = hint
+        self._prefix = str(root).rstrip("/") + "/"
+        self._save_report = str(root / saves.RELPATH)
+        # Names hinted since the loop last took them; None: "all" (a tracker, a report).
+        self._pending: set[str | None] = set()
+        self._lock = threading.Lock()
 
-    def _child(self, path: str | bytes) -> str | None:
-        text = path.decode() if isinstance(path, bytes) else path
-        try:
-            rel = Path(text).relative_to(self.root)
-        except ValueError:
+    def _queue(self, name: str | None) -> None:
+        with self._lock:
+            first = not self._pending
+            self._pending.add(name)
+        if first:
+            self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            names, self._pending = self._pending, set()
+        if None in names:
+            self.hint(self.run_id, None)
+        for name in names:
+            if name is not None:
+                self.hint(self.run_id, name)
+
+    def _child(self, text: str) -> str | None:
+        # String work, not Path objects: this runs for every event of every file.
+        if not text.startswith(self._prefix):
             return None
-        return rel.parts[0] if rel.parts else None
+        return text[len(self._prefix) :].split("/", 1)[0] or None
 
-    def _is_save_report(self, path: str | bytes) -> bool:
-        text = path.decode() if isinstance(path, bytes) else path
-        return Path(text) == self.root / saves.RELPATH
+    def _is_save_report(self, text: str) -> bool:
+        return text == self._save_report
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.event_type in ("opened", "closed_no_write"):
             return
-        for path in (event.src_path, getattr(event, "dest_path", "")):
-            if not path:
+        for raw in (event.src_path, getattr(event, "dest_path", "")):
+            if not raw:
                 continue
+            path = raw.decode() if isinstance(raw, bytes) else raw
             child = self._child(path)
             if child is None:
                 continue
             if child in TRACKER_FILES or self._is_save_report(path):
                 # A tracker (DeepSpeed's `latest`, Megatron's iteration file) completes a
                 # sibling; a trainer's save report (ckptd.core.saves) may complete one at once.
-                self.loop.call_soon_threadsafe(self.hint, self.run_id, None)
+                self._queue(None)
             elif is_checkpoint_candidate(child, True) or is_checkpoint_candidate(child, False):
-                self.loop.call_soon_threadsafe(self.hint, self.run_id, child)
+                self._queue(child)
 
 
 class Watcher:

@@ -14,6 +14,9 @@ A plain training loop::
 
 :func:`report_save` is optional: it tells the daemon the save has returned, so the
 checkpoint is taken as complete at once instead of after its layout's quiet window.
+:func:`report_resumed`, once at start-up, says which checkpoint the trainer loaded (None:
+none): a trainer that rolls back to an older checkpoint starts a new trajectory, whose
+saves commit and which ``restore --latest`` then follows (``ckptd.trainer.resumed``).
 
 With several ranks (``torch.distributed``) every rank must save the *same* step: call
 :func:`preempted_on_any_rank` on every rank at every step instead of :func:`preempted`
@@ -52,6 +55,7 @@ from ckptd.trainer.listener import (
     parse_notice,
     parse_signal,
 )
+from ckptd.trainer.resumed import report_resumed
 from ckptd.trainer.steps import report_step
 
 if TYPE_CHECKING:
@@ -75,6 +79,7 @@ __all__ = [
     "parse_signal",
     "preempted",
     "preempted_on_any_rank",
+    "report_resumed",
     "report_save",
     "report_step",
     "resume_from",

@@ -27,6 +27,7 @@ import ckptd.trainer
 from ckptd.trainer.agree import agree_any
 from ckptd.trainer.cadence import AdvisedCadence
 from ckptd.trainer.listener import PreemptionListener
+from ckptd.trainer.resumed import report_resumed
 from ckptd.trainer.steps import report_step
 
 __all__ = ["CkptdCallback"]
@@ -75,12 +76,19 @@ class CkptdCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Watch ``args.output_dir`` when no watch dir was configured."""
+        """Watch ``args.output_dir`` when no watch dir was configured, and report what the
+        trainer resumed from: the Trainer has loaded it by now, and names its checkpoints
+        ``checkpoint-<global step>`` (step 0: from scratch)."""
         if self.listener.watch_dir is None and args.output_dir:
             self.listener.watch_dir = args.output_dir
         if self.cadence.watch_dir is None and args.output_dir:
             self.cadence.watch_dir = args.output_dir
         self.cadence.reset()
+        where = self.listener.watch_dir
+        if where is not None and state.is_world_process_zero:
+            report_resumed(
+                f"checkpoint-{state.global_step}" if state.global_step else None, watch_dir=where
+            )
 
     def on_step_end(
         self,

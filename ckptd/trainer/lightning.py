@@ -26,6 +26,7 @@ import ckptd.trainer
 from ckptd.trainer.agree import agree_any
 from ckptd.trainer.cadence import AdvisedCadence, report_save
 from ckptd.trainer.listener import PreemptionListener
+from ckptd.trainer.resumed import report_resumed
 from ckptd.trainer.steps import report_step
 
 if TYPE_CHECKING:
@@ -97,6 +98,9 @@ class CkptdLightningCallback(Callback):
             self.cadence.watch_dir = self.checkpoint_dir(trainer)
         self.cadence.reset()
         self._warn_if_slurm_requeue_displaced(trainer)
+        if trainer.is_global_zero and self.listener.watch_dir is not None:
+            # What the trainer loaded (None: from scratch), for the daemon's trajectory.
+            report_resumed(trainer.ckpt_path, watch_dir=self.listener.watch_dir)
 
     def on_train_batch_end(
         self,

@@ -44,6 +44,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptd.trainer.resumed import report_resumed
+
 if TYPE_CHECKING:
     import torch
 
@@ -309,6 +311,7 @@ def load_training_state(
             raise ValueError(f"{directory} holds no scheduler state")
         scheduler.load_state_dict(record["scheduler"])
     restore_rng_state(record["rng"])
+    report_resumed(directory)  # the daemon's trajectory: a rollback starts a new one
     return {
         "step": int(record["step"]),
         "extra": record["extra"],

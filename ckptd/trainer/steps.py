@@ -1,64 +1,195 @@
-"""The trainer's step report: ``<watch dir>/.ckptd/steps.json``, the step it is at.
+"""The trainer's step report: ``report_step(n)`` once ``n`` steps are done, after each step.
 
-``report_step(step)`` after each optimizer step costs a clock read and a comparison; at
-most every ``CKPTD_STEP_REPORT_SECONDS`` (default 5; 0: every call) it replaces the file
-(tmp + rename) with ``{"step", "at", "pid", "first_step", "first_at"}``: the step, the
-Unix time of the report, the reporting process, and its first step and that step's time. No
-device sync: the step is the caller's integer. The daemon (``ckptd exec``'s goodput
-recorder) reads it to tell training from start-up and to count the steps an interruption
-loses. Only local rank 0 writes (every rank is at the same step). Never raises.
+Where it goes: ``<watch dir>/.ckptd/steps.bin``, the step counter
+(``ckptd.core.handoff.StepCounterLayout``). The first report opens the file, maps it
+(``mmap``, shared) and closes it; every report after that is a clock read (the vDSO: no
+system call) and two ``struct.pack_into`` into the mapping: no system call, no device
+sync (the step is the caller's integer), about a microsecond (``bench/bench_steps.py``).
+The page cache holds what was written after the process dies, ``kill -9`` included, so
+the daemon (the goodput recorder of ``ckptd exec`` or of ``ckptd run`` beside the trainer)
+reads the last step the trainer completed. When the file was another process's, its last
+report is kept in the counter's second slot first, so a daemon that looks only after the
+next trainer started still sees where the last one stopped.
+
+Where the counter cannot be mapped (a file system without shared writable mappings), the
+report replaces ``steps.json`` instead (tmp + rename; the same fields as JSON) at most
+every ``CKPTD_STEP_REPORT_SECONDS`` (default 5; 0: every call).
+
+Only local rank 0 reports (every rank is at the same step). Never raises: a report that
+cannot be made is logged at debug level and the training goes on.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import time
 from pathlib import Path
 
-from ckptd.core.handoff import STEPS
+from ckptd.core.handoff import STEP_COUNTER, STEP_LAYOUT, STEPS
 
-__all__ = ["STEPS_RELPATH", "report_step"]
+__all__ = ["STEPS_RELPATH", "STEP_COUNTER_RELPATH", "report_step"]
 
+STEP_COUNTER_RELPATH = STEP_COUNTER
 STEPS_RELPATH = STEPS
 DEFAULT_REPORT_SECONDS = 5.0
 log = logging.getLogger("ckptd.trainer")
 
-_state: dict[str, float] = {}
+
+class _Counter:
+    """This process's slot of the mapped step counter (module doc)."""
+
+    def __init__(self, path: Path, step: int, now: float) -> None:
+        layout = STEP_LAYOUT
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            before = os.pread(fd, layout.SIZE, 0)
+            if len(before) != layout.SIZE or before[: layout.HEADER.size] != layout.header():
+                os.pwrite(fd, layout.header() + bytes(layout.SIZE - layout.HEADER.size), 0)
+                os.ftruncate(fd, layout.SIZE)
+                before = b""
+            self.map = mmap.mmap(fd, layout.SIZE)
+        finally:
+            os.close(fd)
+        self.pid, self.pid_start = os.getpid(), _own_start_ticks()
+        current, previous = layout.slot(0), layout.slot(1)
+        last = layout.decode(before, 0) if before else None
+        if last is not None and last.pid != self.pid:
+            # Where the last process stopped, kept for a reader that looks too late.
+            self.map[previous : previous + layout.SLOT_SIZE] = before[
+                current : current + layout.SLOT_SIZE
+            ]
+        (self.seq,) = layout.SEQ.unpack_from(self.map, current)
+        self.seq_at = current
+        self.record_at = (layout.record(0, 0), layout.record(0, 1))
+        self.first_step, self.first_at = int(step), now
+        self.view = memoryview(self.map)  # held for the process's life: never unmapped
+        self.pack_record, self.pack_seq = layout.RECORD.pack_into, layout.SEQ.pack_into
+
+    def write(self, step: int, now: float) -> None:
+        n = self.seq + 1
+        self.pack_record(
+            self.view,
+            self.record_at[n & 1],
+            n,
+            step,
+            now,
+            self.pid,
+            self.first_step,
+            self.first_at,
+            self.pid_start,
+        )
+        self.pack_seq(self.view, self.seq_at, n)  # after the record: it names it
+        self.seq = n
 
 
-def _interval() -> float:
+def _own_start_ticks() -> int:
+    """This process's start in clock ticks since boot (``/proc/self/stat``, field 22; 0
+    where there is no /proc): read once, when the counter is mapped."""
     try:
-        return max(0.0, float(os.environ.get("CKPTD_STEP_REPORT_SECONDS", DEFAULT_REPORT_SECONDS)))
-    except ValueError:
-        return DEFAULT_REPORT_SECONDS
+        stat = Path("/proc/self/stat").read_text()
+        return int(stat[stat.rfind(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _JsonReport:
+    """The fallback: ``steps.json`` replaced at most every ``CKPTD_STEP_REPORT_SECONDS``."""
+
+    def __init__(self, path: Path, step: int, now: float) -> None:
+        self.path = path
+        self.first = (int(step), now)
+        self.written_at = float("-inf")
+        try:
+            seconds = float(os.environ.get("CKPTD_STEP_REPORT_SECONDS", DEFAULT_REPORT_SECONDS))
+        except ValueError:
+            seconds = DEFAULT_REPORT_SECONDS
+        self.every = max(0.0, seconds)
+
+    def write(self, step: int, now: float) -> None:
+        if now - self.written_at < self.every:
+            return
+        self.written_at = now
+        body = {
+            "step": step,
+            "at": now,
+            "pid": os.getpid(),
+            "first_step": self.first[0],
+            "first_at": self.first[1],
+        }
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".steps.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(body))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.debug("ckptd: cannot report the step: %s", exc)
+
+
+class _Nowhere:
+    """No watch dir (yet: ``final`` False), or a local rank other than 0: nothing to
+    report."""
+
+    def __init__(self, *, final: bool) -> None:
+        self.final = final
+
+    def write(self, step: int, now: float) -> None:
+        pass
+
+
+_Reporter = _Counter | _JsonReport | _Nowhere
+_reporter: _Reporter | None = None
+_given: str | os.PathLike[str] | None = None  # the watch_dir argument it was made for
+
+
+def _forget() -> None:
+    """A forked child does not write through its parent's mapping as the parent."""
+    global _reporter, _given
+    _reporter, _given = None, None
+
+
+os.register_at_fork(after_in_child=_forget)
+
+
+def _listening_dir() -> Path | None:
+    """The watch dir of the process-wide listener (``ckptd.trainer.install``, a framework
+    callback), if it has one: beside ``ckptd run`` no ``CKPTD_WATCH_DIR`` may be set."""
+    from ckptd import trainer  # the package, loaded already: it imports this module
+
+    listener = trainer._listener
+    return listener.watch_dir if listener is not None else None
+
+
+def _make(watch_dir: str | os.PathLike[str] | None, step: int, now: float) -> _Reporter:
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return _Nowhere(final=True)
+    where = watch_dir if watch_dir is not None else os.environ.get("CKPTD_WATCH_DIR")
+    where = where or _listening_dir()
+    if not where:
+        return _Nowhere(final=False)
+    try:
+        return _Counter(Path(where) / STEP_COUNTER_RELPATH, step, now)
+    except (OSError, ValueError) as exc:  # ValueError: mmap of an odd file
+        log.debug("ckptd: cannot map the step counter (%s); %s instead", exc, STEPS_RELPATH)
+        return _JsonReport(Path(where) / STEPS_RELPATH, step, now)
 
 
 def report_step(step: int, watch_dir: str | os.PathLike[str] | None = None) -> None:
-    """Report that ``step`` is done (module doc); a no-op without a watch dir
-    (``CKPTD_WATCH_DIR``, set by ``ckptd exec``) or on a local rank other than 0."""
+    """Report that ``step`` steps are done (module doc); a no-op without a watch dir
+    (``watch_dir``, else ``CKPTD_WATCH_DIR``, set by ``ckptd exec``, else the one the
+    process-wide listener watches) or on a local rank other than 0."""
+    global _reporter, _given
     now = time.time()
-    first = _state.setdefault("first_at", now)
-    first_step = int(_state.setdefault("first_step", step))
-    if now - _state.get("written_at", float("-inf")) < _interval():
-        return
-    where = watch_dir if watch_dir is not None else os.environ.get("CKPTD_WATCH_DIR")
-    if not where or os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    _state["written_at"] = now
-    target = Path(where) / STEPS_RELPATH
-    body = {
-        "step": int(step),
-        "at": now,
-        "pid": os.getpid(),
-        "first_step": first_step,
-        "first_at": first,
-    }
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".steps.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, target)
-    except OSError as exc:
-        log.debug("ckptd: cannot report the step: %s", exc)
+    reporter = _reporter
+    if (
+        reporter is None
+        or (watch_dir is not None and watch_dir is not _given and watch_dir != _given)
+        or (type(reporter) is _Nowhere and not reporter.final and _listening_dir() is not None)
+    ):
+        reporter = _reporter = _make(watch_dir, step, now)
+        _given = watch_dir
+    # A plain int is the caller's usual step (int() of a numpy or torch scalar reads it).
+    reporter.write(step if type(step) is int else int(step), now)

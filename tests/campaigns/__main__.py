@@ -1,4 +1,4 @@
-"""``python -m tests.campaigns {kill,faults,hostile,all} [options]``: the long versions.
+"""``python -m tests.campaigns {kill,faults,hostile,races,all} [options]``: the long versions.
 
 Each campaign starts its own SeaweedFS under ``--work`` (a temporary dir by default),
 prints every trial and then its table, and exits 1 if any trial found a problem.
@@ -20,7 +20,7 @@ from tests.campaigns.env import machine, stage
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.campaigns", description=__doc__)
-    parser.add_argument("campaign", choices=("kill", "faults", "hostile", "all"))
+    parser.add_argument("campaign", choices=("kill", "faults", "hostile", "races", "all"))
     parser.add_argument("--seed", type=int, default=None, help="default: random, printed")
     parser.add_argument("--trials", type=int, default=60, help="kill: trials (default 60)")
     parser.add_argument(
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--examples", type=int, default=2000, help="hostile: examples per property (default 2000)"
     )
+    parser.add_argument("--races", type=int, default=20, help="races: races per store (default 20)")
     parser.add_argument(
         "--work", type=Path, default=None, help="where to write (default: a temp dir)"
     )
@@ -69,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             hostile = run_hostile(st, examples=args.examples, seed=seed, prefix=f"{prefix}-hostile")
             problems += hostile.problems
             tables.append(hostile.table())
+        if args.campaign in ("races", "all"):
+            from tests.campaigns.races import RaceCampaign
+
+            races = RaceCampaign(st, races=args.races, seed=seed).run()
+            problems += races.problems
+            tables.append(races.table())
     print("\n".join(tables), flush=True)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; work dir {work}")
     for p in problems:

@@ -42,8 +42,8 @@ from ckptd.notices.aws import AwsImdsSource
 from ckptd.notices.azure import AzureScheduledEventsSource
 from ckptd.notices.gcp import GcpMetadataSource
 from ckptd.notices.model import Notice
+from ckptd.repository import Repository
 from ckptd.storage import open_storage
-from ckptd.store.repository import Repository
 from ckptd.store.restore import RestoreRequest, restore
 from ckptd.store.verify import verify_checkpoint
 from tests.campaigns.checker import crc_hex
@@ -280,7 +280,9 @@ def _unsafe(path: str) -> bool:
         or "\\" in path
         or "\x00" in path
         or any(p in ("", ".", "..") for p in parts)
-        or (len(path) > 1 and path[1] == ":")
+        # A drive letter, as the format says it: an ASCII letter and a colon ("0:" is a
+        # plain name on every system ckptd writes to).
+        or (len(path) > 1 and path[1] == ":" and path[0].isascii() and path[0].isalpha())
     )
 
 

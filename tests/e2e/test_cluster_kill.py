@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.cluster.protocol import CLOCK_SKEW_SECONDS, SAVE_TAIL_SECONDS, save_tail_seconds
+from ckptd.commit.parts import CLOCK_SKEW_SECONDS, SAVE_TAIL_SECONDS, save_tail_seconds
 from ckptd.devtools.locals3 import LocalS3
 from tests.support.cluster import Cluster, Node, Store, check_committed, snapshot
 from tests.support.daemon import wait_until

@@ -18,8 +18,8 @@ import pytest
 
 from ckptd.devtools.locals3 import LocalS3
 from ckptd.notices.model import format_time, parse_time
+from ckptd.repository import Repository
 from ckptd.storage import open_storage
-from ckptd.store.repository import Repository
 from tests.support.daemon import Daemon, committed_manifest, run_cli, wait_until
 from tests.support.fakes.aws_imds import FakeAwsImds
 

@@ -152,6 +152,49 @@ def test_notice_signals_the_trainer_and_commits_its_emergency_checkpoint(
         fake.stop_thread()
 
 
+def test_a_notice_whose_time_moves_every_poll_is_one_notice_one_signal_one_emergency_commit(
+    tmp_path: Path,
+    local_s3: LocalS3,
+    s3_client: Any,
+    s3_prefix: str,
+    s3_dest: str,
+    trainer: Trainer,
+) -> None:
+    """A metadata endpoint that restates the spot time on every read once made a new
+    notice every second (the id held the time), and each new one moved the emergency's
+    start past the checkpoint saved for the first: never an emergency commit. The action
+    is the notice; a moved time moves its deadline."""
+    imds = FakeAwsImds()
+    url = imds.start_in_thread()
+    try:
+        with _config(tmp_path, local_s3, s3_dest, "aws", url, trainer.pidfile) as daemon:
+            imds.trigger_spot_moving("terminate", ahead=120)
+            name = wait_until(trainer.saved, 20, "the trainer's emergency save")
+            assert trainer.proc.wait(timeout=20) == 0
+            (done,) = wait_until(
+                lambda: daemon.events_named("emergency_checkpoint_committed"),
+                30,
+                "the emergency commit",
+            )
+            assert done["checkpoint"] == name
+            (received,) = daemon.events_named("notice_received")
+            assert received["id"] == "spot:terminate:1"
+            # Still one notice seconds later, the time having moved on every read; its
+            # deadline is the latest one stated.
+            wait_until(
+                lambda: daemon.get_json("/v1/preemption")["deadline"] > received["deadline"],
+                10,
+                "the deadline to move",
+            )
+            assert len(daemon.events_named("notice_received")) == 1
+            assert len(daemon.events_named("trainer_signalled")) == 1
+        key = f"{s3_prefix}/run/{name}/model.safetensors"
+        stored = s3_client.get_object(Bucket="ckpt", Key=key)["Body"].read()
+        assert stored == (trainer.root / name / "model.safetensors").read_bytes()
+    finally:
+        imds.stop_thread()
+
+
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
 @pytest.mark.parametrize("mode", ["garbage", "500", "hang"])
 def test_bad_metadata_never_signals_the_trainer(

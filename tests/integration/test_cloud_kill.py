@@ -71,7 +71,9 @@ def test_kill_9_mid_upload_then_restart_commits_restores_identically_and_leaves_
         assert _unfinished(storage) == [], f"trial {trial}: orphans"
         keys = sorted(o.key for o in storage.list_objects(f"run/checkpoint-{trial + 1}/"))
         names = ("model.safetensors", "optimizer.pt", "config.json", "trainer_state.json")
-        wanted = [f"run/checkpoint-{trial + 1}/{n}" for n in (*names, "ckptd.manifest.json")]
+        # The files, the claim written before them and the manifest written after.
+        ours = (*names, "ckptd.claim.json", "ckptd.manifest.json")
+        wanted = [f"run/checkpoint-{trial + 1}/{n}" for n in ours]
         assert keys == sorted(wanted), keys
     print(f"files resumed after each kill: {resumed}")
     # The kills landed inside uploads that the restart resumed, at least once.

@@ -20,18 +20,20 @@ import pytest
 from rich.console import Console
 
 from ckptd.cli.statusview import render_status
-from ckptd.cluster import protocol as cluster
-from ckptd.cluster.assemble import Assembly, Committer, try_commit
+from ckptd.commit import objects
+from ckptd.commit import parts as cluster
+from ckptd.commit.assemble import Assembly, Committer, try_commit
+from ckptd.commit.single import commit
 from ckptd.config import load_settings
 from ckptd.core import checksum
 from ckptd.core.manifest import build_manifest
+from ckptd.core.names import rank_of_part
+from ckptd.repository import Repository, announce_key, manifest_key, object_key, part_key
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage import open_storage
 from ckptd.storage.base import NotFoundError, Storage
-from ckptd.store.repository import Repository, announce_key, manifest_key, object_key, part_key
 from ckptd.store.restore import RestoreError, RestoreRequest, restore
 from ckptd.store.retention import apply_retention
-from ckptd.sync.commit import commit
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from tests.support.writers import local_files, write_bytes
@@ -237,7 +239,7 @@ async def test_dcp_checkpoint_commits_whole_only_once_every_node_has_shipped(
     assert waiting[0]["checkpoint"] == "step-10" and waiting[0]["missing_nodes"] == [1]
     assert waiting[0]["since"].endswith("Z")
     assert n0.metric("ckptd_checkpoints_waiting_for_nodes") == 1
-    announcement = repo.read_announcement(RUN, "step-10")
+    announcement = objects.read_announcement(repo, RUN, "step-10")
     assert announcement is not None and announcement.node_rank == 0
     assert repo.part_ranks(RUN, "step-10") == [0]
 
@@ -307,7 +309,7 @@ async def test_a_part_of_an_older_save_is_never_merged(
         total_bytes=1,
         files=cluster.part_files([("__2_0.distcp", 1, "00000001")]),
     )
-    repo.write_part(stale)
+    objects.write_part(repo, stale)
     await n0.start()
     await drive([n0], lambda: bool(n0.status()["waiting"]))
     await drive_for([n0], 0.5)
@@ -318,7 +320,7 @@ async def test_a_part_of_an_older_save_is_never_merged(
     await n1.start()
     await drive([n0, n1], lambda: repo.read_manifest(RUN, "step-10") is not None)
     assert_committed_whole(repo, "step-10", union(n0, n1, "step-10"))
-    part = repo.read_part(RUN, "step-10", 1)
+    part = objects.read_part(repo, RUN, "step-10", 1)
     assert part is not None and part.save != "00000bad"
 
 
@@ -331,7 +333,7 @@ async def test_a_resave_under_the_same_name_never_mixes_parts(
     age(n1.root, 60)
     await n0.start()
     await drive([n0], lambda: bool(n0.status()["waiting"]))
-    first = repo.read_announcement(RUN, "step-10")
+    first = objects.read_announcement(repo, RUN, "step-10")
     assert first is not None and repo.part_ranks(RUN, "step-10") == [0]
     # The trainer restarts and saves step-10 again, other bytes: every rank's shards
     # first (the old .metadata still beside them, as DCP leaves it until finish()).
@@ -340,7 +342,7 @@ async def test_a_resave_under_the_same_name_never_mixes_parts(
             write_bytes(node.watch / "step-10" / f"__{r}_0.distcp", 50 * KiB + r)
     # Node 0 sees its files change: it withdraws the old save's announcement and part,
     # so node 1 can never pair its new shards with the old save.
-    await drive([n0], lambda: repo.read_announcement(RUN, "step-10") is None)
+    await drive([n0], lambda: objects.read_announcement(repo, RUN, "step-10") is None)
     assert repo.part_ranks(RUN, "step-10") == []
     await n1.start()
     await drive_for([n0, n1], 0.6)
@@ -367,7 +369,7 @@ async def test_a_node_restarted_during_a_resave_withdraws_its_old_announcement(
     for r in (0, 1):  # the re-save begins while node 0's daemon is down
         write_bytes(n0.watch / "step-10" / f"__{r}_0.distcp", 50 * KiB + r)
     await n0.start()
-    await drive([n0], lambda: repo.read_announcement(RUN, "step-10") is None)
+    await drive([n0], lambda: objects.read_announcement(repo, RUN, "step-10") is None)
     assert repo.part_ranks(RUN, "step-10") == []
 
 
@@ -413,7 +415,7 @@ async def test_a_node_restarted_after_its_part_rewrites_it_without_sending_again
     await drive([n0, n1], lambda: restarted.journal.is_committed(RUN, "step-10"))
     assert_committed_whole(repo, "step-10", union(n0, n1, "step-10"))
     assert (n0.metric("ckptd_upload_bytes_total") or 0) == 0  # the journal had every object
-    part = repo.read_part(RUN, "step-10", 0)
+    part = objects.read_part(repo, RUN, "step-10", 0)
     assert part is not None and part.save == repo.read_manifest(RUN, "step-10").save  # type: ignore[union-attr]
 
 
@@ -477,9 +479,10 @@ class PartReads(Repository):
 
     parts_read = 0
 
-    def read_part(self, run_id: str, checkpoint: str, rank: int) -> cluster.Part | None:
-        self.parts_read += 1
-        return super().read_part(run_id, checkpoint, rank)
+    def get_or_none(self, key: str) -> bytes | None:
+        if rank_of_part(key.rsplit("/", 1)[-1]) is not None:
+            self.parts_read += 1
+        return super().get_or_none(key)
 
 
 async def test_a_node_that_only_polls_leaves_reading_the_parts_to_node_0(
@@ -538,8 +541,8 @@ def test_announcement_and_parts_are_never_taken_for_checkpoints_or_files(
     for key in (announce_key(RUN, "step-1"), part_key(RUN, "step-1", 0), f"{RUN}/NOTICE"):
         storage.put_bytes(key, body, crc32c=checksum.crc32c(body))
     assert repo.list_committed(RUN) == []
-    assert repo.read_announcement(RUN, "step-1") is None  # unreadable: none
-    assert repo.read_parts(RUN, "step-1") == {}
+    assert objects.read_announcement(repo, RUN, "step-1") is None  # unreadable: none
+    assert objects.read_parts(repo, RUN, "step-1") == {}
     with pytest.raises(NotFoundError):
         repo.resolve(RUN, None)
     assert repo.list_names(RUN) == ["step-1"]  # a name, but never a committed checkpoint

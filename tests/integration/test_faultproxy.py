@@ -434,3 +434,27 @@ def test_hold_delays_matching_requests_which_arrivals_list_while_held(
     proxy.hold(0)
     client.put_object(Bucket=bucket, Key="held", Body=b"z")
     assert proxy.held == 1
+
+
+def test_ignore_create_only_makes_a_conditional_put_replace_and_is_signed_anew(
+    s3: LocalS3, proxy: FaultProxy, client: Any, direct: Any
+) -> None:
+    """The stand-in for a store that ignores If-None-Match: SeaweedFS itself refuses a
+    second create-only PUT; through the proxy in this mode the header is dropped and the
+    request signed again (SeaweedFS checks SigV4, so a stale signature would be refused),
+    and the second PUT replaces the first, as such a store does."""
+    key = new_key("create-only")
+    client.put_object(Bucket="ckpt", Key=key, Body=b"first", IfNoneMatch="*")
+    with pytest.raises(ClientError) as refused:
+        client.put_object(Bucket="ckpt", Key=key, Body=b"second", IfNoneMatch="*")
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    env = s3.env()
+    proxy.ignore_create_only(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"])
+    client.put_object(Bucket="ckpt", Key=key, Body=b"second", IfNoneMatch="*")
+    assert direct.get_object(Bucket="ckpt", Key=key)["Body"].read() == b"second"
+    assert proxy.create_only_dropped == 1
+    client.put_object(Bucket="ckpt", Key=key, Body=b"plain")  # no header: left as it is
+    assert proxy.create_only_dropped == 1
+    proxy.clear_faults()
+    with pytest.raises(ClientError):
+        client.put_object(Bucket="ckpt", Key=key, Body=b"third", IfNoneMatch="*")

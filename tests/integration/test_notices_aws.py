@@ -61,11 +61,26 @@ async def test_spot_interruption_is_yielded_once_with_its_deadline(
         imds.trigger_spot(action, at=at)
         notice = await notices.next(3)
         assert (notice.source, notice.kind, notice.deadline) == ("aws", kind, at)
-        assert notice.id == f"spot:{action}:{at.strftime('%Y-%m-%dT%H:%M:%SZ')}"
+        assert notice.id == f"spot:{action}:1"
         assert not notice.cancelled
         # Later polls see the same instance-action: no second notice.
         await polls_seen(imds, 5, status=200)
         await notices.expect_nothing(0.1)
+
+
+async def test_a_spot_time_restated_on_every_read_is_one_notice_whose_deadline_moves(
+    imds: FakeAwsImds,
+) -> None:
+    """An endpoint that moves the announced time every poll once made a new notice every
+    second: the action identifies the notice; a moved time comes as the same id again."""
+    async with Collector(make(imds.url)) as notices:
+        imds.trigger_spot_moving("terminate", ahead=120)
+        first = await notices.next(3)
+        # The time is stated to the second: within ~1.2 s it has moved at least once.
+        moved = await notices.next(3)
+        assert first.id == moved.id == "spot:terminate:1"
+        assert first.deadline is not None and moved.deadline is not None
+        assert moved.deadline > first.deadline
 
 
 async def test_rebalance_recommendation_has_no_deadline(imds: FakeAwsImds) -> None:
@@ -243,3 +258,14 @@ def test_fake_runs_in_a_background_thread() -> None:
                 return (await notices.next(3)).kind
 
         assert asyncio.run(first_notice()) == "spot-stop"
+
+
+async def test_a_spot_action_that_goes_and_comes_back_is_a_new_notice(imds: FakeAwsImds) -> None:
+    async with Collector(make(imds.url)) as notices:
+        imds.trigger_spot("terminate")
+        first = await notices.next(3)
+        imds.clear_spot()
+        await polls_seen(imds, 2, status=404)
+        imds.trigger_spot("terminate")
+        second = await notices.next(3)
+    assert (first.id, second.id) == ("spot:terminate:1", "spot:terminate:2")

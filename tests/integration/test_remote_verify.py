@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.devtools.locals3 import LocalS3
+from ckptd.repository import RANGE_BYTES as READ_CHUNK
+from ckptd.repository import Repository
 from ckptd.storage import RetryingStorage, open_storage
-from ckptd.store.repository import RANGE_BYTES as READ_CHUNK
-from ckptd.store.repository import Repository
 from ckptd.store.verify import verify_checkpoint
 from tests.integration.test_restore import commit_files, ship_once
 from tests.support.writers import write_hf

@@ -18,12 +18,13 @@ import structlog
 from botocore.exceptions import ClientError
 
 from ckptd import layouts
+from ckptd.commit.single import commit
 from ckptd.core import checksum
-from ckptd.core.manifest import ManifestError, build_manifest
+from ckptd.core.manifest import ManifestError, ManifestFile, build_manifest
 from ckptd.devtools.locals3 import LocalS3, free_port
 from ckptd.layouts.base import RuleSettings
+from ckptd.repository import LEASE_DIR, Repository, chunk_ranges, manifest_key, object_key
 from ckptd.storage import NotFoundError, RetryingStorage, open_storage
-from ckptd.store.repository import LEASE_DIR, Repository, chunk_ranges, manifest_key, object_key
 from ckptd.store.restore import (
     STAGING_PREFIX,
     RestoreError,
@@ -33,9 +34,9 @@ from ckptd.store.restore import (
     restore,
     staged_parts,
 )
+from ckptd.store.restore.staging import StateLog
 from ckptd.store.retention import apply_retention
 from ckptd.store.verify import verify_checkpoint
-from ckptd.sync.commit import commit
 from ckptd.sync.scanner import snapshot
 from tests.support.daemon import run_cli, wait_until, write_config
 from tests.support.faultproxy import FaultProxy
@@ -218,8 +219,18 @@ def test_hf_dcp_deepspeed_restore_byte_identical(
     listing = snapshot(target, "step-20")
     assert listing is not None
     assert layouts.evaluate("dcp", listing, time.time_ns(), RuleSettings()).complete
-    # Nothing but the checkpoints themselves: no staging dir, no state file left.
-    assert sorted(os.listdir(target)) == ["checkpoint-10", "global_step30", "step-20"]
+    # Nothing but the checkpoints themselves and the restore's record of them: no
+    # staging dir, no state file left.
+    assert sorted(os.listdir(target)) == [".ckptd", "checkpoint-10", "global_step30", "step-20"]
+    record = json.loads((target / ".ckptd" / "restored.json").read_text())
+    assert sorted(record) == ["checkpoint-10", "global_step30", "step-20"]
+    for name, entry in record.items():  # each file as the restore left it
+        on_disk = {
+            p.relative_to(target / name).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns]
+            for p in (target / name).rglob("*")
+            if p.is_file()
+        }
+        assert entry["files"] == on_disk, name
     # The restore leases are gone too.
     assert list(storage.list_objects(f"hf/{LEASE_DIR}/")) == []
 
@@ -237,7 +248,7 @@ def test_lightning_single_file_checkpoint_restores_as_the_file(
     restored = tmp_path / "out" / "epoch=0-step=50.ckpt"
     assert result.path == restored and restored.is_file()
     assert restored.read_bytes() == data
-    assert os.listdir(tmp_path / "out") == ["epoch=0-step=50.ckpt"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".ckptd", "epoch=0-step=50.ckpt"]
 
 
 # -- corruption ---------------------------------------------------------------------------
@@ -273,7 +284,7 @@ def test_tampered_object_fails_verify_and_restore_leaves_nothing_at_name(
     assert result.reused_bytes == len(files["optim.bin"]) + 2
     assert result.downloaded_bytes == len(files["model.bin"])
     assert local_files(target / "checkpoint-3") == files
-    assert os.listdir(target) == ["checkpoint-3"]
+    assert sorted(os.listdir(target)) == [".ckptd", "checkpoint-3"]
 
 
 @pytest.mark.parametrize("extra", [1, 3 * MiB])
@@ -418,7 +429,7 @@ def test_symlinks_planted_in_the_staging_dir_are_discarded_not_followed(
     assert result.reused_bytes == 0
     assert local_files(target / "ck-4") == files
     assert not (target / "ck-4" / "a").is_symlink()
-    assert os.listdir(target) == ["ck-4"]
+    assert sorted(os.listdir(target)) == [".ckptd", "ck-4"]
 
 
 def test_staging_dir_that_is_a_symlink_is_replaced_not_followed(
@@ -566,7 +577,11 @@ def test_state_records_are_trusted_only_while_the_staged_size_matches(
     with open(staged, "ab") as fh:  # the file changed after it was recorded
         fh.write(b"!")
     result = restore(storage, RestoreRequest("run", None, target))
-    assert result.reused_bytes == 0
+    # Its record no longer matches it: fetched again, never reused (a file recorded in
+    # the same batch and left as it was may be).
+    changed = len(files[done[0]])
+    assert result.downloaded_bytes >= changed
+    assert result.reused_bytes <= sum(len(b) for b in files.values()) - changed
     assert local_files(target / "ck-3") == files
 
 
@@ -660,6 +675,10 @@ def test_retention_never_deletes_a_checkpoint_being_restored(
     assert apply_retention(s3, "run", keep_last=1, keep_every_steps=0) == ["ck-1"]
 
 
+def crc_hex(data: bytes) -> str:
+    return checksum.to_hex(checksum.crc32c(data))
+
+
 def test_a_line_cut_short_in_the_state_file_costs_only_that_file(tmp_path: Path) -> None:
     storage = open_storage(f"file://{tmp_path / 'shared'}")
     files = {"a.bin": os.urandom(70_000), "b.bin": os.urandom(30_000), "c.bin": b"c"}
@@ -673,12 +692,21 @@ def test_a_line_cut_short_in_the_state_file_costs_only_that_file(tmp_path: Path)
     def stop(path: str) -> None:
         raise Interrupted
 
-    with pytest.raises(Interrupted):  # a.bin verified and recorded
+    with pytest.raises(Interrupted):  # the files verified and recorded
         restore(storage, RestoreRequest("run", None, target, on_file=stop, concurrency=1))
-    with open(state, "ab") as fh:
-        fh.write(b'{"path": "b.b')  # a crash in the middle of writing a record
-    with pytest.raises(Interrupted):  # b.bin verified, recorded after the cut line
-        restore(storage, RestoreRequest("run", None, target, on_file=stop, concurrency=1))
+    header, *records = state.read_bytes().splitlines(keepends=True)
+    assert {json.loads(r)["path"] for r in records} == set(files)
+    a_line = next(r for r in records if json.loads(r)["path"] == "a.bin")
+    # As a crash in the middle of writing c.bin's record leaves it...
+    state.write_bytes(header + a_line + b'{"path": "c.b')
+    # ...then a rerun records b.bin after the cut line (ending it first).
+    staging = os.open(state.parent, os.O_RDONLY)
+    try:
+        rerun = StateLog(staging, json.loads(header)["identity"], fresh=False)
+        rerun.verified(ManifestFile(path="b.bin", size=30_000, crc32c=crc_hex(files["b.bin"])))
+        rerun.close()
+    finally:
+        os.close(staging)
     result = restore(storage, RestoreRequest("run", None, target))
     assert result.reused_bytes == len(files["a.bin"]) + len(files["b.bin"])
     assert result.downloaded_bytes == 1
@@ -703,7 +731,7 @@ def test_concurrent_if_missing_restores_into_one_dir_download_once(tmp_path: Pat
         )
     assert sorted(r.skipped for r in results) == [False, True, True, True]
     assert local_files(target / "ck-7") == files
-    assert os.listdir(target) == ["ck-7"]
+    assert sorted(os.listdir(target)) == [".ckptd", "ck-7"]
 
 
 def test_progress_bar_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,8 +14,7 @@ import pytest
 
 from ckptd.core import checksum
 from ckptd.core.manifest import Latest
-from ckptd.storage import RetryingStorage
-from ckptd.store.repository import (
+from ckptd.repository import (
     LEASE_DIR,
     Repository,
     latest_key,
@@ -23,6 +22,7 @@ from ckptd.store.repository import (
     lease_is_fresh,
     manifest_key,
 )
+from ckptd.storage import RetryingStorage
 from ckptd.store.retention import (
     Entry,
     apply_local_cleanup,

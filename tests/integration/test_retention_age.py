@@ -15,8 +15,8 @@ import pytest
 
 from ckptd.config import TierRetentionConfig, parse_duration
 from ckptd.devtools.locals3 import LocalS3
+from ckptd.repository import Repository
 from ckptd.storage import RetryingStorage, open_storage
-from ckptd.store.repository import Repository
 from ckptd.store.retention import Entry, apply_retention, plan_retention
 from ckptd.store.verify import verify_checkpoint
 from tests.integration.test_restore import commit_files

@@ -9,13 +9,13 @@ from urllib.parse import parse_qs
 
 import pytest
 
+from ckptd.commit.single import commit
 from ckptd.core import checksum
 from ckptd.core.manifest import build_manifest
+from ckptd.repository import MANIFEST_NAME, Repository, manifest_key
 from ckptd.storage import RetryingStorage, open_storage
 from ckptd.store.catalog import FULL_REFRESH_SECONDS, RunCatalog
-from ckptd.store.repository import MANIFEST_NAME, Repository, manifest_key
 from ckptd.store.retention import apply_retention
-from ckptd.sync.commit import commit
 from tests.integration.test_restore import commit_files
 from tests.support.faultproxy import FaultProxy, RequestRecord
 

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,6 +115,16 @@ def test_put_get_head_roundtrip(storage: Storage) -> None:
     pieces: list[bytes] = []
     storage.stream_range("run/ckpt-1/a.bin", 10, 20, lambda pos, b: pieces.append(b))
     assert b"".join(pieces) == data[10:30]
+
+
+def test_head_says_when_the_store_wrote_the_object_by_its_own_clock(storage: Storage) -> None:
+    """What ``ckptd doctor`` measures clock skew against. Every store here runs on this
+    machine, so its clock is this clock (to its 1 s resolution, plus a slow request)."""
+    before = time.time()
+    _put(storage, "run/when.bin", b"x")
+    after = time.time()
+    info = storage.head("run/when.bin")
+    assert info is not None and before - 2 <= info.modified <= after + 2, (before, info)
 
 
 def test_a_streamed_range_arrives_in_order_in_bounded_pieces(storage: Storage) -> None:
@@ -243,9 +254,9 @@ def test_missing_bucket_is_a_permanent_error(local_s3: LocalS3) -> None:
 
 def test_the_url_parser_imports_nothing_that_does_io() -> None:
     # Configuration imports it: it must stay a pure function of the string.
-    import ckptd.storage.url
+    import ckptd.core.url
 
-    tree = ast.parse(Path(ckptd.storage.url.__file__).read_text())
+    tree = ast.parse(Path(ckptd.core.url.__file__).read_text())
     imported = {
         name.split(".")[0]
         for node in ast.walk(tree)
@@ -281,7 +292,8 @@ def test_open_destination_caps_uploads_only_where_asked(tmp_path: Path) -> None:
 
 def test_open_destination_sizes_the_connection_pool_for_a_concurrency_override() -> None:
     dest = DestinationConfig(url="s3://ckpt/x", endpoint_url="http://127.0.0.1:1", concurrency=3)
-    for override, connections in ((None, 3 + 4), (20, 20 + 4)):  # restore's --concurrency
+    # The large files' threads, the small files' lanes (4 per unit) and 4 more.
+    for override, connections in ((None, 3 + 12 + 4), (20, 20 + 80 + 4)):  # restore's --concurrency
         backend = open_destination(dest, concurrency=override).inner.inner
         assert isinstance(backend, S3Storage)
         assert backend._client.meta.config.max_pool_connections == connections
@@ -610,8 +622,8 @@ class _NoConditionalWrite(FileStorage):
 
 
 def test_commit_refuses_a_destination_without_conditional_write(tmp_path: Path) -> None:
+    from ckptd.commit.single import commit
     from ckptd.core.manifest import build_manifest
-    from ckptd.sync.commit import commit
 
     stack = RetryingStorage(_NoConditionalWrite(tmp_path / "dest"))
     assert capability(stack, ConditionalWrite) is None
@@ -786,9 +798,9 @@ def test_two_racing_commits_of_one_checkpoint_one_wins_and_the_other_is_a_confli
     other is told of the conflict, and the stored manifest and LATEST are the winner's."""
     import threading
 
+    from ckptd.commit.single import CommitConflictError, commit
     from ckptd.core.manifest import Manifest, build_manifest, parse_manifest
-    from ckptd.store.repository import Repository
-    from ckptd.sync.commit import CommitConflictError, commit
+    from ckptd.repository import Repository
 
     def manifest_of(host: str, data: bytes) -> Manifest:
         _put(storage, f"run/checkpoint-7/{host}.bin", data)

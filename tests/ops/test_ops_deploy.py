@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -32,6 +33,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "docker-compose.yml"
 POD = DEPLOY / "kubernetes" / "pod.yaml"
 DAEMONSET = DEPLOY / "kubernetes" / "daemonset.yaml"
+DRILL_CRONJOB = DEPLOY / "kubernetes" / "drill-cronjob.yaml"
 # Native sidecars (initContainers[].restartPolicy: Always) are on by default from 1.29.
 K8S_VERSIONS = ["1.29.0", "1.33.0"]
 
@@ -223,7 +225,7 @@ def _of_kind(path: Path, kind: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("path", [POD, DAEMONSET], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [POD, DAEMONSET, DRILL_CRONJOB], ids=lambda p: p.name)
 def test_manifests_validate_against_the_kubernetes_schema(path: Path, version: str) -> None:
     kubernetes_validate = pytest.importorskip(
         "kubernetes_validate", reason="pip: kubernetes-validate (bundles the schemas)"
@@ -244,10 +246,11 @@ def _ckptd_args(container: dict[str, Any]) -> list[str]:
     return list(container.get("command", [])) + list(container.get("args", []))
 
 
-def _restore_script(pod: dict[str, Any]) -> str:
+def _restore_command(pod: dict[str, Any]) -> list[str]:
+    """The restore init step's command: ckptd itself, no shell around it."""
     restore = pod["spec"]["initContainers"][0]
-    assert restore["command"][:2] == ["/bin/sh", "-c"]
-    return str(restore["command"][2])
+    assert "args" not in restore
+    return [str(a) for a in restore["command"]]
 
 
 def test_pod_runs_ckptd_as_a_native_sidecar_after_a_restore() -> None:
@@ -255,10 +258,9 @@ def test_pod_runs_ckptd_as_a_native_sidecar_after_a_restore() -> None:
     spec = pod["spec"]
     assert spec["shareProcessNamespace"] is True
     restore, sidecar = spec["initContainers"]
-    (line,) = [x for x in _restore_script(pod).splitlines() if "ckptd restore" in x]
-    args = shlex.split(line)[1:]
+    args = _restore_command(pod)
     assert args[:2] == ["ckptd", "restore"]
-    for flag in ("--run", "--latest", "--to", "--if-missing"):
+    for flag in ("--run", "--latest", "--to", "--if-missing", "--if-any"):
         assert flag in args, flag
     assert sidecar["restartPolicy"] == "Always"
     # The checkpoint volume is the same in restore, sidecar and trainer.
@@ -282,26 +284,23 @@ def test_every_ckptd_command_line_in_the_deploy_files_parses() -> None:
 
     parser = build_parser()
     pod = _of_kind(POD, "Pod")
-    lines = [
-        shlex.split(x)[1 if x.strip().startswith("exec") else 0 :]
-        for x in _restore_script(pod).splitlines()
-        if x.strip().startswith(("exec ckptd", "list=$(ckptd"))
-    ]
-    command_lines = [[a.removeprefix("list=$(").removesuffix(")") for a in line] for line in lines]
+    command_lines = [_restore_command(pod)]
     command_lines.append(["ckptd", "run", *pod["spec"]["initContainers"][1]["args"]])
     ds = _of_kind(DAEMONSET, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
     command_lines.append(["ckptd", "run", *ds["args"]])
     command_lines.append(["ckptd", "run", *compose()["services"]["ckptd"]["command"]])
+    drill = _of_kind(DRILL_CRONJOB, "CronJob")["spec"]["jobTemplate"]["spec"]["template"]
+    command_lines.append(_ckptd_args(drill["spec"]["containers"][0]))
     assert len(command_lines) == 5
     for argv in command_lines:
         assert argv[0] == "ckptd"
         parser.parse_args(argv[1:])  # exits 2 (SystemExit) on a bad flag
 
 
-def test_pod_restore_script_starts_fresh_restores_and_fails_on_a_broken_store(
+def test_pod_restore_step_starts_fresh_restores_and_fails_on_a_broken_store(
     tmp_path: Path,
 ) -> None:
-    """The init container's script, run for real against a file:// store."""
+    """The init container's command, run for real against a file:// store."""
     pod = _of_kind(POD, "Pod")
     store, ckpt, watch = tmp_path / "store", tmp_path / "ckpt", tmp_path / "trainer"
     store.mkdir()
@@ -310,22 +309,17 @@ def test_pod_restore_script_starts_fresh_restores_and_fails_on_a_broken_store(
         f'[destination]\nurl = "file://{store}"\n[preemption]\nprovider = "none"\n'
         f'[state]\ndir = "{tmp_path / "state"}"\n'
     )
-    script = (
-        _restore_script(pod)
-        .replace("/etc/ckptd/ckptd.toml", str(config))
-        .replace("/ckpt/run1", str(ckpt / "run1"))
-    )
+    places = {"/etc/ckptd/ckptd.toml": str(config), "/ckpt/run1": str(ckpt / "run1")}
+    command = [places.get(a, a) for a in _restore_command(pod)]
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
 
     def run_script() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["/bin/sh", "-c", script], capture_output=True, text=True, timeout=120, env=env
-        )
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
 
     fresh = run_script()
     assert fresh.returncode == 0, fresh.stderr
-    assert "starting fresh" in fresh.stdout
+    assert "has no committed checkpoint yet: nothing to restore" in fresh.stdout
     # A committed checkpoint (ckptd run --once), then the restore brings it back.
     from tests.support.writers import local_files, write_hf
 
@@ -359,8 +353,8 @@ def test_pod_restore_script_starts_fresh_restores_and_fails_on_a_broken_store(
         "max_attempts = 1\n"
     )
     broken = run_script()
-    assert broken.returncode != 0
-    assert "starting fresh" not in broken.stdout
+    assert broken.returncode == 1, broken.stderr
+    assert broken.stdout == ""
 
 
 def test_daemonset_watches_a_host_path_and_keeps_its_journal() -> None:
@@ -376,6 +370,28 @@ def test_daemonset_watches_a_host_path_and_keeps_its_journal() -> None:
     flush = float(container["args"][container["args"].index("--shutdown-timeout") + 1])
     assert spec["terminationGracePeriodSeconds"] > flush
     assert "hostPID" not in spec  # opt-in, documented in the file
+
+
+def test_drill_cronjob_proves_a_restore_on_a_fresh_pod_and_never_retries_a_failure(
+    tmp_path: Path,
+) -> None:
+    from ckptd.config import load_settings
+
+    cron = _of_kind(DRILL_CRONJOB, "CronJob")["spec"]
+    assert cron["concurrencyPolicy"] == "Forbid"
+    job = cron["jobTemplate"]["spec"]
+    assert job["backoffLimit"] == 0  # a failed drill stays failed
+    (container,) = job["template"]["spec"]["containers"]
+    args = _ckptd_args(container)
+    assert args[:3] == ["ckptd", "drill", "--restore-only"]
+    toml = tmp_path / "ckptd.toml"
+    toml.write_text(_of_kind(DRILL_CRONJOB, "ConfigMap")["data"]["ckptd.toml"])
+    settings = load_settings(toml)  # ConfigError (exit 2) on a bad key or value
+    assert settings.drill.check and settings.destination.url
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in job["template"]["spec"]["volumes"]}
+    assert "emptyDir" in volumes[mounts[str(settings.drill.scratch_dir)]]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
 
 @pytest.mark.parametrize("path", [POD, DAEMONSET], ids=lambda p: p.name)
@@ -468,3 +484,30 @@ def test_daemonset_state_dir_step_lets_uid_10001_open_its_journal(
     assert ran.returncode == 0, ran.stderr
     assert any(p.is_file() for p in state.iterdir())  # the journal, owned by the pod's uid
     assert all(p.stat().st_uid == uid for p in state.iterdir())
+
+
+def test_the_documented_s3_secret_is_the_one_the_manifests_read_with_keys_boto3_reads() -> None:
+    """docs/operations.md's ``kubectl create secret`` makes the Secret both manifests
+    take as environment variables, with keys that are boto3's own variable names."""
+    from botocore.credentials import EnvProvider
+
+    page = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    (command,) = re.findall(r"kubectl create secret generic ckptd-s3(?:[^\n]*\\\n)*[^\n]*", page)
+    keys = {
+        word.split("=", 2)[1]
+        for word in shlex.split(command.replace("\\\n", " "))
+        if word.startswith("--from-literal=")
+    }
+    assert keys == {EnvProvider.ACCESS_KEY, EnvProvider.SECRET_KEY}
+    assert "AWS_SESSION_TOKEN" in EnvProvider.TOKENS  # the optional key the page names
+    for path, kind in ((POD, "Pod"), (DAEMONSET, "DaemonSet")):
+        doc = _of_kind(path, kind)
+        spec = doc["spec"] if kind == "Pod" else doc["spec"]["template"]["spec"]
+        containers = [*spec.get("initContainers", []), *spec["containers"]]
+        secrets = {
+            source["secretRef"]["name"]
+            for c in containers
+            if "ckptd" in str(c.get("image", ""))
+            for source in c.get("envFrom", [])
+        }
+        assert secrets == {"ckptd-s3"}, (path.name, secrets)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 from ckptd.devtools.locals3 import LocalS3, free_port
+from ckptd.drill.model import STAGES, DrillRecord, StageResult, drill_id
 from tests.support.daemon import wait_until
 from tests.support.ops import DEPLOY, hf_daemon, tool
 from tests.support.writers import write_hf
@@ -32,6 +34,7 @@ ALERTS = {
     "CkptdDestinationDown",
     "CkptdNoticeSourceDown",
     "CkptdNoCheckpoint",
+    "CkptdNoRecentDrill",
     "CkptdDown",
 }
 
@@ -47,7 +50,7 @@ def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str
     return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
-def test_alert_rules_cover_the_four_failure_modes() -> None:
+def test_alert_rules_cover_every_failure_mode() -> None:
     doc = yaml.safe_load(RULES.read_text())
     rules = [r for g in doc["groups"] for r in g["rules"]]
     assert {r["alert"] for r in rules} == ALERTS
@@ -199,4 +202,54 @@ def test_prometheus_scrapes_the_daemon_and_sees_the_commit_counter_rise(
             )
             prom.api("query", query=concrete)  # raises unless status == success
         assert prom.value('max by (run) (ckptd_last_committed_step{run=~".*"})', run="run1") == 10
+        assert daemon.stop() == 0
+
+
+@needs_prometheus
+def test_no_recent_drill_fires_in_prometheus_when_the_last_success_is_older_than_8_days(
+    tmp_path: Path,
+    local_s3: LocalS3,
+    s3_client: Any,
+    s3_prefix: str,
+    s3_dest: str,
+    prometheus_factory: Any,
+) -> None:
+    """The run's last passing drill, recorded in the store 9 days ago: the daemon reads it
+    at start-up, exports its time, and the rule as shipped fires for the run."""
+    finished = time.time() - 9 * 86400
+    stages = tuple(StageResult(name, "ok", 0.5) for name in STAGES)
+    old = DrillRecord(
+        run_id="run1",
+        drill_id=drill_id(finished - 3, "node-a"),
+        kind="full",
+        trigger="schedule",
+        node="node-a",
+        started=finished - 3,
+        finished=finished,
+        stages=stages,
+        checkpoint="checkpoint-5",
+    )
+    key = f"{s3_prefix}/run1/DRILL.{old.drill_id}.json"
+    s3_client.put_object(Bucket="ckpt", Key=key, Body=old.to_bytes())
+    daemon, _ = hf_daemon(tmp_path, local_s3, s3_dest)
+    with daemon:
+        gauge = wait_until(
+            lambda: daemon.metric("ckptd_drill_last_success_timestamp_seconds", run="run1"),
+            30,
+            "the last drill read from the store",
+        )
+        assert gauge == round(finished, 3)
+        assert daemon.metric("ckptd_drill_stage_seconds", run="run1", stage="loaded") == 0.5
+        prom = prometheus_factory(f"127.0.0.1:{daemon.port}")
+
+        def firing() -> list[dict[str, Any]]:
+            return [
+                a
+                for a in prom.api("alerts")["alerts"]
+                if a["labels"]["alertname"] == "CkptdNoRecentDrill" and a["state"] == "firing"
+            ]
+
+        (alert,) = wait_until(firing, 60, "CkptdNoRecentDrill firing", interval=0.5)
+        assert alert["labels"]["run"] == "run1" and alert["labels"]["severity"] == "warning"
+        assert "ckptd drill --restore-only --run run1" in alert["annotations"]["description"]
         assert daemon.stop() == 0

@@ -126,15 +126,17 @@ def test_daemon_notifies_systemd_ready_watchdog_stopping(
             tmp_path,
             local_s3,
             s3_dest,
-            env={"NOTIFY_SOCKET": sd.env_value, "WATCHDOG_USEC": "2000000"},
+            # 4 s (pings every 2 s): room for a loaded machine's scheduling, far below
+            # what a ticker stalled by blocking work would miss by.
+            env={"NOTIFY_SOCKET": sd.env_value, "WATCHDOG_USEC": "4000000"},
         )
         with daemon:
             ready = wait_until(lambda: sd.with_field("READY", "1"), 30, "READY=1")
             assert ready[0]["STATUS"].startswith("1 run")
-            wait_until(lambda: len(sd.with_field("WATCHDOG", "1")) >= 4, 15, "4 watchdog pings")
+            wait_until(lambda: len(sd.with_field("WATCHDOG", "1")) >= 4, 30, "4 watchdog pings")
             pings = [float(m["_at"]) for m in sd.with_field("WATCHDOG", "1")]
             gaps = [b - a for a, b in itertools.pairwise(pings)]
-            assert max(gaps) < 2.0, gaps  # within the 2 s timeout systemd would enforce
+            assert max(gaps) < 4.0, gaps  # within the 4 s timeout systemd would enforce
             write_hf(root, 10)
             wait_until(
                 lambda: daemon.metric("ckptd_checkpoints_committed_total", run="run1") >= 1,
@@ -166,7 +168,10 @@ def test_a_dead_store_holds_neither_ready_nor_the_watchdog_nor_the_stop(
             endpoint_url=f"http://127.0.0.1:{free_port()}",
             env={
                 "NOTIFY_SOCKET": sd.env_value,
-                "WATCHDOG_USEC": "2000000",
+                # 4 s: pings every 2 s. A stalled ticker stalls for a round of the
+                # store's retries (~25 s); a loaded machine's scheduling, for a second or
+                # two, which a 2 s WatchdogSec did not always leave room for.
+                "WATCHDOG_USEC": "4000000",
                 "CKPTD_PREEMPTION__PROVIDER": "aws",
                 "CKPTD_PREEMPTION__ENDPOINT": imds_url,
                 "CKPTD_PREEMPTION__POLL_INTERVAL_SECONDS": "0.2",
@@ -178,8 +183,9 @@ def test_a_dead_store_holds_neither_ready_nor_the_watchdog_nor_the_stop(
                 wait_until(lambda: sd.with_field("READY", "1"), 10, "READY=1")
                 # Within one round of the store's retries (~25 s), which the bug held it
                 # for twice; what is left is the daemon's start-up on a loaded machine
-                # (17 s once, with other suites running beside this one).
-                assert time.monotonic() - started < 25
+                # (17 s once, with other suites running beside this one; more at a
+                # load of 15).
+                assert time.monotonic() - started < 40
                 advice = daemon.get_json("/v1/advice")["runs"]["run1"]
                 assert advice["history"] in ("reading", "unreadable")
                 assert advice["basis"]["mtbf"] == "prior"
@@ -191,15 +197,15 @@ def test_a_dead_store_holds_neither_ready_nor_the_watchdog_nor_the_stop(
                 )
                 noticed = time.monotonic()
                 # The writer now tries to store the record: ~25 s of retries, beside
-                # the ticker. Its pings go on every second (WATCHDOG_USEC/2).
-                wait_until(lambda: time.monotonic() - noticed > 8, 10, "8 s", 0.5)
+                # the ticker. Its pings go on every 2 s (WATCHDOG_USEC/2).
+                wait_until(lambda: time.monotonic() - noticed > 12, 15, "12 s", 0.5)
                 pings = [float(m["_at"]) for m in sd.with_field("WATCHDOG", "1")]
                 late = [p for p in pings if p >= noticed]
                 gaps = [b - a for a, b in itertools.pairwise(late)]
-                assert len(late) >= 6 and max(gaps) < 2.0, gaps
+                assert len(late) >= 4 and max(gaps) < 4.0, gaps
                 assert daemon.log_text().count('"storage_retry"') > 0  # the writes do retry
                 stopping = time.monotonic()
-                daemon.stop(timeout=15)
-                assert time.monotonic() - stopping < 10
+                daemon.stop(timeout=30)
+                assert time.monotonic() - stopping < 15  # not a round of retries (~25 s)
         finally:
             imds.stop_thread()

@@ -194,4 +194,48 @@ def test_each_further_tier_shows_reachability_backlog_and_last_commit() -> None:
     assert "s3://b/p" in line and "UNREACHABLE" in line
     assert "run1: last checkpoint-10, 2 behind" in line
     assert not any(line.startswith("tier nfs") for line in text.splitlines())  # the first
+    doc["tiers"]["s3"]["destination"]["error"] = "access to bucket 'b' denied"
+    assert "UNREACHABLE: access to bucket 'b' denied" in render(doc)
+
+
+def test_a_checkpoint_given_up_is_named_with_why() -> None:
+    text = render(status_doc())
+    assert "given up: eval/checkpoint-3: AccessDenied" in text
     assert "tier" not in render(status_doc())  # one destination: no tier lines
+
+
+def test_status_names_why_the_destination_is_unreachable_and_counts_failures_as_the_metric(
+    tmp_path: Path, local_s3: LocalS3, missing_bucket: str
+) -> None:
+    """Against a bucket that does not exist, ``ckptd status`` once showed UNREACHABLE with
+    no cause and FAILED 0 while ``ckptd_checkpoints_failed_total{reason="unusable"}`` grew:
+    the column counted checkpoints given up (a many-node conflict), the metric every failed
+    attempt. The cause is shown, and the column is the metric's count."""
+    daemon, root = hf_daemon(tmp_path, local_s3, f"s3://{missing_bucket}/p")
+    with daemon:
+        write_hf(root, 10)
+        wait_until(
+            lambda: (
+                daemon.metric("ckptd_checkpoints_failed_total", run="run1", reason="unusable") >= 2
+            ),
+            60,
+            "two failed attempts",
+        )
+        before = daemon.metric("ckptd_checkpoints_failed_total", run="run1", reason="unusable")
+        doc = daemon.get_json("/v1/status")
+        table = run_cli("status", config=daemon.config, env={"COLUMNS": "200"}, timeout=60)
+        after = daemon.metric("ckptd_checkpoints_failed_total", run="run1", reason="unusable")
+        assert daemon.stop() == 0
+    failures = doc["runs"]["run1"]["failures"]
+    assert before <= failures["count"] <= after
+    assert failures["by_reason"]["unusable"] == failures["count"]
+    assert failures["last"]["checkpoint"] == "checkpoint-10"
+    assert "NoSuchBucket" in failures["last"]["error"]
+    assert f"bucket '{missing_bucket}' does not exist" in doc["destination"]["error"]
+    assert table.returncode == 0, table.stderr
+    line = next(x for x in table.stdout.splitlines() if x.startswith("destination:"))
+    assert f"UNREACHABLE: bucket '{missing_bucket}' does not exist" in line, table.stdout
+    row = next(x for x in table.stdout.splitlines() if "run1" in x and "│" in x)
+    assert row.rstrip(" │").split()[-1].isdigit()
+    assert before <= int(row.rstrip(" │").split()[-1]) <= after + 1
+    assert "failing: run1/checkpoint-10 (unusable" in table.stdout

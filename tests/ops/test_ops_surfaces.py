@@ -240,6 +240,7 @@ def test_token_file_guards_the_control_api_and_never_shows(
     token_file = tmp_path / "secret" / "token"
     token_file.parent.mkdir()
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
     control = free_port()
     daemon, root = token_daemon(
         tmp_path, local_s3, s3_dest, listen=f"0.0.0.0:{control}", token_file=str(token_file)
@@ -255,6 +256,7 @@ def test_token_file_guards_the_control_api_and_never_shows(
                 assert (code, json.loads(body)) == (401, {"error": "unauthorized"})
                 assert http("GET", base + "/v1/status", token)[0] == 401
             assert not daemon.events_named("notice_received")
+            assert not daemon.events_named("token_file_readable")  # 0600: nothing to say
             assert not (root / ".ckptd" / "preemption.json").exists()
             code, body = http("GET", base + "/v1/status", TOKEN)
             assert code == 200 and "run1" in json.loads(body)["runs"]
@@ -290,7 +292,13 @@ def test_a_drill_with_no_trainer_says_none_was_signalled(
     assert "default 120" in helped.stdout
     daemon, _ = token_daemon(tmp_path, local_s3, s3_dest, token_file=str(tmp_path / "token"))
     (tmp_path / "token").write_text(TOKEN)
+    (tmp_path / "token").chmod(0o644)
     with daemon:
+        # A token file others can read is taken, with one warning naming it and the fix
+        # (as ssh warns of such a private key; ckptd doctor fails on it).
+        (warned,) = daemon.events_named("token_file_readable")
+        assert warned["file"] == str(tmp_path / "token"), warned
+        assert warned["fix"] == f"chmod 600 {tmp_path / 'token'}" and "0644" in warned["why"]
         drill = run_cli("drill", "--deadline", "1", config=daemon.config)  # the socket
         assert drill.returncode == 1, drill.stderr  # nothing committed: no trainer saved
         (line,) = [ln for ln in drill.stdout.splitlines() if "trainer signalled" in ln]

@@ -26,6 +26,8 @@ from tests.support.ops import SYSTEMD, hf_daemon, tool
 from tests.support.writers import write_hf
 
 UNIT = SYSTEMD / "ckptd.service"
+DRILL_UNIT = SYSTEMD / "ckptd-drill.service"
+DRILL_TIMER = SYSTEMD / "ckptd-drill.timer"
 MAX_EXPOSURE = 2.0  # systemd-analyze security: 0 (locked down) .. 10 (unprotected)
 
 needs_systemd_analyze = pytest.mark.skipif(
@@ -107,6 +109,45 @@ def test_unit_passes_systemd_analyze_verify_as_shipped() -> None:
     # verify reports unknown or misspelt directives ("ckptd.service:12: Unknown key
     # name ...") on stderr and may still exit 0.
     assert "ckptd.service:" not in result.stderr, result.stderr
+
+
+def test_drill_timer_drills_weekly_with_jitter_through_the_running_daemon() -> None:
+    """The alternative to [drill] every: a weekly timer, its start spread over a day, made
+    up after downtime, starting one `ckptd drill` as the daemon's user (its socket)."""
+    from ckptd.cli.main import build_parser
+
+    timer = _directives(DRILL_TIMER)
+    assert timer["OnCalendar"] == ["Mon *-*-* 00:00:00"]
+    assert timer["RandomizedDelaySec"] == ["1d"] and timer["Persistent"] == ["true"]
+    drill, daemon = _directives(DRILL_UNIT), _directives(UNIT)
+    assert drill["Type"] == ["oneshot"]
+    assert (drill["User"], drill["Group"]) == (daemon["User"], daemon["Group"])
+    assert drill["Requisite"] == ["ckptd.service"]  # a drill never starts the daemon
+    argv = shlex.split(drill["ExecStart"][0])
+    assert argv[:3] == ["/usr/bin/env", "ckptd", "drill"] and "--restore-only" not in argv
+    build_parser().parse_args(argv[2:])  # exits 2 on a bad flag
+    deadline = float(argv[argv.index("--deadline") + 1])
+    assert _seconds(drill["TimeoutStartSec"][0]) > deadline
+
+
+def _seconds(value: str) -> float:
+    units = {"s": 1, "min": 60, "h": 3600, "d": 86400}
+    number = re.fullmatch(r"([0-9.]+)(s|min|h|d)?", value)
+    assert number, value
+    return float(number.group(1)) * units[number.group(2) or "s"]
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize("unit", [DRILL_UNIT, DRILL_TIMER], ids=lambda p: p.name)
+def test_drill_units_pass_systemd_analyze_verify(unit: Path) -> None:
+    result = subprocess.run(
+        [tool("systemd-analyze") or "", "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"{unit.name}:" not in result.stderr, result.stderr
 
 
 @needs_systemd_analyze

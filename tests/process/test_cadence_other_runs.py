@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ckptd.cadence.history import write_history
 from ckptd.cadence.model import (
     NO_OTHER_RUNS,
     CadencePolicy,
@@ -22,8 +23,8 @@ from ckptd.cadence.model import (
     distinct_interruptions,
     estimate_mtbf,
 )
+from ckptd.repository import Repository
 from ckptd.storage.fs import FileStorage
-from ckptd.store.repository import Repository
 from tests.support.daemon import Daemon, wait_until
 
 HOUR = 3600.0
@@ -89,7 +90,7 @@ def test_the_next_blows_of_another_runs_burst_do_not_count() -> None:
 @pytest.mark.parametrize("learn", [True, False], ids=["default", "off"])
 def test_the_daemon_learns_from_the_other_runs_in_its_store(tmp_path: Path, learn: bool) -> None:
     store = tmp_path / "store"
-    Repository(FileStorage(store)).write_cadence(_run("yesterday", 200, [20, 80, 150, 190]))
+    write_history(Repository(FileStorage(store)), _run("yesterday", 200, [20, 80, 150, 190]))
     watch = tmp_path / "watch"
     watch.mkdir()
     daemon = Daemon.configured(

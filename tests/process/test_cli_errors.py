@@ -28,6 +28,7 @@ import ckptd
 import ckptd.core.errors
 from ckptd import __version__
 from ckptd.cli.main import DaemonUnreachableError, UsageError, build_parser, main
+from ckptd.commit.single import CommitConflictError
 from ckptd.config import ConfigError
 from ckptd.core import checksum
 from ckptd.core.errors import CkptdError
@@ -35,7 +36,6 @@ from ckptd.core.manifest import MANIFEST_NAME, ManifestError, build_manifest
 from ckptd.devtools.locals3 import LocalS3
 from ckptd.storage.base import StorageError
 from ckptd.store.restore import RestoreError
-from ckptd.sync.commit import CommitConflictError
 from tests.support.daemon import run_cli
 
 NAME = "checkpoint-1"
@@ -67,6 +67,12 @@ INTERNAL = {
     # Slurm's answers the notice source and exec's requeue read: logged, the source goes on.
     "ckptd.notices.slurm.SlurmError",
     "ckptd.notices.slurm_job.SlurmParseError",
+    # Peer replication: a peer that failed a range (the restore reads it from the next
+    # holder or the store), a replica a hand-off refuses (logged, counted, never sent).
+    "ckptd.peers.source.PeerReadError",
+    "ckptd.sync.handoff.RefusedError",
+    # A reply the direct S3 path cannot read: classified as a StorageError where it is met.
+    "ckptd.storage.http1.ReplyError",
 }
 
 
@@ -286,13 +292,17 @@ def test_config_check_fails_where_run_would(tmp_path: Path) -> None:
     assert str(tmp_path / "st") in flagged.stdout
 
 
-def test_status_and_drill_take_no_destination_flags() -> None:
-    """They ask the daemon, never a store: a --dest that did nothing is refused."""
-    for command in ("status", "drill"):
-        for flag in ("--dest", "--endpoint-url"):
-            done = run_cli(command, flag, "s3://my-bucket/ckpt")
-            assert done.returncode == 2, (command, flag, done.stderr)
-            assert f"unrecognized arguments: {flag}" in done.stderr
+def test_status_takes_no_destination_flag_and_drill_only_with_restore_only() -> None:
+    """They ask the daemon, never a store: a --dest that did nothing is refused (a drill
+    takes one only with --restore-only, which reads the store itself)."""
+    for flag in ("--dest", "--endpoint-url"):
+        done = run_cli("status", flag, "s3://my-bucket/ckpt")
+        assert done.returncode == 2, (flag, done.stderr)
+        assert f"unrecognized arguments: {flag}" in done.stderr
+        drill = run_cli("drill", flag, "s3://my-bucket/ckpt")
+        assert drill.returncode == 2, (flag, drill.stderr)
+        (line,) = [ln for ln in drill.stderr.splitlines() if ln.startswith("ckptd: ")]
+        assert f"{flag} apply to --restore-only" in line, drill.stderr
 
 
 def test_a_metrics_port_in_use_is_one_line_naming_the_key(tmp_path: Path) -> None:
@@ -333,7 +343,7 @@ def test_a_state_dir_that_cannot_be_made_is_one_line_naming_the_key(tmp_path: Pa
             "ckpt",
             "denied",
         ),
-        ("no bucket", {}, "no-such-bucket", "does not exist"),
+        ("no bucket", {}, None, "does not exist"),  # None: a bucket no test made
         (
             "no credentials",
             {
@@ -354,15 +364,17 @@ def test_once_ends_within_seconds_on_a_store_that_refuses_this_node(
     local_s3: LocalS3,
     case: str,
     env: dict[str, str | None],
-    bucket: str,
+    bucket: str | None,
     words: str,
     work: bool,
+    missing_bucket: str,
 ) -> None:
     run = tmp_path / "run"
     run.mkdir()
     if work:
         (run / "checkpoint-5").mkdir()
         (run / "checkpoint-5" / "model.bin").write_bytes(b"weights")
+    bucket = bucket or missing_bucket
     environ = {**os.environ, **local_s3.env()}
     for key, value in env.items():
         if value is None:
@@ -452,3 +464,229 @@ def test_run_once_with_a_missing_watch_dir_says_so_and_exits_1(tmp_path: Path) -
         "create it or fix [[watch]] dir"
     ]
     assert "watch_dir_missing" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "profile"])
+def test_an_s3_destination_reaching_google_from_outside_the_config_is_refused(
+    tmp_path: Path, variable: str
+) -> None:
+    """Google Cloud Storage's S3 API ignores the conditional write ckptd commits with: an
+    endpoint botocore takes from the environment or the AWS profile is refused as the
+    config's own is, one line, exit 2, before anything is shipped."""
+    env = {"AWS_EC2_METADATA_DISABLED": "true"}
+    if variable == "profile":
+        profile = tmp_path / "aws-config"
+        profile.write_text("[profile gcs]\nendpoint_url = https://storage.googleapis.com.\n")
+        env.update(AWS_CONFIG_FILE=str(profile), AWS_PROFILE="gcs")
+    else:
+        env[variable] = "https://storage.googleapis.com."
+    watch = tmp_path / "run"
+    watch.mkdir()
+    done = run_cli(
+        *("run", "--once", "--watch", str(watch), "--dest", "s3://b-1/x"),
+        "--state-dir",
+        str(tmp_path / "state"),
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ckptd:")]
+    assert len(lines) == 1 and "Google Cloud Storage" in lines[0] and "gs://" in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+def _snapshot(root: Path) -> dict[str, tuple[str, bytes | str]]:
+    """Every entry under ``root`` (symlinks not followed): what a restore may not change."""
+    found: dict[str, tuple[str, bytes | str]] = {}
+    for path in sorted(root.rglob("*")):
+        key = str(path.relative_to(root))
+        if path.is_symlink():
+            found[key] = ("link", os.readlink(path))
+        elif path.is_file():
+            found[key] = ("file", path.read_bytes())
+        else:
+            found[key] = ("dir", "")
+    return found
+
+
+def _read_only_wrapper(directory: Path) -> list[str]:
+    """The argv prefix that runs a command with ``directory`` read-only to it: a
+    read-only bind mount in a mount namespace of its own for root (whom modes do not
+    stop), mode 0555 for anyone else."""
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return []
+    script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    wrapper = ["unshare", "--mount", "--", "sh", "-c", script, str(directory)]
+    probe = subprocess.run([*wrapper, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"no read-only bind mount here: {probe.stderr.strip()}")
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("an existing file", "is a file, not a directory"),
+        ("a path under a file", "which is a file, not a directory"),
+        ("/proc/x", "cannot be made here"),
+        ("a read-only directory", "read-only filesystem"),
+        ("a dangling symlink", "which does not exist: create that directory"),
+    ],
+)
+def test_restore_into_an_odd_target_is_one_line_naming_it_and_writes_nothing(
+    tmp_path: Path, case: str, words: str
+) -> None:
+    from ckptd.storage import open_storage
+    from tests.integration.test_restore import commit_files
+
+    dest = f"file://{tmp_path / 'store'}"
+    commit_files(open_storage(dest), "run", "ck-3", {"w.bin": b"weights"}, step=3)
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "a-file").write_bytes(b"mine")
+    (here / "link").symlink_to(here / "nowhere")
+    (here / "ro").mkdir()
+    prefix: list[str] = []
+    to = {
+        "an existing file": here / "a-file",
+        "a path under a file": here / "a-file" / "sub",
+        "/proc/x": Path("/proc/x"),
+        "a read-only directory": here / "ro",
+        "a dangling symlink": here / "link",
+    }[case]
+    if case == "a read-only directory":
+        prefix = _read_only_wrapper(here / "ro")
+    before = _snapshot(here)
+    restore = ["restore", "--dest", dest, "--run", "run", "--latest", "--to", str(to)]
+    done = subprocess.run(
+        [*prefix, sys.executable, "-m", "ckptd", *restore],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = _clean_failure(done)
+    assert line.startswith(f"ckptd: restore failed: {to} "), line
+    assert words in line and "name a directory" in line, line  # the thing, and the fix
+    assert _snapshot(here) == before  # nothing written, the link's target not made
+    assert not Path("/proc/x").exists()
+
+
+def test_a_refused_restore_is_one_line_naming_the_files_at_fault(tmp_path: Path) -> None:
+    from ckptd.storage import open_storage
+    from tests.integration.test_restore import commit_files
+
+    store = tmp_path / "store"
+    commit_files(open_storage(f"file://{store}"), "run", "ck-3", {"w.bin": b"weights"}, step=3)
+    (store / "run" / "ck-3" / "w.bin").write_bytes(b"short")  # the store's copy no longer fits
+    out = tmp_path / "out"
+    done = run_cli(
+        *("restore", "--dest", f"file://{store}", "--run", "run", "--latest", "--to", str(out))
+    )
+    line = _clean_failure(done)
+    assert "1 object(s) do not match the manifest; nothing was written" in line, line
+    assert "(w.bin: object is 5 bytes, smaller than the manifest's 7)" in line, line
+    assert not (out / "ck-3").exists()
+
+
+def test_report_takes_the_run_as_every_command_does_and_the_old_form_still_works(
+    tmp_path: Path,
+) -> None:
+    dest = ("--dest", f"file://{tmp_path / 'store'}")
+    (tmp_path / "store" / "run3").mkdir(parents=True)
+    new = run_cli("report", *dest, "--run", "run3", "--json")
+    assert new.returncode == 0 and new.stderr == "", new.stderr
+    assert json.loads(new.stdout)["run"] == "run3"
+    old = run_cli("report", *dest, "run3", "--json")
+    assert old.returncode == 0, old.stderr
+    assert old.stdout == new.stdout
+    assert old.stderr.strip() == (
+        "ckptd: note: 'ckptd report RUN' is deprecated: use 'ckptd report --run run3'"
+    )
+    bad = run_cli("report", *dest, "--run", "run3", "run4")
+    assert bad.returncode == 2 and bad.stdout == "", bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "ckptd: error: --run run3 and RUN run4 name different runs"
+    )
+
+
+def test_restore_if_any_is_a_no_op_on_a_run_with_nothing_committed_and_fails_on_a_bad_store(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str, missing_bucket: str
+) -> None:
+    """What the pod's restore step relies on: exit 0 and nothing written when the run has
+    nothing committed (on SeaweedFS and on file://); exit 1 when the store cannot be
+    read (no such bucket, a dead endpoint, a file:// root that is not there)."""
+    to = tmp_path / "out"
+    argv = ("restore", "--run", "run1", "--latest", "--if-any", "--to", str(to))
+    s3 = ("--endpoint-url", local_s3.endpoint_url)
+    (tmp_path / "empty-store").mkdir()
+    for dest in (("--dest", s3_dest, *s3), ("--dest", f"file://{tmp_path / 'empty-store'}")):
+        done = run_cli(*argv, *dest)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert done.stdout == (
+            "nothing  run 'run1' has no committed checkpoint yet: nothing to restore\n"
+        )
+        assert not to.exists()
+    as_json = json.loads(run_cli(*argv, *dest, "--json").stdout)
+    assert as_json == {"run": "run1", "checkpoint": None, "nothing_committed": True}
+    for dest, words in (
+        (("--dest", f"s3://{missing_bucket}/x", *s3), "does not exist"),
+        (("--dest", f"file://{tmp_path / 'not-mounted'}"), "not a directory"),
+    ):
+        done = run_cli(*argv, *dest, env={"CKPTD_DESTINATION__MAX_ATTEMPTS": "1"})
+        line = _clean_failure(done)
+        assert words in line, line
+        assert done.stdout == "" and not to.exists()
+    # A run with a commit is restored as without the flag.
+    from ckptd.storage import open_storage
+    from tests.integration.test_restore import commit_files
+
+    commit_files(open_storage(f"file://{tmp_path / 'empty-store'}"), "run1", "ck-1", {"w": b"1"})
+    done = run_cli(*argv, "--dest", f"file://{tmp_path / 'empty-store'}")
+    assert done.returncode == 0 and (to / "ck-1" / "w").read_bytes() == b"1", done.stderr
+
+
+def test_if_any_without_latest_is_bad_usage(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import structlog
+
+    saved = structlog.get_config()  # main configures structlog for the process
+    try:
+        code = main(
+            ["restore", "--run", "r", "--checkpoint", "ck-1", "--if-any", "--to", str(tmp_path)]
+        )
+    finally:
+        structlog.configure(**saved)
+    assert code == 2
+    assert "ckptd: error: --if-any goes with --latest" in capsys.readouterr().err
+
+
+def test_restore_of_a_run_id_not_in_the_store_names_the_runs_that_are(
+    dest: Path, tmp_path: Path
+) -> None:
+    """A typo'd --run reads as nothing committed: the one line names what is there."""
+    result = run_cli(
+        "restore", "--dest", dest.as_uri(), "--run", "god", "--latest", "--to", str(tmp_path / "o")
+    )
+    line = _clean_failure(result)
+    assert "run 'god' has no committed checkpoint" in line, line
+    assert "holds run(s) evil, garbage, good" in line and "did you mean 'good'?" in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_restore_from_a_typod_prefix_names_the_prefix_beside_it(dest: Path, tmp_path: Path) -> None:
+    """A typo'd --dest holds no run at all: the prefix one level up is listed once and the
+    entries close to the asked name are named."""
+    typo = dest.parent / "stor"
+    result = run_cli(
+        "restore",
+        "--dest",
+        typo.as_uri(),
+        "--run",
+        GOOD_RUN,
+        "--latest",
+        "--to",
+        str(tmp_path / "o"),
+    )
+    line = _clean_failure(result)
+    assert f"file://{typo} holds no run; beside it: file://{dest}" in line, line

@@ -20,10 +20,10 @@ from ckptd.notices.cluster import (
     notice_document,
 )
 from ckptd.notices.model import Notice, format_time
+from ckptd.repository import NOTICE_FORMAT, Repository, notice_key
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage import open_storage
 from ckptd.storage.base import Storage
-from ckptd.store.repository import NOTICE_FORMAT, Repository, notice_key
 from tests.support.faultproxy import FaultProxy
 
 START = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -253,6 +253,9 @@ class StubEmergency:
         return [self.watch]
 
     def enter_emergency(self, deadline: datetime | None) -> None:
+        self.deadlines.append(deadline)
+
+    def move_deadline(self, deadline: datetime | None) -> None:
         self.deadlines.append(deadline)
 
     def leave_emergency(self) -> None:

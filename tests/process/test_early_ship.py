@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
+from ckptd.commit.single import Slot
 from ckptd.core.checksum import crc32c
 from ckptd.devtools.locals3 import LocalS3
 from ckptd.layouts.base import CheckpointListing, FileEntry
+from ckptd.repository import Repository, claim_key, object_key
 from ckptd.runtime.logs import get_logger
 from ckptd.storage.fs import FileStorage
-from ckptd.store.repository import Repository, object_key
 from ckptd.sync import cleanup
 from ckptd.sync.early import ready_files
 from ckptd.sync.journal import Journal
@@ -79,11 +80,13 @@ def test_nothing_goes_where_proc_cannot_tell_or_from_a_file_checkpoint() -> None
 def test_an_object_that_landed_before_its_journal_row_is_discarded_with_its_checkpoint(
     tmp_path: Path,
 ) -> None:
-    """A crash between an object's PUT and its journal row: the checkpoint was marked
-    touched first, so the start-up sweep finds it, and deletes its whole prefix."""
+    """A crash between an object's PUT and its journal row: the checkpoint's slot was
+    journalled when claimed and the checkpoint marked touched first, so the start-up sweep
+    finds it, and deletes its whole slot."""
     store = FileStorage(tmp_path / "store")
     repo = Repository(store)
     journal = Journal(tmp_path / "state")
+    journal.record_claim("run", Slot("checkpoint-3", "checkpoint-3", "checkpoint-3", ""))
     journal.touch("run", "checkpoint-3")
     for name, data in (("checkpoint-3", b"x" * 100), ("checkpoint-4", b"y" * 100)):
         key = object_key("run", name, "model.safetensors")
@@ -95,6 +98,31 @@ def test_an_object_that_landed_before_its_journal_row_is_discarded_with_its_chec
     )
     assert repo.list_objects("run", "checkpoint-3") == []
     assert len(repo.list_objects("run", "checkpoint-4")) == 1
+    assert journal.uncommitted() == set()
+
+
+def test_a_claim_made_just_before_a_crash_is_freed_when_its_checkpoint_is_gone(
+    tmp_path: Path,
+) -> None:
+    """A crash between the claim's PUT and the first object (nothing touched, nothing
+    sent): only the journal's claim knows of it, and the start-up sweep deletes the
+    claim of a checkpoint deleted meanwhile, leaving nothing under its name."""
+    store = FileStorage(tmp_path / "store")
+    repo = Repository(store)
+    journal = Journal(tmp_path / "state")
+    journal.record_claim("run", Slot("checkpoint-5", "checkpoint-5", "checkpoint-5", ""))
+    store.put_bytes(claim_key("run", "checkpoint-5"), b"{}", crc32c=crc32c(b"{}"))
+    assert journal.uncommitted() == {("run", "checkpoint-5")}
+    (tmp_path / "run").mkdir()
+    cleanup.discard_vanished(
+        repo,
+        journal,
+        {"run": tmp_path / "run"},
+        lambda run, name: False,
+        get_logger(),
+        whole_prefix=True,
+    )
+    assert repo.list_objects("run", "checkpoint-5") == []
     assert journal.uncommitted() == set()
 
 
@@ -326,7 +354,8 @@ def test_checkpoint_deleted_before_completion_leaves_nothing_in_the_store(
         write_bytes(doomed / "model.safetensors", 30 * MiB)
         wait_until(
             lambda: (
-                daemon.events_named("early_upload_done", path="config.json")
+                # config.json, a small file, goes in a batch (``ckptd.sync.lanes``).
+                daemon.events_named("early_batch_done", checkpoint="checkpoint-7")
                 and not _no_uploads(s3_client, s3_prefix)
             ),
             30,

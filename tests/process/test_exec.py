@@ -325,6 +325,30 @@ def test_the_trainer_gets_its_environment_and_its_own_code_is_the_exit_code(
     assert not node.events("flushed_on_sigterm")
 
 
+def test_a_typod_destination_starts_from_scratch_with_a_warning_naming_what_is_beside_it(
+    tmp_path: Path,
+) -> None:
+    """``--dest file://.../pro`` beside ``.../prod`` (which holds runs) read as a new run,
+    with only an info line: the trainer still starts from scratch (a new run is
+    legitimate), but the warning names the prefix that holds runs."""
+    (tmp_path / "stores" / "prod" / "run1" / "checkpoint-5").mkdir(parents=True)
+    typo = tmp_path / "stores" / "pro"
+    node = ExecNode(
+        tmp_path / "node",
+        SHORT,
+        Env(typo.as_uri(), ""),
+        command=[sys.executable, "-c", "import os, sys; sys.exit(0)"],
+    )
+    try:
+        assert node.start().wait_exit(60) == 0, node.log_tail()
+    finally:
+        node.close()
+    (event,) = node.events("exec_nothing_to_restore")
+    assert event["level"] == "warning", event
+    assert event["hint"] == f"{typo.as_uri()} holds no run; beside it: {typo.as_uri()}d", event
+    assert len(node.events("trainer_started")) == 1  # from scratch all the same
+
+
 def test_a_trainer_left_by_an_exec_killed_with_9_is_ended_by_the_next_exec(
     tmp_path: Path,
 ) -> None:

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from ckptd.devtools.locals3 import LocalS3, free_port
+from ckptd.repository import Repository
 from ckptd.storage import open_storage
-from ckptd.store.repository import Repository
 from tests.support.faultproxy import FaultProxy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

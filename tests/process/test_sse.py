@@ -25,9 +25,9 @@ import pytest
 
 from ckptd.config import load_settings
 from ckptd.devtools.locals3 import LocalS3
+from ckptd.repository import Repository
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage import open_destination
-from ckptd.store.repository import Repository
 from ckptd.store.restore import RestoreRequest, restore
 from ckptd.store.verify import verify_checkpoint
 from ckptd.sync.journal import Journal

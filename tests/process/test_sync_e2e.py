@@ -484,7 +484,9 @@ def test_file_destination_commits_with_fsynced_renames(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     remote = shared / "run" / "checkpoint-4"
     assert local_files(ckpt) == {
-        k: v for k, v in local_files(remote).items() if k != "ckptd.manifest.json"
+        k: v
+        for k, v in local_files(remote).items()
+        if k not in ("ckptd.manifest.json", "ckptd.claim.json")
     }
     assert (shared / "run" / "LATEST").exists()
     assert not [p for p in shared.rglob("*") if ".ckptd-" in p.name], "temporary files left behind"
@@ -542,11 +544,13 @@ def test_a_linked_file_is_committed_with_its_bytes_and_a_dangling_link_is_refuse
         if line.startswith("{") and '"checkpoints_not_shipped"' in line
     ]
     assert not_shipped["checkpoints"] == ["run/checkpoint-8"]
+    assert "tokenizer.json" in not_shipped["why"]["run/checkpoint-8"]  # what it cannot ship
     # It can never commit as it is: none of its files was sent ahead either.
     assert not [
         line
         for line in done.stderr.splitlines()
-        if '"early_upload_started"' in line and '"checkpoint-8"' in line
+        if ('"early_upload_started"' in line or '"early_batch_started"' in line)
+        and '"checkpoint-8"' in line
     ]
     listed = run_cli("list", "--json", config=cfg)
     names = [c["checkpoint"] for c in json.loads(listed.stdout)["checkpoints"]]

@@ -460,11 +460,12 @@ def dcp_trainer(
     resume: list[Path] | None = None,
     hang_at: int = 0,
     step_delay: float = 0.0,
+    ballast_mib: int = 0,
 ) -> TrainerGroup:
     """The FSDP2/DCP trainer (:mod:`tests.support.trainers.cluster_dcp`) on every node."""
     args = ["--final", str(out / "final.pt"), "--max-steps", str(max_steps)]
     args += ["--save-every", str(save_every), "--hang-at", str(hang_at)]
-    args += ["--step-delay", str(step_delay)]
+    args += ["--step-delay", str(step_delay), "--ballast-mib", str(ballast_mib)]
     return TrainerGroup(out, run_dirs, args, resume=resume)
 
 

@@ -19,6 +19,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckptd.devtools.locals3 import free_port
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` for a test's long-lived child (a daemon): SIGKILL when the process
+    that started it dies (Linux's PR_SET_PDEATHSIG), so a killed test session leaves no
+    daemon shipping into a store nobody reads."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
 def wait_until(
     predicate: Callable[[], Any],
     timeout: float,
@@ -97,6 +107,10 @@ class Daemon:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    # A host of the network-namespace rig (tests/support/netns.py): the daemon runs
+    # inside it (``wrap``: ``ip netns exec NS``) and serves /metrics at its address.
+    host: str = "127.0.0.1"
+    wrap: list[str] = field(default_factory=list)
 
     @classmethod
     def configured(cls, tmp: Path, *, name: str = "daemon", **config: Any) -> Daemon:
@@ -108,11 +122,16 @@ class Daemon:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptd", "run", "--config", str(self.config), *self.extra_args],
+            [
+                *self.wrap,
+                *(sys.executable, "-m", "ckptd", "run", "--config", str(self.config)),
+                *self.extra_args,
+            ],
             stdout=log,
             stderr=log,
             stdin=subprocess.DEVNULL,
             env=env,
+            preexec_fn=die_with_parent,
         )
         log.close()
         try:
@@ -130,7 +149,7 @@ class Daemon:
 
     def _http_ok(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1) as r:
+            with urllib.request.urlopen(f"http://{self.host}:{self.port}/healthz", timeout=1) as r:
                 return bool(r.status == 200)
         except OSError:
             if self.proc is not None and self.proc.poll() is not None:
@@ -140,11 +159,11 @@ class Daemon:
             return False
 
     def get_json(self, path: str) -> Any:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{self.host}:{self.port}{path}", timeout=5) as r:
             return json.loads(r.read())
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{self.host}:{self.port}/metrics", timeout=5) as r:
             text = r.read().decode()
         out = {}
         for family in text_string_to_metric_families(text):

@@ -8,6 +8,11 @@ instead: an S3 error document, an abrupt reset, or a stall. Except for
 ``"reset-after-upstream"`` and ``"reset-mid-response"``, a faulted request never reaches upstream, so an injected 503
 can never leave a half-written object behind.
 
+``ignore_create_only`` makes it a store that does not honour conditional creates: it
+drops ``If-None-Match`` from each request and signs the request again (SigV4, with the
+credentials it is given, ``tests.support.sigv4``), so a create-only PUT reaches upstream
+as a plain PUT that replaces, and the client hears a success as from such a store.
+
 It runs its own event loop in a daemon thread, so synchronous tests and tests that
 point a separate process at ``proxy.url`` use it the same way::
 
@@ -36,6 +41,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from urllib.parse import urlsplit
 from xml.sax.saxutils import escape
+
+from tests.support.sigv4 import resign_without
 
 Match = Callable[[str, str], bool]
 """``match(method, path) -> bool``: whether a fault rule applies to a request."""
@@ -67,8 +74,11 @@ ERROR_KINDS: dict[str, tuple[int, str, str, str]] = {
 # succeed upstream and then cuts the connection before the client sees the response,
 # "reset-mid-response" passes the response head and half its body, then cuts it.
 CONNECTION_KINDS = ("reset", "timeout", "reset-after-upstream", "reset-mid-response")
-_UPSTREAM_FAULTS = ("reset-after-upstream", "reset-mid-response")
-FAULT_KINDS = (*ERROR_KINDS, *CONNECTION_KINDS)
+# Faults in the bytes themselves: "flip-bit" forwards the request with one bit of its body
+# inverted (a link or NIC that damages data, which TCP's checksum missed).
+BODY_KINDS = ("flip-bit",)
+_UPSTREAM_FAULTS = ("reset-after-upstream", "reset-mid-response", *BODY_KINDS)
+FAULT_KINDS = (*ERROR_KINDS, *CONNECTION_KINDS, *BODY_KINDS)
 
 _CHUNK = 1 << 20  # bytes per read while streaming a body; bounds memory per connection
 _HEAD_LIMIT = 1 << 20  # longest request or response head accepted
@@ -199,22 +209,26 @@ async def _relay_body(
     framing: tuple[str, int],
     on_bytes: Callable[[int], None],
     limit: int | None = None,
+    tamper: Callable[[bytes], bytes] | None = None,
 ) -> bool:
     """Copy one body from ``src`` to ``dst`` (None discards it), reporting payload bytes.
 
     Chunked bodies are relayed in their wire form; only payload bytes are reported.
     With ``limit`` it stops after about that many payload bytes and returns False;
-    it returns True once the whole body has been copied.
+    it returns True once the whole body has been copied. ``tamper`` rewrites the first
+    piece of a body of known length (the same length back).
     """
     kind, length = framing
     seen = 0
 
     async def copy(n: int) -> None:
-        nonlocal seen
+        nonlocal seen, tamper
         while n > 0:
             data = await src.read(min(n, _CHUNK))
             if not data:
                 raise asyncio.IncompleteReadError(b"", n)
+            if tamper is not None:
+                data, tamper = tamper(data), None
             n -= len(data)
             seen += len(data)
             if dst is not None:
@@ -335,6 +349,9 @@ class FaultProxy:
         self._deny: _Rule | None = None
         self._hold: tuple[float, HoldMatch] | None = None
         self._held = 0
+        # ignore_create_only: the credentials requests are signed again with.
+        self._no_create_only: tuple[str, str] | None = None
+        self._create_only_dropped = 0
         # Counters.
         self._arrivals: list[tuple[str, str]] = []
         self._bytes_up: Counter[str] = Counter()
@@ -478,6 +495,36 @@ class FaultProxy:
         with self._lock:
             self._hold = (seconds, match or (lambda m, p, q: True)) if seconds > 0 else None
 
+    def ignore_create_only(self, access_key: str, secret_key: str) -> None:
+        """Until ``clear_faults``: drop ``If-None-Match`` from every request and sign it
+        again as ``access_key`` (module doc), as a store that ignores create-only writes."""
+        with self._lock:
+            self._no_create_only = (access_key, secret_key)
+
+    @property
+    def create_only_dropped(self) -> int:
+        """How many requests ``ignore_create_only`` took ``If-None-Match`` from."""
+        with self._lock:
+            return self._create_only_dropped
+
+    def _without_create_only(self, head: _Head) -> _Head:
+        with self._lock:
+            credentials = self._no_create_only
+            if credentials is None or head.get("if-none-match") is None:
+                return head
+            self._create_only_dropped += 1
+        method, target, version = head.start
+        headers = resign_without(
+            method,
+            target,
+            head.headers,
+            "if-none-match",
+            access_key=credentials[0],
+            secret_key=credentials[1],
+        )
+        raw = f"{method} {target} {version}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
+        return _Head((raw + "\r\n").encode("latin-1"), head.start, tuple(headers))
+
     @property
     def arrivals(self) -> list[tuple[str, str]]:
         """(method, target) of every request, in the order their heads arrived: unlike
@@ -500,8 +547,10 @@ class FaultProxy:
             return self._hold[0]
 
     def clear_faults(self) -> None:
-        """Forward everything again: drop the random plan, queued faults and ``deny``."""
+        """Forward everything again: drop the random plan, queued faults, ``deny`` and
+        ``ignore_create_only``."""
         with self._lock:
+            self._no_create_only = None
             self._rate = 0.0
             self._random_rule = None
             self._queued.clear()
@@ -622,6 +671,7 @@ class FaultProxy:
                 if fault is None and (delay := self._hold_for(head.start[0], head.start[1])):
                     await asyncio.sleep(delay)
                 if fault is None or fault in _UPSTREAM_FAULTS:
+                    head = self._without_create_only(head)
                     keep_alive = await self._forward(head, reader, writer, upstream, fault)
                 else:
                     keep_alive = await self._inject(fault, head, reader, writer)
@@ -678,7 +728,9 @@ class FaultProxy:
             elif response is not None:
                 body_skipped = True  # a final answer before the body: the client may not send it
         if not body_skipped:
-            await _relay_body(reader, up_writer, framing, on_up)
+            await _relay_body(
+                reader, up_writer, framing, on_up, tamper=_flip_bit if fault == "flip-bit" else None
+            )
         while response is None or response.start[1].startswith("1"):
             if response is not None:
                 writer.write(response.raw)  # interim responses (a late 100) go through
@@ -708,7 +760,8 @@ class FaultProxy:
             return False
         # Record before the client can see the response, so a client that has its answer
         # always finds the record (tests read counters right after a call returns).
-        self._record(RequestRecord(method, path, query, status, None, sent, head.headers))
+        body_fault = fault if fault in BODY_KINDS else None
+        self._record(RequestRecord(method, path, query, status, body_fault, sent, head.headers))
         writer.write(response.raw)
         await _relay_body(up_reader, writer, resp_framing, self._count_down)
         await writer.drain()
@@ -779,6 +832,12 @@ class FaultProxy:
             await _close_gracefully(reader, writer)
             return False
         return True
+
+
+def _flip_bit(data: bytes) -> bytes:
+    """``data`` with one bit inverted (the middle byte's lowest)."""
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1 :]
 
 
 def _check_kind(kind: str) -> None:

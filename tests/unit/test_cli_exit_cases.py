@@ -1,15 +1,15 @@
 """Every exit code docs/cli.md promises for a command is a test that makes it happen.
 
 The command table's last column (``| command | does | exit |``) says which codes each
-command exits with, and the Exit codes table below it adds a drill not committed in time
-(1). ``CASES`` names, for each documented (command, code) pair, the test that runs that
+command exits with, and the Exit codes table below it adds a drill that failed at a
+stage (1). ``CASES`` names, for each documented (command, code) pair, the test that runs that
 command and asserts that code; this file checks that the documented pairs and ``CASES``
 are the same set (a code documented without a case, or a case for a code no longer
 documented, fails here) and that each named test is a function defined at module level of
 its file (read with ``ast``, nothing imported). It does not run those tests, nor read
 their bodies: they run in the same suite, and that each really runs its command and
-asserts its code was checked by hand when it was named here. The one case that can run
-in process (``report`` on a store that cannot be read) is in this file.
+asserts its code was checked by hand when it was named here. The cases that can run in
+process (``report`` and ``prune`` on a store that cannot be read) are in this file.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ CASE_HOMES = ("tests/process/", "tests/ops/", "tests/e2e/", "tests/integration/"
 # | `ckptd config check [--config FILE] ...` | does | 0 ok, 2 invalid |
 COMMAND_ROW = re.compile(r"^\|\s*`ckptd (?P<usage>[^`]*)`\s*\|.*\|\s*(?P<exit>[^|]*?)\s*\|\s*$")
 # What the Exit codes table says of one command that its row in the command table does not.
-EXIT_TABLE_MENTIONS = {"a drill not committed in time": "drill"}
+EXIT_TABLE_MENTIONS = {"a drill that failed at a stage": "drill"}
 
 CASES: dict[tuple[str, int], str] = {
     ("run", 0): "tests/process/test_sigterm_meaning.py::"
@@ -54,6 +54,17 @@ CASES: dict[tuple[str, int], str] = {
     "test_restore_command_is_byte_identical_and_if_missing_is_a_fast_no_op",
     ("restore", 1): "tests/process/test_cli_errors.py::"
     "test_restore_of_a_corrupt_manifest_is_refused_and_writes_nothing",
+    ("check", 0): "tests/process/test_store_housekeeping.py::"
+    "test_check_names_what_differs_and_what_is_on_one_side_only",
+    ("check", 1): "tests/process/test_store_housekeeping.py::"
+    "test_check_names_what_differs_and_what_is_on_one_side_only",
+    ("prune", 0): "tests/process/test_store_housekeeping.py::"
+    "test_prune_is_dry_until_yes_then_deletes_exactly_what_it_said",
+    ("prune", 1): f"{THIS}::test_prune_exits_1_when_the_store_cannot_be_read",
+    ("rm", 0): "tests/process/test_store_housekeeping.py::"
+    "test_rm_refuses_latest_without_force_and_moves_latest_to_the_newest_that_stays",
+    ("rm", 1): "tests/process/test_store_housekeeping.py::"
+    "test_rm_refuses_latest_without_force_and_moves_latest_to_the_newest_that_stays",
     ("report", 0): "tests/process/test_goodput.py::test_the_ledger_matches_what_the_trainer_did",
     ("report", 1): f"{THIS}::test_report_exits_1_when_the_store_cannot_be_read",
     ("status", 0): "tests/ops/test_ops_statusview.py::test_ckptd_status_prints_the_rich_table",
@@ -73,6 +84,12 @@ CASES: dict[tuple[str, int], str] = {
         "config check",
         2,
     ): "tests/process/test_cli_errors.py::test_config_check_fails_where_run_would",
+    ("doctor", 0): "tests/process/test_doctor.py::"
+    "test_doctor_on_seaweedfs_is_all_ok_and_leaves_nothing_in_the_store",
+    ("doctor", 1): "tests/process/test_doctor.py::"
+    "test_doctor_on_a_missing_bucket_fails_with_the_fix_and_exits_1",
+    ("doctor", 2): "tests/process/test_doctor.py::"
+    "test_doctor_with_an_invalid_config_exits_2_naming_the_key",
     ("exec", 0): "tests/process/test_exec.py::"
     "test_sigterm_commits_the_emergency_checkpoint_and_a_fresh_node_resumes_there",
     ("exec", 75): "tests/process/test_exec.py::test_sigterm_with_the_store_unreachable_exits_75",
@@ -126,7 +143,7 @@ def documented() -> set[tuple[str, int]]:
 
 def test_the_parser_reads_the_tables_as_meant() -> None:
     assert command_of("config check [--config FILE] [--watch DIR --dest URL]") == "config check"
-    assert command_of("report --dest URL RUN [--html FILE] [--json]") == "report"
+    assert command_of("report --dest URL --run RUN [--html FILE] [--json]") == "report"
     assert codes_of(
         "0; 1 if the store cannot be read (a dead endpoint: about 13 s, at most 25 s)"
     ) == {0, 1}
@@ -168,22 +185,39 @@ def structlog_as_it_was() -> Iterator[None]:
     structlog.configure(**saved)
 
 
-@pytest.mark.usefixtures("structlog_as_it_was")
-def test_report_exits_1_when_the_store_cannot_be_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The real command in process: a file:// destination under a regular file, so no
-    store is there to read; one line on stderr saying so, exit 1, nothing on stdout."""
+def _under_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``--config`` and ``--dest`` of a file:// destination under a regular file, so no
+    store is there to read."""
     for name in [k for k in os.environ if k.startswith("CKPTD_")]:
         monkeypatch.delenv(name)
     (tmp_path / "a-file").write_bytes(b"")
     config = tmp_path / "empty.toml"  # not /etc/ckptd/ckptd.toml, whatever this host holds
     config.write_text("")
-    dest = (tmp_path / "a-file" / "store").as_uri()
-    code = main(["report", "--config", str(config), "--dest", dest, "run-1"])
+    return ["--config", str(config), "--dest", (tmp_path / "a-file" / "store").as_uri()]
+
+
+@pytest.mark.usefixtures("structlog_as_it_was")
+def test_report_exits_1_when_the_store_cannot_be_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real command in process: one line on stderr saying so, exit 1, nothing on
+    stdout."""
+    code = main(["report", *_under_a_file(tmp_path, monkeypatch), "--run", "run-1"])
     out, err = capsys.readouterr()
     assert code == 1, err
     assert out == ""
     lines = [line for line in err.splitlines() if line.startswith("ckptd: ")]
     assert len(lines) == 1 and "cannot read run 'run-1'" in lines[0], err
     assert "Traceback" not in err
+
+
+@pytest.mark.usefixtures("structlog_as_it_was")
+def test_prune_exits_1_when_the_store_cannot_be_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As report: one line naming what could not be read, exit 1, nothing on stdout."""
+    code = main(["prune", *_under_a_file(tmp_path, monkeypatch), "--yes"])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert out == ""
+    assert err.splitlines() == [f"ckptd: list {tmp_path / 'a-file' / 'store'}: Not a directory"]

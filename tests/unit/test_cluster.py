@@ -1,4 +1,4 @@
-"""The pure many-node rules (``ckptd.cluster.protocol``): merge, conflicts, saves, who announces."""
+"""The pure many-node rules (``ckptd.commit.parts``): merge, conflicts, saves, who announces."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from ckptd.cluster import protocol as cluster
-from ckptd.cluster.assemble import ClusterShip, Committer, judge_role
-from ckptd.cluster.protocol import (
+from ckptd.commit import parts as cluster
+from ckptd.commit.assemble import ClusterShip, Committer
+from ckptd.commit.parts import (
     Announcement,
     Conflict,
     Merged,
@@ -20,14 +20,16 @@ from ckptd.cluster.protocol import (
     merge_parts,
     parse_announcement,
     parse_part,
-    rank_of_part,
     save_id,
     save_tail_seconds,
     superseded,
 )
 from ckptd.config import WatchConfig
+from ckptd.core import names
 from ckptd.core.manifest import ManifestError, ManifestFile, build_manifest, parse_manifest
+from ckptd.core.names import rank_of_part
 from ckptd.layouts.base import CheckpointListing, Completion, FileEntry
+from ckptd.sync.coordination import judge_role
 from ckptd.sync.runs import RunState
 
 
@@ -169,11 +171,11 @@ def test_superseded_needs_a_newer_commit_and_the_grace() -> None:
 
 
 def test_part_names() -> None:
-    assert cluster.part_name(3) == "ckptd.part-3.json"
+    assert names.part_name(3) == "ckptd.part-3.json"
     assert rank_of_part("ckptd.part-12.json") == 12
     for name in ("ckptd.part-.json", "ckptd.part-1.json.tmp", "x.json", "ckptd.manifest.json"):
         assert rank_of_part(name) is None
-    assert cluster.is_cluster_object("ckptd.announce.json")
+    assert names.is_cluster_object("ckptd.announce.json")
 
 
 def test_round_trip_and_bad_bodies() -> None:

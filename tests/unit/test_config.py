@@ -283,6 +283,47 @@ BAD_VALUES = [
     ('[slurm]\nsignal = "SIGTERM"', "slurm.signal"),
     ('[slurm]\nsignal = "SIGNOPE"', "slurm.signal"),
     ('[slurm]\nrequeue = "sometimes"', "slurm.requeue"),
+    ('[drill]\nevery = "weekly"', "drill.every"),
+    ("[drill]\njitter = 1", "drill.jitter"),
+    ("[drill]\nmargin_seconds = -1", "drill.margin_seconds"),
+    ("[drill]\ndeadline_seconds = 0", "drill.deadline_seconds"),
+    ('[drill]\ncheck = "python check.py"', "drill.check"),
+    ('[drill]\ncheck = [" ", "check.py"]', "drill.check"),
+    ("[drill]\ncheck_timeout_seconds = 0", "drill.check_timeout_seconds"),
+    ('[drill]\nscratch_dir = "scratch"', "drill.scratch_dir"),
+    ("[drill]\nhistory = 0", "drill.history"),
+    ('[peers]\nenabled = "yes please"', "peers.enabled"),
+    (
+        '[cluster]\nnodes = 1\n[peers]\nenabled = true\ntoken_file = "/t"\nquota_gib = 1',
+        "peers.enabled",
+    ),
+    ('[peers]\nlisten = "nowhere"', "peers.listen"),
+    ('[peers]\nadvertise = "bad host!"', "peers.advertise"),
+    ('[peers]\ntoken_file = "relative/token"', "peers.token_file"),
+    (
+        "[cluster]\nnodes = 2\nnode_rank = 0\n[peers]\nenabled = true\nquota_gib = 1",
+        "peers.token_file",
+    ),
+    ('[peers]\ndir = "relative"', "peers.dir"),
+    (
+        '[[watch]]\ndir = "/d/r"\n[state]\ndir = "/s"\n[cluster]\nnodes = 2\nnode_rank = 0\n'
+        '[peers]\nenabled = true\ntoken_file = "/t"\nquota_gib = 1\ndir = "/d/r/replicas"',
+        "peers.dir",
+    ),
+    ("[peers]\nquota_gib = -1", "peers.quota_gib"),
+    (
+        '[cluster]\nnodes = 2\nnode_rank = 0\n[peers]\nenabled = true\ntoken_file = "/t"',
+        "peers.quota_gib",
+    ),
+    ("[peers]\ncopies = 0", "peers.copies"),
+    ("[peers]\ncopies = 9", "peers.copies"),
+    ('[peers]\nperiodic = "often"', "peers.periodic"),
+    ("[peers]\nrate_mbit = -1", "peers.rate_mbit"),
+    ("[peers]\nemergency_rate_mbit = -1", "peers.emergency_rate_mbit"),
+    ("[peers]\nfailure_domain = 5", "peers.failure_domain"),
+    ("[peers]\nhandoff_after_seconds = 0", "peers.handoff_after_seconds"),
+    ("[peers]\nrestore_wait_seconds = 31", "peers.restore_wait_seconds"),
+    ("[peers]\nannounce_interval_seconds = 0", "peers.announce_interval_seconds"),
     ('destination = "s3://bucket"', "destination"),
     ('[[watch]]\ndir = "/d/r"\n[[watch]]\ndir = "/e/r"', "watch[1].run_id"),
 ]
@@ -310,7 +351,14 @@ def test_every_key_has_a_bad_value_case() -> None:
 
 
 @pytest.mark.parametrize(
-    "endpoint", ["https://storage.googleapis.com", "https://storage.googleapis.com:443"]
+    "endpoint",
+    [
+        "https://storage.googleapis.com",
+        "https://storage.googleapis.com:443",
+        "https://storage.googleapis.com.",  # the trailing dot of a fully qualified name
+        "https://STORAGE.GoogleAPIs.com",
+        "https://my-bucket.storage.googleapis.com",
+    ],
 )
 def test_an_s3_destination_at_googles_endpoint_is_refused_pointing_to_gs(
     tmp_path: Path, endpoint: str

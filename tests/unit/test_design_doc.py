@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from ckptd import repository as repo
 from ckptd.cadence.model import HISTORY_FORMAT
-from ckptd.cluster import protocol
-from ckptd.core import errors, handoff, manifest, signing
+from ckptd.commit import parts as protocol
+from ckptd.core import errors, handoff, manifest, names, signing
+from ckptd.goodput.model import FORMAT as GOODPUT_FORMAT
 from ckptd.runtime import instance
 from ckptd.runtime.metrics import Metrics
-from ckptd.store import repository as repo
 from tests.unit.test_design_recipes import ROOT, design_text, section
 from tests.unit.test_docs_links import anchors_of
 from tests.unit.test_layers import LAYERS, PURE_FORBIDDEN, TRAINER_MAY_IMPORT
@@ -98,7 +99,7 @@ def test_every_key_is_spelled_as_the_repository_spells_it() -> None:
         repo.cadence_key(run),
         f"{repo.lease_prefix(run)}{name}-<uuid>",
         repo.announce_key(run, name),
-        f"{repo.checkpoint_prefix(run, name)}{protocol.PART_PREFIX}<rank>{protocol.PART_SUFFIX}",
+        f"{repo.checkpoint_prefix(run, name)}{names.PART_PREFIX}<rank>{names.PART_SUFFIX}",
     ]
     for key in spelled:
         assert re.search(rf"^{re.escape(key)}\s", keys, flags=re.M), f"{key} is not in Keys"
@@ -112,6 +113,7 @@ def test_every_format_name_is_the_codes() -> None:
         protocol.PART_FORMAT,
         repo.NOTICE_FORMAT,
         HISTORY_FORMAT,
+        GOODPUT_FORMAT,
     ):
         assert f"`{name}`" in text, name
     assert repr(manifest.SIGNATURE_DOMAIN).replace("'", '"') in section("Signature")
@@ -148,12 +150,41 @@ def test_the_exit_codes_are_the_codes() -> None:
 
 def test_the_trainer_files_are_the_ones_both_sides_use() -> None:
     files = section("Trainer signalling")
-    for relpath in (handoff.NOTICE, handoff.ADVICE, handoff.SAVES, handoff.DAEMON_LOCK):
+    for relpath in (
+        handoff.NOTICE,
+        handoff.ADVICE,
+        handoff.SAVES,
+        handoff.STEP_COUNTER,
+        handoff.STEPS,
+        handoff.RESTORED,
+        handoff.DAEMON_LOCK,
+    ):
         assert relpath.parent == handoff.DIR == Path(".ckptd")
         assert f"| `{relpath.name}` |" in files, relpath
     assert "`ckptd.core.handoff`" in files
     assert f"but `{TRAINER_MAY_IMPORT}`" in section("Layers")
     assert f"`<state dir>/{instance.STATE_LOCK}`" in section("Local state")
+
+
+def test_the_step_counter_layout_is_the_codes() -> None:
+    ledger, layout = section("Run ledger (contract)"), handoff.STEP_LAYOUT
+    assert f"`<watch dir>/{handoff.STEP_COUNTER}`" in ledger
+    assert f"little-endian, {layout.SIZE} bytes" in ledger
+    assert f"| 0 | 8 | magic `{layout.MAGIC.decode()}` |" in ledger
+    assert f"| 8 | 4 | format, u32: {layout.FORMAT} |" in ledger
+    assert f"| 12 | 4 | slot size, u32: {layout.SLOT_SIZE} |" in ledger
+    for index in (0, 1):
+        assert f"| {layout.slot(index)} | {layout.SLOT_SIZE} | slot {index}:" in ledger
+    assert f"two {layout.RECORD.size}-byte records" in ledger
+
+
+def test_the_ledger_numbers_are_the_codes() -> None:
+    from ckptd.goodput.model import ABANDONED_SECONDS, MARKS
+
+    ledger = section("Run ledger (contract)")
+    assert f"its last record is {ABANDONED_SECONDS:.0f} s old (`ABANDONED_SECONDS`" in ledger
+    for kind in MARKS:
+        assert f"`{kind}`" in ledger, kind
 
 
 def test_every_metric_named_is_exported() -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from blake3 import blake3
 
-from ckptd.cluster.protocol import save_id
+from ckptd.commit.parts import save_id
 from ckptd.core import checksum, digest
 from ckptd.core.manifest import Manifest, build_manifest, parse_manifest
 from ckptd.core.signing import AuthenticationError, KeyRing

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptd.goodput.model import (
+    ABANDONED_SECONDS,
     CAUSES,
     FORMAT,
     PRECEDENCE,
@@ -23,6 +24,7 @@ from ckptd.goodput.model import (
     lost_span,
     merge_records,
     parse_chunk,
+    run_end,
     time_at_step,
     timeline,
 )
@@ -34,7 +36,7 @@ def iv(
     end: float,
     *,
     node: str = "n0",
-    attempt: str = "a1",
+    attempt: str = "w/1",
     rid: str | None = None,
     steps: tuple[int, int] | None = None,
 ) -> Interval:
@@ -56,10 +58,10 @@ def test_one_attempt_adds_up() -> None:
         iv("productive", 10, 100, steps=(0, 90)),
         iv("save", 50, 55),  # carved out of the productive span
         iv("lost", 80, 100, steps=(70, 90)),
-        Mark("m1", "n0", "a1", "interrupted", 100, "signal:SIGKILL", 90),
+        Mark("m1", "n0", "w/1", "interrupted", 100, "signal:SIGKILL", 90),
         iv("down", 100, 102),
-        iv("restore", 102, 104, attempt="a2"),
-        iv("productive", 104, 200, attempt="a2", steps=(70, 166)),
+        iv("restore", 102, 104, attempt="w/2"),
+        iv("productive", 104, 200, attempt="w/2", steps=(70, 166)),
     ]
     g = goodput(records)
     assert g.wall == 200
@@ -83,6 +85,8 @@ def test_a_live_run_counts_until_now_and_the_last_day_is_a_window() -> None:
     assert goodput(records, until=150).seconds[UNKNOWN] == 50
     day = goodput(records, until=150, since=80)
     assert day.wall == 70 and day.seconds["productive"] == 20
+    # A reader's now: the writer (w, no stop marked, last record 50 s old) may be live.
+    assert goodput(records, now=150).seconds[UNKNOWN] == 50
 
 
 def test_one_stalled_node_stalls_the_run() -> None:
@@ -96,7 +100,7 @@ def test_one_stalled_node_stalls_the_run() -> None:
 
 
 def test_a_chunk_appended_twice_counts_once() -> None:
-    records = [iv("productive", 0, 10), Mark("m", "n0", "a1", "commit", 5, "step-10", 10)]
+    records = [iv("productive", 0, 10), Mark("m", "n0", "w/1", "commit", 5, "step-10", 10)]
     body = chunk_bytes("run1", "w", records)
     merged = merge_records(parse_chunk(body), parse_chunk(body))
     assert merged == merge_records(records)
@@ -202,7 +206,7 @@ def test_a_missing_report_extra_is_one_line_naming_it(monkeypatch: pytest.Monkey
 
     monkeypatch.setitem(sys.modules, "plotly", None)
     monkeypatch.setitem(sys.modules, "plotly.graph_objects", None)
-    with pytest.raises(MissingExtra, match=r"pip install 'ckptd\[report\]'"):
+    with pytest.raises(MissingExtra, match=r"pip install 'plotly>=6' \(or, in ckptd's checkout"):
         timeline_html("run1", [iv("productive", 0, 1)], goodput([iv("productive", 0, 1)]))
 
 
@@ -214,7 +218,7 @@ def test_the_summary_names_each_interruption_and_compares_lost_time() -> None:
         [
             iv("productive", 0, 100, steps=(0, 100)),
             iv("lost", 80, 100, steps=(80, 100)),
-            Mark("m", "n0", "a1", "interrupted", 100, "signal:SIGKILL", 100),
+            Mark("m", "n0", "w/1", "interrupted", 100, "signal:SIGKILL", 100),
         ]
     )
     g = goodput(records)
@@ -224,52 +228,103 @@ def test_the_summary_names_each_interruption_and_compares_lost_time() -> None:
     assert "lost per interruption: measured 20.0 s, expected at the advised interval" in text
 
 
-# -- the trainer's step report ---------------------------------------------------------------
-
-
-def test_the_step_report_is_written_at_most_every_interval(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from ckptd.trainer import steps
-
-    monkeypatch.setattr(steps, "_state", {})
-    monkeypatch.setenv("CKPTD_WATCH_DIR", str(tmp_path))
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setenv("CKPTD_STEP_REPORT_SECONDS", "3600")
-    steps.report_step(7)
-    steps.report_step(8)  # within the interval: not written
-    doc = json.loads((tmp_path / steps.STEPS_RELPATH).read_text())
-    assert doc["step"] == 7 and doc["first_step"] == 7 and doc["first_at"] == doc["at"]
-    monkeypatch.setenv("CKPTD_STEP_REPORT_SECONDS", "0")
-    steps.report_step(9)
-    doc = json.loads((tmp_path / steps.STEPS_RELPATH).read_text())
-    assert doc["step"] == 9 and doc["first_step"] == 7
-
-
-def test_the_step_report_is_rank_0s_and_never_raises(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from ckptd.trainer import steps
-
-    monkeypatch.setattr(steps, "_state", {})
-    monkeypatch.setenv("CKPTD_STEP_REPORT_SECONDS", "0")
-    monkeypatch.setenv("CKPTD_WATCH_DIR", str(tmp_path))
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    steps.report_step(1)
-    assert not (tmp_path / steps.STEPS_RELPATH).exists()
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    steps.report_step(2, blocker)  # .ckptd cannot be made under a file: no exception
-    monkeypatch.delenv("CKPTD_WATCH_DIR")
-    steps.report_step(3)  # no watch dir: nothing to do
-
-
 def test_a_finished_run_ends_at_its_finished_mark() -> None:
     records = [
         iv("productive", 0, 100),
-        Mark("f", "n0", "a1", "finished", 100),
-        Mark("c", "n0", "a1", "commit", 104, "step-100"),  # its last upload, after the end
+        Mark("f", "n0", "w/1", "finished", 100),
+        Mark("c", "n0", "w/1", "commit", 104, "step-100"),  # its last upload, after the end
     ]
     g = goodput(records)
     assert g.wall == 100 and g.ratio == 1.0
+
+
+def test_training_after_a_finished_mark_goes_on_counting() -> None:
+    """A finished run resumed for more steps: its end is no longer the old mark."""
+    records = [
+        iv("productive", 0, 100),
+        Mark("f", "n0", "w/1", "finished", 100),
+        iv("productive", 200, 300, attempt="v/1", rid="v:1"),
+    ]
+    g = goodput(records)
+    assert g.wall == 300 and g.seconds[UNKNOWN] == 100
+
+
+def test_attempts_count_trainer_starts_not_what_came_before_the_first() -> None:
+    """A fresh node's ledger gap, restore and start-up before its trainer starts belong to
+    its writer (attempt "v"), not to an attempt of their own."""
+    records = [
+        iv("startup", 0, 5, attempt="w"),
+        iv("productive", 5, 50, attempt="w/1"),
+        iv("productive", 52, 100, attempt="w/2"),
+        iv("down", 100, 160, attempt="v", node="n1"),
+        iv("restore", 160, 170, attempt="v", node="n1"),
+        iv("productive", 172, 200, attempt="v/1", node="n1"),
+    ]
+    g = goodput(records)
+    assert g.attempts == 3 and g.nodes == 2
+
+
+def ended(kind: str, at: float, writer: str = "w") -> Mark:
+    return Mark(f"{writer}:m{at}", "n0", f"{writer}/1", kind, at)
+
+
+def test_a_stopped_run_stops_accruing_unknown() -> None:
+    """The writer marked its stop (a notice flushed, the daemon stopped): a reader at any
+    later time sees the run end at its last record, goodput unchanged."""
+    records = [
+        iv("productive", 0, 90, rid="w:1"),
+        iv("wait_commit", 90, 95, rid="w:2"),
+        ended("stopped", 95),
+    ]
+    for now in (96.0, 130.0, 10_000.0):
+        g = goodput(records, now=now)
+        assert g.end == 95 and g.seconds[UNKNOWN] == 0 and g.ratio == pytest.approx(90 / 95)
+    assert run_end(records, 10_000.0) == 95
+
+
+def test_an_abandoned_run_ends_at_its_last_record_after_the_documented_time() -> None:
+    """A writer killed with its node marks nothing: unknown grows until its last record
+    is ABANDONED_SECONDS old, and then the run ends at that record."""
+    records = [iv("productive", 0, 100, rid="w:1")]
+    live = goodput(records, now=100 + ABANDONED_SECONDS - 1)
+    assert live.seconds[UNKNOWN] == ABANDONED_SECONDS - 1
+    gone = goodput(records, now=100 + ABANDONED_SECONDS)
+    assert gone.end == 100 and gone.seconds[UNKNOWN] == 0 and gone.ratio == 1.0
+    # A second writer still recording keeps the run live, whatever the first one did.
+    both = [*records, ended("stopped", 100), iv("productive", 300, 400, rid="v:1")]
+    assert run_end(both, 450.0) == 450.0
+    assert run_end([*both, ended("stopped", 400, "v")], 450.0) == 400
+
+
+def test_a_finished_run_ends_there_whoever_reads_it() -> None:
+    records = [iv("productive", 0, 100), ended("finished", 100)]
+    assert goodput(records, now=5_000).end == 100
+    assert goodput(records, until=5_000).end == 100  # its own writer, still shipping
+
+
+def test_the_restores_recorded_in_a_watch_dir_are_read_and_garbage_is_none(
+    tmp_path: Path,
+) -> None:
+    """The daemon beside the trainer reads what ``ckptd restore`` recorded (its format:
+    ckptd.store.restore.record): this run's entries with both times, oldest first."""
+    from ckptd.goodput.restored import RESTORED_RELPATH, RestoreRecord, read_restores
+
+    entry = {"run": "run1", "slot": "step-40", "step": 40, "began_at": 100.0}
+    doc = {
+        "step-40": {**entry, "restored_at": 104.5, "files": {}},
+        "step-20": {**entry, "step": 20, "began_at": 50.0, "restored_at": 51.0},
+        "other": {**entry, "run": "run2", "restored_at": 104.5},  # another run's
+        "old": {k: v for k, v in entry.items() if k != "began_at"} | {"restored_at": 9.0},
+        "backwards": {**entry, "restored_at": 99.0},
+        "odd-step": {**entry, "step": "x", "began_at": 60.0, "restored_at": 61.0},
+        "junk": "text",
+    }
+    (tmp_path / ".ckptd").mkdir()
+    (tmp_path / RESTORED_RELPATH).write_text(json.dumps(doc))
+    assert read_restores(tmp_path, "run1") == [
+        RestoreRecord("run1", "step-20", 20, 50.0, 51.0),
+        RestoreRecord("run1", "odd-step", None, 60.0, 61.0),
+        RestoreRecord("run1", "step-40", 40, 100.0, 104.5),
+    ]
+    (tmp_path / RESTORED_RELPATH).write_text("{")
+    assert read_restores(tmp_path, "run1") == []

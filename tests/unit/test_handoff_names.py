@@ -11,7 +11,7 @@ import pytest
 import ckptd
 from ckptd.cadence import advisor
 from ckptd.core import handoff, saves
-from ckptd.goodput import recorder
+from ckptd.goodput import step_report
 from ckptd.notices import responder
 from ckptd.runtime import instance
 from ckptd.trainer import cadence as trainer_cadence
@@ -19,7 +19,15 @@ from ckptd.trainer import listener
 from ckptd.trainer import steps as trainer_steps
 
 PACKAGE = Path(ckptd.__file__).parent
-FILE_NAMES = ("preemption.json", "advice.json", "saves.jsonl", "steps.json", "daemon.lock")
+FILE_NAMES = (
+    "preemption.json",
+    "advice.json",
+    "saves.jsonl",
+    "steps.json",
+    "steps.bin",
+    "restored.json",
+    "daemon.lock",
+)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +37,8 @@ FILE_NAMES = ("preemption.json", "advice.json", "saves.jsonl", "steps.json", "da
         (advisor.ADVICE_RELPATH, trainer_cadence.ADVICE_RELPATH, "advice.json"),
         (saves.RELPATH, trainer_cadence.SAVES_RELPATH, "saves.jsonl"),
         (advisor.SAVES_RELPATH, trainer_cadence.SAVES_RELPATH, "saves.jsonl"),
-        (recorder.STEPS_RELPATH, trainer_steps.STEPS_RELPATH, "steps.json"),
+        (step_report.STEPS_RELPATH, trainer_steps.STEPS_RELPATH, "steps.json"),
+        (step_report.STEP_COUNTER_RELPATH, trainer_steps.STEP_COUNTER_RELPATH, "steps.bin"),
     ],
 )
 def test_the_daemon_and_the_trainer_name_each_file_alike(

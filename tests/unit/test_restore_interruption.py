@@ -8,11 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptd.cadence.advisor import record_restore
+from ckptd.cadence.history import read_history
 from ckptd.cadence.model import Interruption, restore_interruption
 from ckptd.cli.commands.restore import into_watch_dir
 from ckptd.config import load_settings
+from ckptd.repository import Repository
 from ckptd.storage.fs import FileStorage
-from ckptd.store.repository import Repository
 
 
 def test_a_restore_that_downloaded_is_a_restore_interruption_named_by_its_checkpoint() -> None:
@@ -32,11 +33,11 @@ def test_a_restore_that_found_the_checkpoint_in_place_is_no_interruption() -> No
 def test_ckptd_restore_records_it_in_the_runs_history_only_when_it_counts(tmp_path: Path) -> None:
     repo = Repository(FileStorage(tmp_path))
     record_restore(repo, "run", "checkpoint-1", skipped=True, resumes=True, now=10.0)
-    assert repo.read_cadence("run").interruptions == ()
+    assert read_history(repo, "run").interruptions == ()
     record_restore(repo, "run", "checkpoint-3", skipped=False, resumes=False, now=15.0)
-    assert repo.read_cadence("run").interruptions == ()
+    assert read_history(repo, "run").interruptions == ()
     record_restore(repo, "run", "checkpoint-2", skipped=False, resumes=True, now=20.0)
-    [record] = repo.read_cadence("run").interruptions
+    [record] = read_history(repo, "run").interruptions
     assert (record.at, record.kind, record.source) == (20.0, "restore", "checkpoint-2")
 
 

@@ -17,6 +17,7 @@ from ckptd.config import (
     require_watch,
 )
 from ckptd.config.control import meaning_changes, read_token
+from ckptd.config.peers import read_peer_token
 
 if TYPE_CHECKING:
     from ckptd.cli.options import Subparsers
@@ -40,6 +41,8 @@ def handle(args: argparse.Namespace) -> int:
         )
     settings = settings_of(args)
     read_token(settings.http)  # a token file `run` could not read fails here too
+    if settings.peers.enabled:
+        read_peer_token(settings.peers)  # and the cluster's, for the peer port
     # Valid is what `ckptd run` accepts: the same settings must not pass here and fail there.
     # Printed only once valid: stdout holds a config `run` takes, or nothing.
     require_destination(settings)

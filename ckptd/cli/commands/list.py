@@ -47,6 +47,9 @@ def _row(checkpoint: TieredCheckpoint) -> dict[str, Any]:
     return {
         "run": checkpoint.run,
         "checkpoint": m.checkpoint,
+        "name": m.local_name,
+        "trajectory": m.lineage.id,
+        "abandoned": checkpoint.abandoned,
         "step": m.step,
         "total_bytes": m.total_bytes,
         "files": len(m.files),
@@ -73,12 +76,13 @@ def _document(tiers: Sequence[TierStore], listing: TieredListing) -> dict[str, A
 def _print_table(tiers: Sequence[TierStore], checkpoints: Sequence[TieredCheckpoint]) -> None:
     names = [t.name for t in tiers]
     many = len(tiers) > 1
-    header = f"{'RUN':<16} {'CHECKPOINT':<28} {'STEP':>8} {'SIZE':>12} {'COMMITTED':<21} LATEST"
+    header = f"{'RUN':<16} {'CHECKPOINT':<28} {'STEP':>8} {'SIZE':>12} {'COMMITTED':<21} STATE"
     print(header + ("  TIERS" if many else ""))
     for c in checkpoints:
         m = c.manifest
         step = "-" if m.step is None else str(m.step)
-        latest = "*" if c.latest else ""
+        # LATEST's; off the live trajectory (a rollback abandoned it); or neither.
+        latest = "latest" if c.latest else "abandoned" if c.abandoned else ""
         line = (
             f"{c.run:<16} {m.checkpoint:<28} {step:>8} {human_bytes(m.total_bytes):>12} "
             f"{m.committed_at:<21} {latest}"

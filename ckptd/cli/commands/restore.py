@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptd.cli.errors import EXIT_OK
+from ckptd.cli.errors import EXIT_OK, UsageError
 from ckptd.cli.humanize import human_bytes
 from ckptd.cli.invocation import print_json, settings_of, tiers_of
 from ckptd.cli.options import JSON_HELP, add_common, at_least
+from ckptd.runtime import logs
 
 if TYPE_CHECKING:
     from ckptd.cli.options import Subparsers
@@ -35,6 +37,12 @@ def add_parser(sub: Subparsers) -> None:
         "--if-missing",
         action="store_true",
         help="exit 0 at once if DIR/NAME already holds it (sizes match)",
+    )
+    res.add_argument(
+        "--if-any",
+        action="store_true",
+        help="with --latest: exit 0 with nothing to do when the run has nothing committed "
+        "yet (a store that cannot be read still fails)",
     )
     res.add_argument(
         "--concurrency",
@@ -66,10 +74,14 @@ def add_parser(sub: Subparsers) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     from ckptd.cadence.advisor import record_restore
-    from ckptd.store.repository import Repository
+    from ckptd.repository import Repository
+    from ckptd.storage.base import NotFoundError
+    from ckptd.store.nearby import where_runs_are
     from ckptd.store.restore import RestoreRequest
-    from ckptd.store.tiers import restore_from_tiers
+    from ckptd.store.tiers import NothingCommittedError, require_roots, restore_from_tiers
 
+    if args.if_any and not args.latest:
+        raise UsageError("--if-any goes with --latest (a named checkpoint is there or not)")
     settings = settings_of(args)
     concurrency = args.concurrency or settings.destination.concurrency
     tiers = tiers_of(args, settings, concurrency=concurrency)
@@ -84,7 +96,31 @@ def handle(args: argparse.Namespace) -> int:
         part=args.part,
         keys=settings.authentication.key_ring(),
     )
-    done = restore_from_tiers(tiers, request)
+    peers = None
+    if settings.peers.enabled and args.tier is None:
+        # Peers first, verified against the store's manifest; the store for the rest.
+        from ckptd.peers.source import peers_tier
+        from ckptd.runtime.logs import get_logger
+
+        peers, slot = peers_tier(
+            settings, tiers, args.run_id, request.checkpoint, args.part, get_logger()
+        )
+        if peers is not None:
+            tiers = [peers.tier, *tiers]
+            request = replace(request, checkpoint=slot)
+    try:
+        done = restore_from_tiers(tiers, request)
+    except NotFoundError as exc:
+        # A typo'd --run or --dest reads as nothing committed: say what is there instead.
+        hint = where_runs_are(tiers[0].storage, tiers[0].config, args.run_id).message
+        if isinstance(exc, NothingCommittedError) and args.if_any:
+            require_roots(tiers)  # a file:// root that is missing is no empty store
+            if hint:  # a new run all the same; as `ckptd exec` does, said as a warning
+                logs.get_logger().warning("restore_nothing_committed", run=args.run_id, hint=hint)
+            return _nothing_to_do(args)
+        if not hint:
+            raise
+        raise NotFoundError(f"{exc}; {hint}") from None
     result = done.result
     storage = next(t.storage for t in tiers if t.name == done.tier)
     record_restore(
@@ -96,7 +132,7 @@ def handle(args: argparse.Namespace) -> int:
         now=time.time(),
     )
     if args.json:
-        print_json(_document(done))
+        print_json(_document(done, peers.storage.from_peers if peers is not None else 0))
     elif result.skipped:
         print(f"present  {result.path} already holds {result.run_id}/{result.checkpoint}")
     else:
@@ -105,6 +141,15 @@ def handle(args: argparse.Namespace) -> int:
             f"{human_bytes(result.total_bytes)} in {result.seconds:.1f}s"
             + (f" from tier {done.tier}" if len(tiers) > 1 else "")
         )
+    return EXIT_OK
+
+
+def _nothing_to_do(args: argparse.Namespace) -> int:
+    """``--if-any`` on a run with nothing committed: said on stdout, exit 0."""
+    if args.json:
+        print_json({"run": args.run_id, "checkpoint": None, "nothing_committed": True})
+    else:
+        print(f"nothing  run {args.run_id!r} has no committed checkpoint yet: nothing to restore")
     return EXIT_OK
 
 
@@ -118,7 +163,7 @@ def into_watch_dir(settings: Settings, run_id: str, to: Path) -> bool:
     )
 
 
-def _document(done: TierRestore) -> dict[str, Any]:
+def _document(done: TierRestore, peer_bytes: int = 0) -> dict[str, Any]:
     result = done.result
     return {
         "run": result.run_id,
@@ -134,4 +179,5 @@ def _document(done: TierRestore) -> dict[str, Any]:
         "tier": done.tier,
         "skipped_tiers": list(done.skipped_tiers),
         "environment_differences": {k: list(v) for k, v in result.environment_differences.items()},
+        "peer_bytes": peer_bytes,
     }

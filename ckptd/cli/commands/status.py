@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
 from ckptd.cli.daemon_client import daemon_request
@@ -31,5 +32,7 @@ def handle(args: argparse.Namespace) -> int:
 
     from ckptd.cli.statusview import render_status
 
-    render_status(doc, Console())
+    # Off a terminal (a pipe, a log, a script's grep) a line is never broken mid-word at
+    # an assumed 80 columns: how long a line is depends on what it says (an age, a cause).
+    render_status(doc, Console(soft_wrap=not sys.stdout.isatty()))
     return EXIT_OK

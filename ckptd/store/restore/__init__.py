@@ -8,12 +8,13 @@ Split as restic's restorer is:
 - ``staging``: the hidden staging dir, its no-follow tree and its state log;
 - ``download``: the ranged, parallel download and its checks as the bytes are written;
 - ``progress``: the bar on a terminal, the log line elsewhere;
-- ``in_place``: the sizes-only check behind ``--if-missing``.
+- ``in_place``: the sizes-only check behind ``--if-missing``;
+- ``target``: ``DIR`` made, opened and found writable, or refused in one line.
 """
 
 from __future__ import annotations
 
-from ckptd.store.repository import chunk_ranges
+from ckptd.repository import chunk_ranges
 from ckptd.store.restore.in_place import local_problems
 from ckptd.store.restore.procedure import environment_differences, part_manifest, restore
 from ckptd.store.restore.request import RestoreError, RestoreRequest, RestoreResult

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.core import checksum, digest
+from ckptd.core.concurrency import SMALL_FILE_MAX, lanes_for
 from ckptd.core.manifest import Manifest, ManifestFile
+from ckptd.repository import FileProblem, RangeCrc, chunk_ranges, object_key
 from ckptd.runtime import writeback
 from ckptd.storage.base import Storage, StorageError
-from ckptd.store.repository import FileProblem, RangeCrc, chunk_ranges, object_key
 from ckptd.store.restore.progress import RestoreProgress
 from ckptd.store.restore.request import RestoreError, RestoreRequest
+from ckptd.store.restore.small import SmallDownloads
 from ckptd.store.restore.staging import STAGING_PREFIX, StagingTree, StateLog, staged_parts
 
 
@@ -223,10 +225,12 @@ def download(
     request: RestoreRequest,
     *,
     reused: int,
+    fresh: bool = False,
     log: Any,
 ) -> int:
     """Fetch and verify ``todo``; returns the bytes downloaded. Raises RestoreError naming
-    every file that failed, or the first local error (ENOSPC, EIO) as it is."""
+    every file that failed, or the first local error (ENOSPC, EIO) as it is. ``fresh``:
+    the staging dir was made just now (no stale file to remove first)."""
     bar = RestoreProgress(
         log,
         manifest.total_bytes,
@@ -234,23 +238,45 @@ def download(
         bar=sys.stderr.isatty() if request.progress is None else request.progress,
     )
     bar.begin(f"{manifest.run_id}/{manifest.checkpoint}")
+    # Small files first, through lanes (``ckptd.store.restore.small``); then the large
+    # ones in ranges.
+    small = SmallDownloads(
+        storage,
+        manifest,
+        tree,
+        state,
+        request,
+        log,
+        lanes=lanes_for(request.concurrency),
+        fresh=fresh,
+    )
     files = _FileDownloads(
-        manifest, todo, tree, state, request, log, _Downloader(storage, request.concurrency)
+        manifest,
+        [f for f in todo if f.size > SMALL_FILE_MAX],
+        tree,
+        state,
+        request,
+        log,
+        _Downloader(storage, request.concurrency),
     )
     try:
-        files.run(bar)
+        small.run([f for f in todo if f.size <= SMALL_FILE_MAX], bar)
+        if small.fatal is None:
+            files.run(bar)
     finally:
         files.downloader.close()
         bar.close()
-    if files.fatal is not None:
-        raise files.fatal
-    if files.failed:
+    fatal = small.fatal or files.fatal
+    if fatal is not None:
+        raise fatal
+    failed = small.failed + files.failed
+    if failed:
         raise RestoreError(
-            f"{manifest.run_id}/{manifest.checkpoint}: {len(files.failed)} file(s) failed; "
+            f"{manifest.run_id}/{manifest.checkpoint}: {len(failed)} file(s) failed; "
             f"verified files are kept in {STAGING_PREFIX}{manifest.checkpoint} for a rerun",
-            files.failed,
+            failed,
         )
-    return files.downloaded
+    return small.downloaded + files.downloaded
 
 
 __all__ = ["download"]

@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 
 from ckptd.core.manifest import Manifest, ManifestFile
-from ckptd.store.repository import FileProblem
+from ckptd.repository import FileProblem
 from ckptd.store.restore.staging import is_single_file
 
 

@@ -14,6 +14,10 @@ The order, and why:
 4. fsync every file and directory, then rename ``staging/data`` to ``DIR/NAME`` (one
    ``rename(2)`` inside ``DIR``) and fsync ``DIR``.
 
+``DIR`` is made if need be before step 2, and found writable before step 3; one that
+cannot be a writable directory is refused in one line naming it and the fix, with
+nothing written (``ckptd.store.restore.target``).
+
 So a failed or interrupted restore leaves nothing at ``DIR/NAME``: the staging module
 says what it does leave (verified files only) and what a rerun reuses.
 
@@ -38,7 +42,7 @@ digest differs is deleted like one whose CRC-32C does, so nothing unverified is 
 renamed into place. Without ``keys`` the digests a manifest carries are not checked:
 without a key they prove nothing a CRC-32C does not (an attacker rewrites both).
 
-While it runs, a restore holds a lease (``ckptd.store.repository``) so retention on another
+While it runs, a restore holds a lease (``ckptd.repository``) so retention on another
 node does not delete the checkpoint under it; taking it is best effort (a node with
 read-only credentials restores without one).
 """
@@ -54,32 +58,39 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ckptd.commit import objects
 from ckptd.core import digest
 from ckptd.core.manifest import Manifest, ManifestError, check_relative_path
+from ckptd.repository import FileProblem, Repository, redirect_target
 from ckptd.storage.base import Storage, StorageError
-from ckptd.store.repository import FileProblem, Repository
 from ckptd.store.restore.download import download
 from ckptd.store.restore.in_place import local_problems
+from ckptd.store.restore.record import record_restore
 from ckptd.store.restore.request import RestoreError, RestoreRequest, RestoreResult
 from ckptd.store.restore.staging import (
     STAGING_PREFIX,
     StagingTree,
     StateLog,
     finalise,
-    inside,
+    first_outside,
     manifest_identity,
     open_staging,
     staged_bytes,
     staged_parts,
     still_to_fetch,
 )
+from ckptd.store.restore.target import open_target, require_writable
 
 # Versions that decide whether a checkpoint loads (and loads the same) on this node.
 ENVIRONMENT_KEYS = ("python", "torch", "cuda", "transformers", "lightning", "deepspeed", "jax")
 
 
-def restore(storage: Storage, request: RestoreRequest) -> RestoreResult:
+def restore(
+    storage: Storage, request: RestoreRequest, *, manifest: Manifest | None = None
+) -> RestoreResult:
     """Restore what ``request`` names from ``storage`` as ``target_dir/NAME`` (module doc).
+    ``manifest``: the one ``request`` names, already read from ``storage`` by the caller
+    (a manifest of 100,000 files is a 9 MiB GET and a second of parsing); None: read here.
 
     Raises ManifestError (no valid manifest), StorageError (the store failed) or
     RestoreError (an object missing, of the wrong size or content; ``DIR/NAME`` exists
@@ -90,10 +101,11 @@ def restore(storage: Storage, request: RestoreRequest) -> RestoreResult:
 
     if request.concurrency < 1 or request.chunk_bytes < 1:
         raise ValueError("concurrency and chunk_bytes must be >= 1")
-    started = time.monotonic()
+    started, began_at = time.monotonic(), time.time()
     repo = Repository(storage)
-    manifest = repo.resolve(request.run_id, request.checkpoint)
-    _check_manifest(manifest, request.run_id, request.checkpoint)
+    if manifest is None:
+        manifest = repo.resolve(request.run_id, request.checkpoint)
+    _check_manifest(repo, manifest, request.run_id, request.checkpoint)
     if request.keys is not None:
         request.keys.check(manifest)  # the whole signed manifest, before a part narrows it
         request = dataclasses.replace(
@@ -101,15 +113,15 @@ def restore(storage: Storage, request: RestoreRequest) -> RestoreResult:
         )
     if request.part is not None:
         manifest = part_manifest(repo, manifest, request.part)
-    log = logs.get_logger(run=request.run_id, checkpoint=manifest.checkpoint)
+    log = logs.get_logger(run=request.run_id, checkpoint=manifest.local_name)
     differences = _environment_check(manifest, request.environment, log)
-    request.target_dir.mkdir(parents=True, exist_ok=True)
-    target_real = os.path.realpath(request.target_dir)
-    final = Path(target_real) / manifest.checkpoint
-    target_fd = os.open(target_real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    target_fd, target_real = open_target(request.target_dir)
+    final = Path(target_real) / manifest.local_name
     try:
         _lock(target_fd, log)
-        counts = _restore_locked(repo, manifest, request, target_fd, target_real, log)
+        counts = _restore_locked(
+            repo, manifest, request, target_fd, target_real, log, began_at=began_at
+        )
         if counts is None:
             return _result(manifest, final, started, differences, 0, 0, skipped=True)
     finally:
@@ -136,10 +148,12 @@ def _restore_locked(
     target_fd: int,
     target_real: str,
     log: Any,
+    *,
+    began_at: float,
 ) -> tuple[int, int] | None:
     """Steps 2 to 4 under the lock on ``DIR``; returns (bytes downloaded, bytes reused),
     or None when ``if_missing`` found the checkpoint in place."""
-    name = manifest.checkpoint
+    name = manifest.local_name
     final = Path(target_real) / name
     lease: str | None = None
     try:
@@ -154,6 +168,7 @@ def _restore_locked(
                 + ": remove it first (ckptd never writes into an existing checkpoint)",
                 problems,
             )
+        require_writable(target_real)
         problems = _preflight(repo, manifest)
         if problems:
             raise RestoreError(
@@ -164,10 +179,12 @@ def _restore_locked(
         _check_free_space(target_real, manifest, name)
         if request.take_lease:
             try:
-                lease = repo.take_lease(request.run_id, name, now=time.time())
+                lease = repo.take_lease(request.run_id, manifest.checkpoint, now=time.time())
             except StorageError as exc:
                 log.warning("restore_lease_not_taken", error=str(exc))
-        return _restore_into(repo.storage, manifest, request, target_fd, target_real, log)
+        return _restore_into(
+            repo.storage, manifest, request, target_fd, target_real, log, began_at=began_at
+        )
     # Info, not error: whoever called says the failure (the CLI's one line, ckptd
     # exec's error); an error here would say it twice.
     except OSError as exc:
@@ -191,19 +208,22 @@ def _restore_into(
     target_fd: int,
     target_real: str,
     log: Any,
+    *,
+    began_at: float,
 ) -> tuple[int, int]:
     """Steps 3 and 4 of the module doc; returns (bytes downloaded, bytes reused)."""
-    name = manifest.checkpoint
+    name = manifest.local_name
     identity = manifest_identity(manifest, digests=request.keys is not None)
     staging_fd, records = open_staging(target_fd, name, identity, log)
     tree = StagingTree(staging_fd)
     # Belt and braces (the descriptors already refuse symlinks): every path must
     # stay inside the staging dir after realpath, checked before any file is made.
     staging_path = os.path.join(target_real, STAGING_PREFIX + name)
-    for f in manifest.files:
-        if not inside(staging_path, staged_parts(manifest, f.path)):
-            tree.close()
-            raise ManifestError(f"unsafe path {f.path!r}: resolves outside {target_real}")
+    outside = first_outside(staging_path, [staged_parts(manifest, f.path) for f in manifest.files])
+    if outside is not None:
+        tree.close()
+        path = manifest.files[outside].path
+        raise ManifestError(f"unsafe path {path!r}: resolves outside {target_real}")
     try:
         state = StateLog(staging_fd, identity, fresh=records is None)
         try:
@@ -215,27 +235,44 @@ def _restore_into(
                     reused_bytes=reused,
                 )
             downloaded = download(
-                storage, manifest, todo, tree, state, request, reused=reused, log=log
+                storage,
+                manifest,
+                todo,
+                tree,
+                state,
+                request,
+                reused=reused,
+                fresh=records is None,
+                log=log,
             )
         finally:
             state.close()
-        finalise(manifest, tree, target_fd, name)
+        mtime_ns = finalise(manifest, tree, target_fd, name)
     finally:
         tree.close()
     # The checkpoint is in place; the staging dir holds only state.jsonl now.
     shutil.rmtree(STAGING_PREFIX + name, dir_fd=target_fd)
     os.fsync(target_fd)
+    record_restore(target_fd, manifest, mtime_ns, log, began_at=began_at)
     return downloaded, reused
 
 
 # -- the checks before a byte is written ---------------------------------------------------
 
 
-def _check_manifest(manifest: Manifest, run_id: str, checkpoint: str | None) -> None:
-    # The model validated every path on parsing; these say the manifest is the one asked for.
+def _check_manifest(
+    repo: Repository, manifest: Manifest, run_id: str, checkpoint: str | None
+) -> None:
+    # The model validated every path on parsing; these say the manifest is the one asked for
+    # (under the slot asked for, or the one a redirect there names).
     if manifest.run_id != run_id:
         raise ManifestError(f"manifest names run {manifest.run_id!r}, expected {run_id!r}")
-    if checkpoint is not None and manifest.checkpoint != checkpoint:
+    if (
+        checkpoint is not None
+        and manifest.checkpoint != checkpoint
+        and redirect_target(repo.read_manifest_bytes(run_id, checkpoint) or b"")
+        != manifest.checkpoint
+    ):
         raise ManifestError(
             f"manifest names checkpoint {manifest.checkpoint!r}, expected {checkpoint!r}"
         )
@@ -254,7 +291,7 @@ def part_manifest(repo: Repository, manifest: Manifest, rank: int) -> Manifest:
         raise RestoreError(
             f"{where} has no part {rank}: it was committed by nodes 0..{manifest.nodes - 1}"
         )
-    part = repo.read_part(manifest.run_id, manifest.checkpoint, rank)
+    part = objects.read_part(repo, manifest.run_id, manifest.checkpoint, rank)
     if part is None or part.save != manifest.save:
         raise RestoreError(f"{where} has no part {rank} of the committed save {manifest.save}")
     committed = manifest.file_map()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ckptd.core.errors import CkptdError
 from ckptd.core.signing import KeyRing
-from ckptd.store.repository import RANGE_BYTES, FileProblem
+from ckptd.repository import RANGE_BYTES, FileProblem
 
 
 class RestoreError(CkptdError):

@@ -51,7 +51,7 @@ Records = dict[str, tuple[int, str]]
 
 def is_single_file(manifest: Manifest) -> bool:
     """Whether the checkpoint is one file named like the checkpoint (Lightning ``*.ckpt``)."""
-    return len(manifest.files) == 1 and manifest.files[0].path == manifest.checkpoint
+    return len(manifest.files) == 1 and manifest.files[0].path == manifest.local_name
 
 
 def staged_parts(manifest: Manifest, path: str) -> tuple[str, ...]:
@@ -79,6 +79,24 @@ def inside(base: str, parts: Sequence[str]) -> bool:
     """Whether ``base/parts...`` stays under ``base`` once every symlink is resolved."""
     real = os.path.realpath(os.path.join(base, *parts))
     return os.path.commonpath([real, base]) == base
+
+
+def first_outside(base: str, paths: Sequence[tuple[str, ...]]) -> int | None:
+    """The index of the first of ``paths`` not ``inside`` ``base``, or None. The same
+    answer as ``inside`` for each, with each directory resolved once (a checkpoint of
+    100,000 files has few directories) and only the last component looked at per file."""
+    dirs: dict[tuple[str, ...], str] = {}
+    for index, parts in enumerate(paths):
+        parent = parts[:-1]
+        real_dir = dirs.get(parent)
+        if real_dir is None:
+            real_dir = dirs[parent] = os.path.realpath(os.path.join(base, *parent))
+        real = os.path.join(real_dir, parts[-1])
+        if os.path.islink(real):
+            real = os.path.realpath(real)
+        if os.path.commonpath([real, base]) != base:
+            return index
+    return None
 
 
 # -- the tree ------------------------------------------------------------------------------
@@ -223,6 +241,13 @@ class StateLog:
     def verified(self, entry: ManifestFile) -> None:
         self._append({"path": entry.path, "size": entry.size, "crc32c": entry.crc32c})
 
+    def verified_many(self, entries: Sequence[ManifestFile]) -> None:
+        """``verified`` for many files (each fsynced already), in one write."""
+        lines = "".join(
+            json.dumps({"path": e.path, "size": e.size, "crc32c": e.crc32c}) + "\n" for e in entries
+        )
+        os.write(self._fd, lines.encode())
+
     def close(self) -> None:
         os.close(self._fd)
 
@@ -260,6 +285,8 @@ def still_to_fetch(
 ) -> tuple[list[ManifestFile], int]:
     """The files a rerun must fetch again, and the bytes it reuses: a staged file is
     reused only when its record matches the manifest and its size still does."""
+    if records is None:
+        return list(manifest.files), 0  # a fresh staging dir: nothing to reuse
     todo: list[ManifestFile] = []
     reused = 0
     for f in manifest.files:
@@ -290,8 +317,9 @@ def staged_bytes(staging: str) -> int:
     return total
 
 
-def finalise(manifest: Manifest, tree: StagingTree, target_fd: int, name: str) -> None:
-    """Drop strays, fsync, check containment, rename ``data`` to ``NAME``."""
+def finalise(manifest: Manifest, tree: StagingTree, target_fd: int, name: str) -> int:
+    """Drop strays, fsync, check containment, rename ``data`` to ``NAME``; returns the one
+    mtime (ns) every restored file was given."""
     files = {staged_parts(manifest, f.path) for f in manifest.files}
     dirs = {p[:i] for p in files for i in range(1, len(p))}
     if is_single_file(manifest):
@@ -327,6 +355,7 @@ def finalise(manifest: Manifest, tree: StagingTree, target_fd: int, name: str) -
         raise RestoreError(f"{name} appeared in the target while restoring; not replacing it")
     os.rename(DATA_NAME, name, src_dir_fd=tree.dir((), create=False), dst_dir_fd=target_fd)
     os.fsync(target_fd)
+    return now_ns
 
 
 __all__ = [
@@ -337,6 +366,7 @@ __all__ = [
     "StagingTree",
     "StateLog",
     "finalise",
+    "first_outside",
     "inside",
     "is_single_file",
     "manifest_identity",

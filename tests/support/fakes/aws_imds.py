@@ -65,6 +65,7 @@ class FakeAwsImds(FakeServer):
         self._tokens: dict[str, float] = {}  # token -> monotonic expiry
         self.tokens_issued = 0
         self._spot: dict[str, str] | None = None
+        self._spot_ahead: float | None = None  # trigger_spot_moving: time = now + this
         self._rebalance: dict[str, str] | None = None
         self._scheduled: list[dict[str, str]] = []
         self._raw: dict[str, str] = {}
@@ -89,13 +90,23 @@ class FakeAwsImds(FakeServer):
         when = rfc3339(at or datetime.now(UTC) + timedelta(minutes=2))
         with self._lock:
             self._spot = {"action": action, "time": when}
+            self._spot_ahead = None
         self._changed()
         return when
+
+    def trigger_spot_moving(self, action: str = "terminate", ahead: float = 120.0) -> None:
+        """Publish a spot instance-action whose ``time`` is restated on every read as
+        ``ahead`` seconds from then: an endpoint whose announced time moves every poll."""
+        with self._lock:
+            self._spot = {"action": action, "time": ""}
+            self._spot_ahead = ahead
+        self._changed()
 
     def clear_spot(self) -> None:
         """Back to 404 on instance-action."""
         with self._lock:
             self._spot = None
+            self._spot_ahead = None
         self._changed()
 
     def trigger_rebalance(self, at: datetime | None = None) -> str:
@@ -219,6 +230,11 @@ class FakeAwsImds(FakeServer):
             elif self.imdsv2_required:
                 return _text(401, "Unauthorized")
             spot, rebalance = self._spot, self._rebalance
+            if spot is not None and self._spot_ahead is not None:
+                spot = {
+                    **spot,
+                    "time": rfc3339(datetime.now(UTC) + timedelta(seconds=self._spot_ahead)),
+                }
             scheduled = [dict(e) for e in self._scheduled]
             raw = dict(self._raw)
         item = request.match_info["item"]

@@ -56,6 +56,12 @@ def options() -> argparse.Namespace:
     p.add_argument("--resume", type=Path, default=None, help="the restored checkpoint dir")
     p.add_argument("--hang-at", type=int, default=0, help="every rank blocks after this step")
     p.add_argument("--step-delay", type=float, default=0.0, help="stands in for real compute")
+    p.add_argument(
+        "--ballast-mib",
+        type=int,
+        default=0,
+        help="each rank's save also writes this many MiB (a node's share of a large model)",
+    )
     return p.parse_args()
 
 
@@ -87,8 +93,17 @@ def save(
     scheduler: Any,
     data: torch.Generator,
     step: int,
+    ballast_mib: int = 0,
 ) -> None:
     directory.mkdir(parents=True, exist_ok=True)
+    if ballast_mib:
+        # Stands in for the bulk of a real model's shard: written before DCP's .metadata,
+        # which vouches for it as for every rank's files.
+        with (directory / f"ballast-{rank}.bin").open("wb") as fh:
+            for _ in range(ballast_mib):
+                fh.write(os.urandom(1024 * 1024))
+            fh.flush()
+            os.fsync(fh.fileno())
     record = {
         "step": step,
         "scheduler": scheduler.state_dict(),
@@ -166,7 +181,16 @@ def main() -> None:
         )
         preempted = ckptd.trainer.preempted_on_any_rank()  # the same answer on all ranks
         if step % o.save_every == 0 or preempted:
-            save(o.node_dir / f"step-{step}", rank, model, optimizer, scheduler, data, step)
+            save(
+                o.node_dir / f"step-{step}",
+                rank,
+                model,
+                optimizer,
+                scheduler,
+                data,
+                step,
+                o.ballast_mib,
+            )
             saved = f"step-{step}"
         if preempted:
             break

@@ -34,6 +34,15 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--hang-at", type=int, default=0, help="block after this step (kill -9 me)")
     p.add_argument(
+        "--hang-once-at",
+        type=int,
+        action="append",
+        default=[],
+        help="block after this step, the first time any run of the script reaches it "
+        "(a mark in --hang-marks says it did)",
+    )
+    p.add_argument("--hang-marks", type=Path, default=None, help="where --hang-once-at marks")
+    p.add_argument(
         "--pause-at", type=int, default=0, help="after this step, wait for the notice (<= 60 s)"
     )
     p.add_argument("--step-delay", type=float, default=0.0, help="stands in for real compute")
@@ -101,6 +110,20 @@ def pause_until_noticed(timeout: float = 60.0) -> None:
 def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights as CPU tensors: the final weights of a GPU run load anywhere."""
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def first_time_here(marks: Path | None, step: int) -> bool:
+    """Whether no run of this script reached ``step`` before (a mark per step in
+    ``marks``, made now, exclusively): ``--hang-once-at`` hangs each attempt that gets
+    there first, and lets its successors, which redo the step, pass."""
+    if marks is None:
+        return False
+    marks.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(marks / f"hung-at-{step}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def hang_forever() -> None:

@@ -24,6 +24,7 @@ from tests.support.trainers.common import (
     Reporter,
     cpu_state_dict,
     deterministic,
+    first_time_here,
     hang_forever,
     parser,
     pause_until_noticed,
@@ -134,7 +135,9 @@ def main() -> None:
                 )
         if preempted:
             break
-        if step == options.hang_at:
+        if step == options.hang_at or (
+            step in options.hang_once_at and first_time_here(options.hang_marks, step)
+        ):
             hang_forever()
         if step == options.pause_at:
             pause_until_noticed()

@@ -1,0 +1,464 @@
+"""Pushing a part to a peer, and asking a peer what it holds (the sending side of
+``ckptd.peers.server``).
+
+A push (``push``) is an offer, the chunks, and a seal:
+
+- each chunk is read from the local file in a thread, checksummed (CRC-32C, and with
+  digests each 1 MiB block's BLAKE3) from the buffer it is sent from, paced, and sent
+  with its CRC-32C in ``X-Ckptd-Crc32c``; ``concurrency`` chunks are in flight at once;
+- a chunk whose connection dropped, timed out or came back 5xx, or that arrived damaged
+  (422), is read and sent again, with a backoff, until ``deadline``: the holder keeps
+  what it received, so a dropped connection costs one chunk, never the push (resumable);
+- a holder that no longer knows the transfer (404: it restarted, and discarded what
+  was incoming) fails the push (``PeerRestartedError``); the caller begins again or
+  moves to another peer;
+- every file must keep its identity (size, mtime, ctime, inode) from its first read to
+  the seal: a file the trainer rewrote meanwhile fails the push, never seals a mixture;
+- the seal sends the replica (each file's CRC-32C folded from its chunks', and digest);
+  the push counts only if the answer names ``replica_id`` of exactly that replica with
+  a valid acknowledgement for this request (``ckptd.peers.auth.ack``).
+
+What goes wrong is a ``PeerError`` whose ``reason`` is the metric's label.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from ckptd.core import checksum, digest
+from ckptd.core.errors import CkptdError
+from ckptd.core.manifest import ManifestFile
+from ckptd.peers import auth
+from ckptd.peers.model import Offer, Replica, SizedFile, chunk_spans, replica_id
+from ckptd.peers.own import Identity, identity_of
+from ckptd.peers.pacing import Pace
+from ckptd.peers.server import ACK_HEADER, CRC_HEADER
+from ckptd.runtime.clock import Clock
+
+#: Chunks in flight per push.
+CONCURRENCY = 4
+#: Sends of one damaged (422) chunk before the push gives up: a link that damages every
+#: body is not one to keep a replica through.
+DAMAGED_SENDS = 5
+CONNECT_SECONDS = 3.0
+READ_SECONDS = 30.0
+
+
+class PeerError(CkptdError):
+    """A push or a question a peer did not answer as it must; ``reason`` says how."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class PeerRestartedError(PeerError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "restarted")
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """One file of the part: its path in the checkpoint, where it is, as listed."""
+
+    path: str
+    local: Path
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class PushResult:
+    replica: Replica
+    replica_id: str
+    identities: list[Identity]  # each file as it was read
+    seconds: float
+    bytes_sent: int
+
+
+@dataclass
+class _FileState:
+    spans: list[tuple[int, int]]
+    crcs: dict[int, int] = field(default_factory=dict)
+    blocks: dict[int, list[bytes]] = field(default_factory=dict)
+    identity: Identity | None = None
+
+
+class PeerClient:
+    """Speaks to peers with the cluster's token; one aiohttp session, made on first use."""
+
+    def __init__(self, token: bytes, clock: Clock) -> None:
+        self.token = token
+        self.clock = clock
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=CONNECT_SECONDS, sock_read=READ_SECONDS
+                ),
+                connector=aiohttp.TCPConnector(limit=64, limit_per_host=16),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self, method: str, target: str, body: str = "") -> tuple[dict[str, str], str]:
+        value, nonce = auth.sign(self.token, method, target, self.clock.time(), body)
+        return {"Authorization": value}, nonce
+
+    async def _json(
+        self,
+        method: str,
+        address: str,
+        target: str,
+        document: Any = None,
+        *,
+        timeout: float | None = None,
+    ) -> tuple[int, Any, dict[str, str], str]:
+        """One signed JSON request: ``(status, document, headers, nonce)``."""
+        body = b"" if document is None else json.dumps(document).encode()
+        tag = auth.body_sha256(body) if document is not None else ""
+        headers, nonce = self._headers(method, target, tag)
+        if document is not None:
+            headers["Content-Type"] = "application/json"
+        limit = (
+            aiohttp.ClientTimeout(total=timeout)
+            if timeout is not None
+            else aiohttp.ClientTimeout(
+                total=None, sock_connect=CONNECT_SECONDS, sock_read=READ_SECONDS
+            )
+        )
+        async with self.session().request(
+            method,
+            f"http://{address}{target}",
+            data=body if document is not None else None,
+            headers=headers,
+            timeout=limit,
+        ) as response:
+            raw = await response.read()
+            try:
+                doc = json.loads(raw) if raw else None
+            except ValueError:
+                doc = None
+            return response.status, doc, dict(response.headers), nonce
+
+    # -- questions -----------------------------------------------------------------------
+
+    async def hello(self, address: str, timeout: float = 3.0) -> dict[str, Any]:
+        """Who answers at ``address``; PeerError when nobody does, or not as a peer."""
+        try:
+            status, doc, _, _ = await self._json("GET", address, "/v1/peer/hello", timeout=timeout)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise PeerError(f"{address} does not answer: {exc!r}", "unreachable") from exc
+        if status != 200 or not isinstance(doc, dict):
+            raise PeerError(f"{address} answered {status}", _reason(status, doc))
+        return doc
+
+    async def delivered(self, address: str, rid: str) -> None:
+        """Tell the holder of ``rid`` that its origin's part is in the store."""
+        await self._json("POST", address, f"/v1/peer/replicas/{rid}/delivered", {}, timeout=5.0)
+
+    # -- a push --------------------------------------------------------------------------
+
+    async def push(
+        self,
+        address: str,
+        header: Replica,
+        files: list[LocalFile],
+        *,
+        pace: Pace,
+        deadline: float,
+        digests: bool,
+        on_bytes: Callable[[int], None] = lambda n: None,
+        concurrency: int = CONCURRENCY,
+    ) -> PushResult:
+        """Send ``files`` as the part ``header`` describes (its ``files`` are filled in
+        here) to the holder at ``address``, by ``deadline`` (monotonic); module doc."""
+        started = self.clock.monotonic()
+        tid = await self._offer(address, header, files, digests)
+        states = [_FileState(chunk_spans(f.size)) for f in files]
+        try:
+            sent = await self._send_all(
+                address, tid, files, states, pace, deadline, digests, on_bytes, concurrency
+            )
+            for f, state in zip(files, states, strict=True):
+                await asyncio.to_thread(_same_as_first_read, f, state)
+            replica = _replica(header, files, states, digests)
+            rid = replica_id(replica)
+            status, doc, headers, nonce = await self._seal(address, tid, replica, deadline)
+        except BaseException:
+            await self._give_up(address, tid)
+            raise
+        if status != 200 or not isinstance(doc, dict):
+            raise PeerError(
+                f"{address} refused the seal: {_said(doc, status)}", _reason(status, doc)
+            )
+        if doc.get("replica") != rid:
+            raise PeerError(f"{address} acknowledged {doc.get('replica')!r}, not {rid}", "stale")
+        if not auth.ack_holds(self.token, nonce, rid, headers.get(ACK_HEADER, "")):
+            raise PeerError(f"{address}'s acknowledgement of {rid} does not hold", "ack")
+        identities = [s.identity for s in states if s.identity is not None]
+        return PushResult(replica, rid, identities, self.clock.monotonic() - started, sent)
+
+    async def _offer(
+        self, address: str, header: Replica, files: list[LocalFile], digests: bool
+    ) -> str:
+        """The offer: every file's path and size; the transfer's id."""
+        offer = Offer.model_validate(
+            {
+                **header.model_dump(mode="json", exclude={"files", "environment"}),
+                "files": [SizedFile(path=f.path, size=f.size).model_dump() for f in files],
+                "total_bytes": sum(f.size for f in files),
+                "digest": digest.ALGORITHM if digests else None,
+            }
+        )
+        try:
+            status, doc, _, _ = await self._json(
+                "POST", address, "/v1/peer/transfers", json.loads(offer.to_bytes())
+            )
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise PeerError(f"{address} does not answer: {exc!r}", "unreachable") from exc
+        if status != 201 or not isinstance(doc, dict) or not isinstance(doc.get("transfer"), str):
+            raise PeerError(
+                f"{address} refused the offer: {_said(doc, status)}", _reason(status, doc)
+            )
+        return str(doc["transfer"])
+
+    async def _send_all(
+        self,
+        address: str,
+        tid: str,
+        files: list[LocalFile],
+        states: list[_FileState],
+        pace: Pace,
+        deadline: float,
+        digests: bool,
+        on_bytes: Callable[[int], None],
+        concurrency: int,
+    ) -> int:
+        """Every chunk of every file, ``concurrency`` at a time; the bytes sent."""
+        jobs = [
+            (index, offset, length)
+            for index, state in enumerate(states)
+            for offset, length in state.spans
+        ]
+        jobs.reverse()
+        sent = 0
+
+        async def worker() -> None:
+            nonlocal sent
+            while jobs:
+                index, offset, length = jobs.pop()
+                await self._send_chunk(
+                    address, tid, index, offset, length, files[index], states[index],
+                    pace=pace, deadline=deadline, digests=digests,
+                )  # fmt: skip
+                sent += length
+                on_bytes(length)
+
+        workers = [asyncio.create_task(worker()) for _ in range(max(1, concurrency))]
+        try:
+            await asyncio.gather(*workers)
+        except BaseException:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
+        return sent
+
+    async def _seal(
+        self, address: str, tid: str, replica: Replica, deadline: float
+    ) -> tuple[int, Any, dict[str, str], str]:
+        """The seal, sent again after a dropped connection until ``deadline``."""
+        delay = 0.2
+        while True:
+            try:
+                return await self._json(
+                    "POST",
+                    address,
+                    f"/v1/peer/transfers/{tid}/seal",
+                    json.loads(replica.to_bytes()),
+                )
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                if self.clock.monotonic() + delay > deadline:
+                    raise PeerError(
+                        f"{address}: seal not answered: {exc!r}", "unreachable"
+                    ) from exc
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def _give_up(self, address: str, tid: str) -> None:
+        """Tell the holder to drop the transfer (best effort: it expires anyway)."""
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+            await self._json("DELETE", address, f"/v1/peer/transfers/{tid}", timeout=3.0)
+
+    async def _send_chunk(
+        self,
+        address: str,
+        tid: str,
+        index: int,
+        offset: int,
+        length: int,
+        local: LocalFile,
+        state: _FileState,
+        *,
+        pace: Pace,
+        deadline: float,
+        digests: bool,
+    ) -> None:
+        delay, damaged = 0.2, 0
+        target = f"/v1/peer/transfers/{tid}/files/{index}/{offset}"
+        while True:
+            data, crc, blocks, ident = await asyncio.to_thread(
+                _read_chunk, local, offset, length, digests
+            )
+            if state.identity is None:
+                state.identity = ident
+            elif ident != state.identity:
+                raise PeerError(f"{local.path} changed while it was sent", "changed")
+            await pace.take(length)
+            crc_hex = checksum.to_hex(crc)
+            headers, _ = self._headers("PUT", target, auth.body_crc32c(crc_hex))
+            headers[CRC_HEADER] = crc_hex
+            try:
+                async with self.session().put(
+                    f"http://{address}{target}", data=data, headers=headers
+                ) as response:
+                    status = response.status
+                    doc = await _json_of(response)
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                status, doc = 0, {"error": repr(exc)}
+            if status == 200:
+                state.crcs[offset] = crc
+                state.blocks[offset] = blocks
+                return
+            if status == 404:
+                raise PeerRestartedError(f"{address} no longer knows transfer {tid}")
+            if status == 422:
+                damaged += 1
+                if damaged >= DAMAGED_SENDS:
+                    raise PeerError(
+                        f"{address}: {local.path} at {offset} arrived damaged {damaged} times",
+                        "corrupt",
+                    )
+            elif status and status < 500:
+                raise PeerError(
+                    f"{address} refused a chunk: {_said(doc, status)}", _reason(status, doc)
+                )
+            if self.clock.monotonic() + delay > deadline:
+                raise PeerError(
+                    f"{address}: {local.path} at {offset} not taken by the deadline: "
+                    f"{_said(doc, status)}",
+                    "unreachable",
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _read_chunk(
+    local: LocalFile, offset: int, length: int, digests: bool
+) -> tuple[bytes, int, list[bytes], Identity]:
+    """One chunk of ``local``, its CRC-32C and block digests, and the file's identity;
+    PeerError when the file is no longer the one listed."""
+    try:
+        # Followed like the store upload follows it: a symlink to a file is that file.
+        fd = os.open(local.local, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PeerError(f"{local.path} cannot be read: {exc}", "changed") from exc
+    try:
+        st = os.fstat(fd)
+        if st.st_size != local.size or st.st_mtime_ns != local.mtime_ns:
+            raise PeerError(f"{local.path} changed since it was listed", "changed")
+        data = os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+    if len(data) != length:
+        raise PeerError(f"{local.path} is shorter than listed", "changed")
+    view = memoryview(data)
+    blocks = (
+        [digest.block_digest(view[i : i + digest.BLOCK]) for i in range(0, length, digest.BLOCK)]
+        if digests
+        else []
+    )
+    return data, checksum.crc32c(data), blocks, identity_of(st)
+
+
+def _same_as_first_read(local: LocalFile, state: _FileState) -> None:
+    """An empty file was never read: take its identity now; any other must be as first read."""
+    try:
+        st = os.stat(local.local)
+    except OSError as exc:
+        raise PeerError(f"{local.path} vanished while it was sent", "changed") from exc
+    if st.st_size != local.size or st.st_mtime_ns != local.mtime_ns:
+        raise PeerError(f"{local.path} changed while it was sent", "changed")
+    if state.identity is None:
+        state.identity = identity_of(st)
+    elif identity_of(st) != state.identity:
+        raise PeerError(f"{local.path} changed while it was sent", "changed")
+
+
+def _replica(
+    header: Replica, files: list[LocalFile], states: list[_FileState], digests: bool
+) -> Replica:
+    entries = []
+    for f, state in zip(files, states, strict=True):
+        crc = checksum.combine_parts((state.crcs[o], n) for o, n in state.spans)
+        file_digest = (
+            digest.file_digest(f.size, (b for o, _ in state.spans for b in state.blocks[o]))
+            if digests
+            else None
+        )
+        entries.append(
+            ManifestFile(path=f.path, size=f.size, crc32c=checksum.to_hex(crc), digest=file_digest)
+        )
+    return header.model_copy(
+        update={
+            "files": entries,
+            "total_bytes": sum(f.size for f in files),
+            "digest": digest.ALGORITHM if digests else None,
+        }
+    )
+
+
+async def _json_of(response: aiohttp.ClientResponse) -> Any:
+    raw = await response.read()
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def _reason(status: int, doc: Any) -> str:
+    if isinstance(doc, dict) and isinstance(doc.get("reason"), str):
+        return str(doc["reason"])
+    return {401: "unauthorized", 404: "unknown", 507: "quota"}.get(status, "failed")
+
+
+def _said(doc: Any, status: int) -> str:
+    if isinstance(doc, dict) and doc.get("error"):
+        return f"{status} {doc['error']}"
+    return str(status)
+
+
+__all__ = [
+    "CONCURRENCY",
+    "LocalFile",
+    "PeerClient",
+    "PeerError",
+    "PeerRestartedError",
+    "PushResult",
+]
