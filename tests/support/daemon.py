@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,6 +98,24 @@ def write_config(
     return path
 
 
+PORT_TRIES = 3
+
+
+class PortTaken(Exception):
+    """The daemon exited 2 because its ``metrics.listen`` port was taken."""
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
 @dataclass
 class Daemon:
     """One ``ckptd run`` process; logs go to ``log_path`` as JSON lines."""
@@ -111,6 +130,7 @@ class Daemon:
     # inside it (``wrap``: ``ip netns exec NS``) and serves /metrics at its address.
     host: str = "127.0.0.1"
     wrap: list[str] = field(default_factory=list)
+    _log_from: int = 0
 
     @classmethod
     def configured(cls, tmp: Path, *, name: str = "daemon", **config: Any) -> Daemon:
@@ -119,7 +139,35 @@ class Daemon:
         return cls(cfg, tmp / f"{name}.log", port)
 
     def start(self) -> Daemon:
+        """Start the daemon and wait until *this* process serves its port.
+
+        ``free_port`` only says a port was free a moment ago: another test's daemon (the
+        Slurm and campaign tests run in a second pytest beside the rest) may take it first.
+        Then this daemon exits 2 naming ``metrics.listen`` while the other one answers
+        ``/healthz``; so a start counts only once this process has logged
+        ``http_listening`` on the port, and a port taken moves the daemon to a fresh one
+        (config and ``port`` rewritten), three tries at most."""
+        for attempt in range(1, PORT_TRIES + 1):
+            self._spawn()
+            try:
+                wait_until(self._serving, 30, "daemon HTTP up", details=self.log_text)
+                return self
+            except PortTaken:
+                if attempt == PORT_TRIES or not self._move_port():
+                    raise AssertionError(
+                        f"daemon could not listen on {self.host}:{self.port}:\n{self.log_text()}"
+                    ) from None
+            except BaseException:
+                # __exit__ never runs when __enter__ (this) raises: a daemon left here would
+                # run on after the test, shipping into a store nobody reads.
+                self.proc.kill()  # type: ignore[union-attr]
+                self.proc.wait()  # type: ignore[union-attr]
+                raise
+        raise AssertionError("unreachable")
+
+    def _spawn(self) -> None:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
             [
@@ -134,15 +182,43 @@ class Daemon:
             preexec_fn=die_with_parent,
         )
         log.close()
-        try:
-            wait_until(lambda: self.alive() and self._http_ok(), 30, "daemon HTTP up")
-        except BaseException:
-            # __exit__ never runs when __enter__ (this) raises: a daemon left here would
-            # run on after the test, shipping into a store nobody reads.
-            self.proc.kill()
-            self.proc.wait()
-            raise
-        return self
+
+    def _serving(self) -> bool:
+        """This process logged ``http_listening`` on ``port`` and answers ``/healthz``;
+        ``PortTaken`` when it exited 2 on that port, AssertionError (with its log) when it
+        exited for another reason."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            since = self._log_since_start()
+            if self.proc.returncode == 2 and "metrics.listen" in since and "cannot listen" in since:
+                raise PortTaken
+            raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log_text()}")
+        listening = any(
+            e.get("event") == "http_listening" and e.get("port") == self.port
+            for e in _json_lines(self._log_since_start())
+        )
+        return listening and self._http_ok()
+
+    def _log_since_start(self) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_from)
+            return f.read().decode(errors="replace")
+
+    def _move_port(self) -> bool:
+        """Point the config (or ``CKPTD_METRICS__LISTEN``) at a fresh port; False when the
+        port is named elsewhere, so the harness cannot move it."""
+        fresh = free_port()
+        env_listen = self.env.get("CKPTD_METRICS__LISTEN", "")
+        host, _, port = env_listen.rpartition(":")
+        if port == str(self.port):
+            self.env["CKPTD_METRICS__LISTEN"] = f"{host}:{fresh}"
+        else:
+            text, named = self.config.read_text(), f':{self.port}"'
+            if text.count(named) != 1:
+                return False
+            self.config.write_text(text.replace(named, f':{fresh}"'))
+        self.port = fresh
+        return True
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -152,19 +228,34 @@ class Daemon:
             with urllib.request.urlopen(f"http://{self.host}:{self.port}/healthz", timeout=1) as r:
                 return bool(r.status == 200)
         except OSError:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(
-                    f"daemon exited {self.proc.returncode}:\n{self.log_text()}"
-                ) from None
             return False
 
+    def _get(self, path: str, timeout: float = 5) -> bytes:
+        """GET ``path``; a failure says whether the daemon still runs, and ends with its
+        log (a bare "connection refused" said neither)."""
+        try:
+            with urllib.request.urlopen(
+                f"http://{self.host}:{self.port}{path}", timeout=timeout
+            ) as r:
+                return bytes(r.read())
+        except urllib.error.HTTPError:
+            raise
+        except OSError as exc:
+            state = (
+                "running"
+                if self.alive()
+                else f"exited {self.proc.returncode if self.proc else '?'}"
+            )
+            raise AssertionError(
+                f"GET {path} on {self.host}:{self.port} failed ({exc}); the daemon is {state}; "
+                f"its log:\n{self.log_text()[-6000:]}"
+            ) from exc
+
     def get_json(self, path: str) -> Any:
-        with urllib.request.urlopen(f"http://{self.host}:{self.port}{path}", timeout=5) as r:
-            return json.loads(r.read())
+        return json.loads(self._get(path))
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        with urllib.request.urlopen(f"http://{self.host}:{self.port}/metrics", timeout=5) as r:
-            text = r.read().decode()
+        text = self._get("/metrics").decode()
         out = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -175,14 +266,7 @@ class Daemon:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
 
     def events(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-        return out
+        return _json_lines(self.log_path.read_text(errors="replace"))
 
     def events_named(self, event: str, **match: Any) -> list[dict[str, Any]]:
         return [
