@@ -272,12 +272,18 @@ def workers():
     out = []
     for t in daemon.threads():
         if t.id != daemon.pid:
-            p = psutil.Process(t.id)
-            out.append([p.nice(), *map(int, p.ionice())])
+            try:
+                p = psutil.Process(t.id)
+                out.append([p.nice(), *map(int, p.ionice())])
+            except psutil.NoSuchProcess:  # a thread that ended since the listing
+                pass
     return out
 
+# A thread sets its nice, then its I/O class: wait for one lowered in both, not one
+# caught between the two steps.
+lowered = [19, int(psutil.IOPRIO_CLASS_BE), 7]
 deadline = time.monotonic() + 60
-while not any(w[0] == 19 for w in workers()) and time.monotonic() < deadline:
+while lowered not in workers() and time.monotonic() < deadline:
     time.sleep(0.1)
 me = psutil.Process()
 json.dump({"trainer": [me.nice(), *map(int, me.ionice())], "workers": workers(),
