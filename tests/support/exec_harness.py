@@ -10,6 +10,7 @@ the default of the scripts' ``--resume``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from ckptd.devtools.locals3 import free_port
 from tests.support.daemon import wait_until
@@ -150,11 +153,24 @@ class ExecNode:
         self.proc.send_signal(signum)
 
     def close(self) -> None:
-        """Kill what is left (a failed test): ckptd exec, then its trainer, by PID."""
+        """Kill what is left (a failed test): ckptd exec, then its trainer's process group.
+
+        The pidfile alone missed a trainer that exec had just restarted and that had not
+        written its pidfile yet: it ran on as an orphan. exec starts each trainer in a
+        session of its own, so the groups of exec's children are taken before exec dies."""
+        groups = set()
         pid = self.trainer_pid()
+        if pid is not None and _alive(pid):
+            groups.add(_group_of(pid))
         if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(self.proc.pid).children(recursive=True):
+                    groups.add(_group_of(child.pid))
             self.proc.kill()
             self.proc.wait()
+        for group in groups - {None, os.getpgrp()}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)  # type: ignore[arg-type]
         if pid is not None and _alive(pid):
             os.kill(pid, signal.SIGKILL)
 
@@ -265,3 +281,10 @@ def crash_repeatedly(
     out[-1].resumed_step = int(doc["resumed_from"])
     out[-1].restart_s = float(doc["first_step_at"]) - since
     return out
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
