@@ -10,6 +10,8 @@ own address (``ip``), so that the store sits behind a shaped link like a real on
 from __future__ import annotations
 
 import json
+import os
+import random
 import shutil
 import socket
 import subprocess
@@ -22,8 +24,29 @@ ACCESS_KEY = "ckptd-local"
 SECRET_KEY = "ckptd-local-secret"  # loopback-only test identity, not a real credential
 
 
+PORT_RANGE_ENV = "CKPTD_TEST_PORTS"
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now.
+
+    The port is only free *now*: whoever binds it first between this call and the
+    caller's own bind takes it. By default the kernel picks it from its ephemeral range,
+    which every outgoing connection and every other process's ``bind(0)`` draw from too.
+    With ``CKPTD_TEST_PORTS=LOW-HIGH`` (``make test`` gives each of its two pytest
+    processes a range of its own, below the ephemeral one) the port is drawn from that
+    range instead, so no other test process and no outgoing connection can take it."""
+    wanted = os.environ.get(PORT_RANGE_ENV, "")
+    if wanted:
+        low, _, high = wanted.partition("-")
+        for _ in range(200):
+            port = random.randint(int(low), int(high))
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

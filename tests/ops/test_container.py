@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ import psutil
 import pytest
 import yaml
 
-from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3
+from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
 from tests.support import podman
 from tests.support.daemon import wait_until
 from tests.support.ops import DEPLOY, REPO
@@ -52,12 +51,6 @@ COMPOSE = DEPLOY / "docker-compose.yml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 IMAGE = "localhost/ckptd:test"
 WHEEL_CACHE = Path("/var/tmp/ckptd-test-wheels")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _dependency_wheels() -> Path:
@@ -179,7 +172,7 @@ def test_compose_scenario_ships_drills_and_flushes_on_stop(
 ) -> None:
     trainer, sidecar = _service("trainer"), _service("ckptd")
     assert sidecar["pid"] == "service:trainer"
-    port = _free_port()
+    port = free_port()
     script, marker = trainer["command"]
     run_trainer = podman.podman(
         "run",

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,6 +38,7 @@ from typing import Self
 from aiohttp import web
 from multidict import CIMultiDict
 
+from ckptd.devtools.locals3 import free_port
 from ckptd.notices.model import Notice, NoticeSource
 
 __all__ = [
@@ -65,14 +65,6 @@ class RecordedRequest:
     def header(self, name: str) -> str | None:
         """A request header (case-insensitive), or None."""
         return self.headers.get(name)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (at the time of the call)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class FakeServer:
