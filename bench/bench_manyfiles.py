@@ -75,6 +75,7 @@ from common import (
     machine_line,
     measure,
     median_of,
+    peer_excludes,
     ratio,
     seconds_between,
     tail,
@@ -96,8 +97,6 @@ LABELS = {
     "s5cmd-sync": "s5cmd `cp` + `sync -f`",
 }
 CHECKPOINT = "step-500"
-# Objects ckptd adds beside the files, which the peers' downloads leave out.
-CKPTD_OBJECTS = ("ckptd.manifest.json", "ckptd.claim.json")
 
 
 @dataclass(frozen=True)
@@ -197,7 +196,7 @@ class Bench:
         url = url or self.url
         src = f"s3://{BUCKET}/{prefix}/{run}/{CHECKPOINT}"
         dst = out / CHECKPOINT
-        excludes = [a for name in CKPTD_OBJECTS for a in ("--exclude", name)]
+        excludes = peer_excludes()
         if tool == "ckptd":
             return self.ckptd(
                 "restore", "--dest", f"s3://{BUCKET}/{prefix}", "--endpoint-url", url,

@@ -55,6 +55,7 @@ from common import (
     machine_line,
     measure,
     median_of,
+    peer_excludes,
     ratio,
     rclone_env,
     server_floor_s,
@@ -66,7 +67,6 @@ from common import (
 from ckptd.devtools.locals3 import LocalS3, free_port
 
 PREFIX = "bench"
-MANIFEST = "ckptd.manifest.json"
 ALL_TOOLS = ("ckptd", "aws", "rclone", "s5cmd", "disk")
 LABELS = {
     "ckptd": "ckptd restore",
@@ -178,12 +178,11 @@ def command(
             dst,
             "--endpoint-url",
             url,
-            "--exclude",
-            MANIFEST,
+            *peer_excludes(),
         ]
     elif tool == "rclone":
         env = rclone_env(env, url, Path(args.work), provider="SeaweedFS")
-        cmd = [bins["rclone"], "copy", f"sw:{src}", dst, "--exclude", MANIFEST]
+        cmd = [bins["rclone"], "copy", f"sw:{src}", dst, *peer_excludes()]
     elif tool == "s5cmd":
         # s5cmd expands the wildcard itself; the keys' paths below it are kept under dst
         # (no --flatten), so dst/<rel> as for the other tools.
@@ -192,8 +191,7 @@ def command(
             "--endpoint-url",
             url,
             "cp",
-            "--exclude",
-            MANIFEST,
+            *peer_excludes(),
             f"s3://{src}/*",
             f"{dst}/",
         ]

@@ -25,6 +25,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ckptd.core.manifest import MANIFEST_NAME
+from ckptd.core.names import CLAIM_NAME
+
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
@@ -143,6 +146,12 @@ class Measurement:
         """Busy CPU on the machine not charged to the client or the server: other
         sessions' work, kernel threads (writeback, some softirq), the measuring wrapper."""
         return max(0.0, self.machine_busy_s - self.cpu_s - self.server_cpu_s)
+
+
+def peer_excludes(flag: str = "--exclude") -> list[str]:
+    """The arguments that keep a peer tool (aws, rclone, s5cmd) from copying ckptd's own
+    objects beside a checkpoint's files (its manifest, #36's claim) into a restore."""
+    return [arg for name in (MANIFEST_NAME, CLAIM_NAME) for arg in (flag, name)]
 
 
 def proc_cpu_seconds(pid: int) -> float:

@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from ckptd.devtools.locals3 import free_port
+from ckptd.runtime.processes import stat_fields
 from tests.support.daemon import wait_until
 from tests.support.harness import RUN_ID, Env, TrainerSpec
 from tests.support.trainers.procs import script_env
@@ -238,11 +239,9 @@ class ExecNode:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return state[state.rfind(")") + 2 :].split()[0] != "Z"
+    """Running, not a zombie (a killed trainer whose exec has not reaped it yet)."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def crash_repeatedly(
