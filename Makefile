@@ -36,13 +36,13 @@ lint: venv
 # mostly waits on its processes too; their output comes after it, and the target fails
 # when either part fails.
 # Each part draws its test ports from a range of its own below the kernel's ephemeral one
-# (CKPTD_TEST_PORTS, ckptd.devtools.locals3.free_port): a port one part found free cannot
+# (TEST_PORT_RANGE, ckptd.devtools.locals3.free_port): a port one part found free cannot
 # be taken by the other part's daemon, nor by an outgoing connection, before it is bound.
 BESIDE := slurm or campaign
 test: lint
 	@beside_log=$$(mktemp); \
-	CKPTD_TEST_PORTS=27000-32000 $(BIN)/pytest -q -p no:cacheprovider -m '$(BESIDE)' >"$$beside_log" 2>&1 & beside_pid=$$!; \
-	CKPTD_TEST_PORTS=20000-26999 $(BIN)/pytest -q -m 'not ($(BESIDE)) and not peers_faults'; rest=$$?; \
+	TEST_PORT_RANGE=27000-32000 $(BIN)/pytest -q -p no:cacheprovider -m '$(BESIDE)' >"$$beside_log" 2>&1 & beside_pid=$$!; \
+	TEST_PORT_RANGE=20000-26999 $(BIN)/pytest -q -m 'not ($(BESIDE)) and not peers_faults'; rest=$$?; \
 	wait $$beside_pid; beside=$$?; \
 	echo "--- run beside the rest (pytest -m '$(BESIDE)'):"; cat "$$beside_log"; rm -f "$$beside_log"; \
 	[ $$rest -eq 0 ] && [ $$beside -eq 0 ]

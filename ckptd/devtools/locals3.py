@@ -24,7 +24,7 @@ ACCESS_KEY = "ckptd-local"
 SECRET_KEY = "ckptd-local-secret"  # loopback-only test identity, not a real credential
 
 
-PORT_RANGE_ENV = "CKPTD_TEST_PORTS"
+PORT_RANGE_ENV = "TEST_PORT_RANGE"
 
 
 def free_port() -> int:
@@ -33,7 +33,7 @@ def free_port() -> int:
     The port is only free *now*: whoever binds it first between this call and the
     caller's own bind takes it. By default the kernel picks it from its ephemeral range,
     which every outgoing connection and every other process's ``bind(0)`` draw from too.
-    With ``CKPTD_TEST_PORTS=LOW-HIGH`` (``make test`` gives each of its two pytest
+    With ``TEST_PORT_RANGE=LOW-HIGH`` (``make test`` gives each of its two pytest
     processes a range of its own, below the ephemeral one) the port is drawn from that
     range instead, so no other test process and no outgoing connection can take it."""
     wanted = os.environ.get(PORT_RANGE_ENV, "")

@@ -1,4 +1,4 @@
-"""``free_port`` with ``CKPTD_TEST_PORTS``: make test gives its two pytest processes
+"""``free_port`` with ``TEST_PORT_RANGE``: make test gives its two pytest processes
 disjoint ranges, so one cannot hand out a port the other just found free."""
 
 from __future__ import annotations
