@@ -31,20 +31,21 @@ lint: venv
 	$(BIN)/mypy ckptd
 
 # The Slurm jobs (marker slurm: about 4 min, nearly all of it waiting on Slurm's own
-# 30 s cycles and requeue delay) and the campaigns' short versions (marker campaign,
-# about 4 min, built to run on a loaded machine) run beside the rest of the suite, which
-# mostly waits on its processes too; their output comes after it, and the target fails
-# when either part fails.
+# 30 s cycles and requeue delay), the campaigns' short versions (marker campaign, about
+# 4 min, built to run on a loaded machine) and the end-to-end tests with real trainers
+# (marker e2e: every test under tests/e2e, about 11 min) run in a second pytest beside
+# the rest of the suite, which mostly waits on its processes too; their output comes after
+# it, and the target fails when either part fails.
 # Each part draws its test ports from a range of its own below the kernel's ephemeral one
 # (TEST_PORT_RANGE, ckptd.devtools.locals3.free_port): a port one part found free cannot
 # be taken by the other part's daemon, nor by an outgoing connection, before it is bound.
-BESIDE := slurm or campaign
+BESIDE := slurm or campaign or e2e
 test: lint
 	@beside_log=$$(mktemp); \
-	TEST_PORT_RANGE=27000-32000 $(BIN)/pytest -q -p no:cacheprovider -m '$(BESIDE)' >"$$beside_log" 2>&1 & beside_pid=$$!; \
+	TEST_PORT_RANGE=27000-32000 $(BIN)/pytest -q -p no:cacheprovider -m '($(BESIDE)) and not peers_faults' >"$$beside_log" 2>&1 & beside_pid=$$!; \
 	TEST_PORT_RANGE=20000-26999 $(BIN)/pytest -q -m 'not ($(BESIDE)) and not peers_faults'; rest=$$?; \
 	wait $$beside_pid; beside=$$?; \
-	echo "--- run beside the rest (pytest -m '$(BESIDE)'):"; cat "$$beside_log"; rm -f "$$beside_log"; \
+	echo "--- run beside the rest (pytest -m '($(BESIDE)) and not peers_faults'):"; cat "$$beside_log"; rm -f "$$beside_log"; \
 	[ $$rest -eq 0 ] && [ $$beside -eq 0 ]
 
 test-unit: venv
