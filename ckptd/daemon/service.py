@@ -241,7 +241,9 @@ class Service:
         if (refusal := self.destination.refusal) is not None:
             raise refusal
         for run_id in pipeline.runs:
-            await self.tiers.rescan(run_id)
+            # Committed names too: with no file events, a re-save under one (a rollback)
+            # is seen only by comparing its files with the ones committed.
+            await self.tiers.rescan(run_id, committed=True)
         ok = await self.tiers.drain_once()
         # Checkpoints complete but for a quiet window (settle/quiescence) are waited
         # for, within ONCE_MAX_WAIT, then shipped too.

@@ -94,10 +94,11 @@ class TierSet:
             else:
                 t.pipeline.hint(run_id, name, delay)
 
-    async def rescan(self, run_id: str) -> None:
-        """Look at every checkpoint of ``run_id`` again, for every tier."""
+    async def rescan(self, run_id: str, *, committed: bool = False) -> None:
+        """Look at every checkpoint of ``run_id`` again, for every tier (``committed``:
+        the names committed already too, ``SyncPipeline.rescan``)."""
         for t in self._tiers:
-            await t.pipeline.rescan(run_id)
+            await t.pipeline.rescan(run_id, committed=committed)
 
     async def drain_once(self) -> bool:
         """Every tier ships what is queued now (``run --once``); False if any failed."""
@@ -123,22 +124,26 @@ class TierSet:
     async def recheck_stores(self, interval: float) -> None:
         """Each tier's store asked again when due, every ``interval``: a probe of a store
         that is down waits for its connection timeout, which must never hold the ticker
-        (systemd's watchdog) nor the rescans, so this runs beside them."""
+        (systemd's watchdog) nor the rescans, so this runs beside them; and the tiers are
+        asked side by side, so one that is down delays no other's answer."""
         for t in self._tiers:
             t.last_check = self.clock.monotonic()  # start-up has just asked
         while True:
             await asyncio.sleep(interval)
-            for t in self._tiers:
-                await self.check(t, self.clock.monotonic())
+            now = self.clock.monotonic()
+            await asyncio.gather(*(self.check(t, now) for t in self._tiers))
 
     async def check(self, tier: Tier, now: float) -> None:
         """Ask a tier's store again when due; when it comes back, its backlog is shipped
         at once rather than after the rest of its backoff."""
-        # A checkpoint that failed in this tier makes it due soon, so the metrics say the
-        # tier is down within seconds, and its return is noticed as soon.
+        # A request that failed (``DestinationHealth.suspect``: early shipping's, a
+        # claim's, any) makes a tier that is up due now, and a checkpoint that failed in
+        # it makes it due soon: the metrics say the tier is down within seconds, and its
+        # return is noticed as soon.
+        suspected = tier.health.ok and tier.health.suspected.is_set()
         failing = any(p.failures for p in tier.pipeline.queue)
         interval = RECHECK_FAILING_SECONDS if failing else tier.health.recheck_seconds
-        if now - tier.last_check < interval:
+        if not suspected and now - tier.last_check < interval:
             return
         tier.last_check = now
         was_ok = tier.health.ok
@@ -162,7 +167,18 @@ class TierSet:
         }
 
     async def close(self) -> None:
-        """Every pipeline closed, then its journal."""
+        """Every pipeline closed, then its store's connections, then its journal."""
         for t in self._tiers:
             await t.pipeline.close()
+            await asyncio.to_thread(close_connections, t.health.storage)
             t.journal.close()
+
+
+def close_connections(storage: Any) -> None:
+    """Close the connections the backend under ``storage``'s wrappers keeps open, where
+    it has a ``close`` (S3's direct path); the others keep none between requests."""
+    while hasattr(storage, "inner"):
+        storage = storage.inner
+    close = getattr(storage, "close", None)
+    if callable(close):
+        close()

@@ -289,14 +289,18 @@ class SyncPipeline:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def rescan(self, run_id: str) -> None:
-        """Look at every checkpoint of a run (start-up, periodic, lost events)."""
+    async def rescan(self, run_id: str, *, committed: bool = False) -> None:
+        """Look at every checkpoint of a run (start-up, periodic, lost events). A name
+        committed already is skipped (the daemon hears of a re-save under it by its file
+        events), unless ``committed``: ``run --once`` hears no events, so it looks at
+        those too, and one whose files are not the ones committed is new content, a
+        conflict or another trajectory's, exactly as the daemon decides (``Intake.look``)."""
         state = self.runs[run_id]
         if not state.dir.is_dir():
             return
         names = await asyncio.to_thread(list_candidates, state.dir)
         for name in names:
-            if name not in state.committed:
+            if committed or name not in state.committed:
                 await self.evaluate(run_id, name)
 
     async def evaluate(self, run_id: str, name: str) -> Completion | None:
@@ -381,9 +385,10 @@ class SyncPipeline:
         self._wake.set()
 
     async def drain_once(self) -> bool:
-        """Ship everything pending now (``ckptd run --once``); True if all committed."""
+        """Ship everything pending now (``ckptd run --once``), in step order
+        (``ShipQueue.next_in_step_order``); True if all committed."""
         ok = True
-        while (pending := self.queue.next(self.clock.monotonic())) is not None:
+        while (pending := self.queue.next_in_step_order(self.clock.monotonic())) is not None:
             try:
                 ok = await self.outcomes.ship(pending) and ok
             except Exception as exc:  # noqa: BLE001 - as in work(): said, then backed off

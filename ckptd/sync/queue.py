@@ -5,6 +5,10 @@ is monotonic seconds (backoff), ``wall`` is seconds since the epoch (sync lag).
 
 The order is the one a preemption needs: an emergency checkpoint (completed after a
 notice) before all others; then the highest step; then the most recently completed.
+``ckptd run --once`` ships a backlog in the trainer's order instead (``next_in_step_order``:
+an emergency checkpoint first, then the lowest step): it ships the whole backlog before it
+exits, so the newest gains nothing by going first, and a lower step committed after a
+higher one would read as a rollback (``latest_not_moved``) that never happened.
 A checkpoint that failed waits ``min(cap, base * 2**(failures-1))`` seconds before it
 is offered again. During an emergency an older upload in flight is paused unless it and
 the emergency checkpoint can both finish before the deadline (``ckptd.sync.deadline``).
@@ -131,6 +135,17 @@ class ShipQueue:
         """The checkpoint to ship now (module doc's order), skipping ones in backoff."""
         ready = [p for p in self._pending.values() if p.not_before <= now]
         return max(ready, key=Pending.rank, default=None)
+
+    def next_in_step_order(self, now: float) -> Pending | None:
+        """``run --once``'s checkpoint to ship now (module doc): an emergency one first,
+        then the lowest step (a step-less one after every stepped one, as in ``next``),
+        then the earliest completed; skipping ones in backoff."""
+        ready = [p for p in self._pending.values() if p.not_before <= now]
+        return min(
+            ready,
+            key=lambda p: (not p.emergency, p.step is None, p.step or 0, p.completed_at),
+            default=None,
+        )
 
     def next_wakeup(self, now: float) -> float | None:
         """Seconds until a checkpoint in backoff becomes ready; None when none waits."""

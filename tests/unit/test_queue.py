@@ -170,3 +170,40 @@ def test_an_emergency_upload_in_flight_is_never_paused() -> None:
 
 def test_bytes_left_never_goes_negative() -> None:
     assert InFlight("r", "n", total_bytes=10, sent_bytes=25, emergency=False).bytes_left == 0
+
+
+# -- run --once's order ------------------------------------------------------------------
+
+
+def _drain_in_step_order(queue: ShipQueue) -> list[str]:
+    order = []
+    while (p := queue.next_in_step_order(now=0.0)) is not None:
+        order.append(p.name)
+        queue.remove(p.run, p.name)
+    return order
+
+
+def test_run_once_ships_the_lowest_step_first_as_the_trainer_saved_them() -> None:
+    """A backlog shipped newest first commits the older steps after LATEST moved past
+    them, which reads as a rollback (issue 45): ``run --once`` keeps the trainer's order."""
+    queue = ShipQueue()
+    for step in (20, 10, 30):
+        queue.add(pending(f"checkpoint-{step}", step))
+    queue.add(pending("final", None))
+    assert _drain_in_step_order(queue) == [
+        "checkpoint-10",
+        "checkpoint-20",
+        "checkpoint-30",
+        "final",
+    ]
+
+
+def test_run_once_still_ships_an_emergency_checkpoint_first_and_skips_backoff() -> None:
+    queue = ShipQueue()
+    queue.add(pending("ck-5", 5))
+    queue.add(pending("ck-9", 9, emergency=True))
+    failed = pending("ck-1", 1)
+    queue.add(failed)
+    queue.failed(failed, now=0.0)
+    assert _drain_in_step_order(queue) == ["ck-9", "ck-5"]
+    assert queue.next_in_step_order(now=10 * FAILURE_BACKOFF[0]) is failed
