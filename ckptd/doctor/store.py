@@ -5,12 +5,17 @@ and its clock.
 Invariant: nothing is written, read or deleted outside ``PROBE_DIR`` under the
 destination (``<prefix>/.ckptd-doctor/<uuid>...``), and every probe written is deleted
 before the checks return, whatever they found. Requests are tried at most
-``PROBE_ATTEMPTS`` times, so a dead endpoint costs seconds, not a command's long retries.
+``PROBE_ATTEMPTS`` times, so a dead endpoint costs seconds, not a command's long retries;
+the first, which finds whether the store answers at all, gets ``PROBE_DEADLINE_SECONDS``
+in all, so an endpoint that accepts connections and never answers (a wrong port, a
+proxy or firewall that holds them) fails in that time, saying so, rather than after the
+client's two 60 s read timeouts. On s3:// each later request waits as long for its answer.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -33,6 +38,9 @@ from ckptd.storage.retrying import RetryingStorage
 
 PROBE_DIR = ".ckptd-doctor"
 PROBE_ATTEMPTS = 2
+# The first request's whole time, its tries included (module doc), and an s3:// request's
+# wait for an answer: a store's HEAD answers in well under a second.
+PROBE_DEADLINE_SECONDS = 10.0
 PROBE_BYTES = 4096
 # Codes by which a store says who is asking is refused: the credentials, not the bucket.
 CREDENTIAL_CODES = frozenset(
@@ -73,6 +81,8 @@ class DestinationChecks:
     clock: Callable[[], float] = time.time
     findings: list[Finding] = field(default_factory=list)
     _written: list[str] = field(default_factory=list)
+    # Set once the first request outlived its deadline: its thread tries no more.
+    _stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> list[Finding]:
         """Every check of the destination; the probes deleted whatever happens."""
@@ -80,7 +90,10 @@ class DestinationChecks:
         kind = parse_destination(url).kind
         try:
             storage = open_destination(
-                self.config.model_copy(update={"max_attempts": PROBE_ATTEMPTS}), concurrency=1
+                self.config.model_copy(update={"max_attempts": PROBE_ATTEMPTS}),
+                concurrency=1,
+                stop=self._stop,
+                read_timeout=PROBE_DEADLINE_SECONDS,
             )
         except (StorageError, ValueError) as exc:
             self._skip("credentials", f"{url}: not known (the destination cannot be opened)")
@@ -99,7 +112,18 @@ class DestinationChecks:
     def _reachable(self, storage: RetryingStorage, kind: str) -> bool:
         url = storage.url
         try:
-            storage.probe()  # a health probe's few quick tries
+            if not _within(PROBE_DEADLINE_SECONDS, storage.probe):  # a probe's few quick tries
+                self._stop.set()  # its thread gives up after the request in flight
+                where = self.config.endpoint_url or url
+                self._skip("credentials", f"{url}: the store did not answer")
+                self._fail(
+                    "destination",
+                    f"{url}: no answer from {where} within {PROBE_DEADLINE_SECONDS:g} s "
+                    "(it may accept connections and never reply)",
+                    "check destination.endpoint_url (host and port) and that this node can "
+                    "reach the store through any proxy or firewall",
+                )
+                return self._skip_rest("destination")
         except StorageError as exc:
             if exc.code in CREDENTIAL_CODES:
                 self._fail(
@@ -292,6 +316,31 @@ class DestinationChecks:
         return False
 
 
+def _within(seconds: float, request: Callable[[], None]) -> bool:
+    """Run ``request`` for at most ``seconds``: True when it returned, its exception
+    raised here; False when it had not finished by then. Its thread is then left to end
+    by itself (a daemon thread, so it never holds up the command's exit): a blocking
+    client call cannot be interrupted, only no longer waited for."""
+    outcome: list[Exception | None] = []
+
+    def attempt() -> None:
+        try:
+            request()
+        except Exception as exc:  # noqa: BLE001 - raised again in the caller
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=attempt, name="doctor-probe", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        return False
+    if outcome[0] is not None:
+        raise outcome[0]
+    return True
+
+
 def _create_fix(url: str, kind: str) -> str:
     parsed = parse_destination(url)
     make = {
@@ -302,4 +351,4 @@ def _create_fix(url: str, kind: str) -> str:
     return f"create it ({make}) or correct destination.url" if make else "correct destination.url"
 
 
-__all__ = ["PROBE_DIR", "DestinationChecks"]
+__all__ = ["PROBE_DEADLINE_SECONDS", "PROBE_DIR", "DestinationChecks"]

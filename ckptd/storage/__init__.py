@@ -66,12 +66,15 @@ def open_backend(
     max_connections: int = 10,
     sse: str = "",
     sse_kms_key_id: str = "",
+    read_timeout: float | None = None,
 ) -> Storage:
     """The bare backend for ``s3://bucket/prefix``, ``gs://bucket/prefix``,
     ``az://container/prefix`` or ``file:///path``; ValueError for a URL that configuration
     would refuse (or server-side encryption asked of file://). For gs://,
     ``sse_kms_key_id`` is the Cloud KMS key (``kmsKeyName``), for az:// the encryption
-    scope, and ``sse`` must be empty."""
+    scope, and ``sse`` must be empty. ``read_timeout`` (seconds; s3:// only, None = the
+    client's 60 s) is how long one request waits for the store's answer: ``ckptd doctor``
+    shortens it, so a store that accepts connections and never answers costs it seconds."""
     try:
         parsed = parse_destination(url)
     except ValueError as exc:
@@ -110,7 +113,7 @@ def open_backend(
             max_connections=max_connections,
             encryption_scope=sse_kms_key_id,
         )
-    from ckptd.storage.s3 import S3Storage
+    from ckptd.storage.s3 import READ_TIMEOUT_SECONDS, S3Storage
 
     return S3Storage(
         parsed.bucket,
@@ -118,6 +121,7 @@ def open_backend(
         endpoint_url=endpoint_url,
         region=region,
         max_connections=max_connections,
+        timeout_seconds=READ_TIMEOUT_SECONDS if read_timeout is None else read_timeout,
         sse=sse,
         sse_kms_key_id=sse_kms_key_id,
     )
@@ -136,9 +140,10 @@ def open_storage(
     limiter: RateLimiter | None = None,
     sse: str = "",
     sse_kms_key_id: str = "",
+    read_timeout: float | None = None,
 ) -> RetryingStorage:
     """The backend with the node-wide bandwidth cap inside and retries outside, so a
-    retried part pays for its bandwidth again."""
+    retried part pays for its bandwidth again (``read_timeout``: ``open_backend``)."""
     backend = open_backend(
         url,
         endpoint_url=endpoint_url,
@@ -148,6 +153,7 @@ def open_storage(
         max_connections=concurrency + lanes_for(concurrency) + 4,
         sse=sse,
         sse_kms_key_id=sse_kms_key_id,
+        read_timeout=read_timeout,
     )
     limited: Storage = LimitedStorage(backend, limiter or RateLimiter(max_upload_bytes_per_s))
     return RetryingStorage(limited, max_attempts=max_attempts, on_retry=on_retry, stop=stop)
@@ -160,10 +166,12 @@ def open_destination(
     limit_uploads: bool = False,
     on_retry: RetryHook | None = None,
     stop: threading.Event | None = None,
+    read_timeout: float | None = None,
 ) -> RetryingStorage:
     """The storage stack for a configured destination (its url must be set).
     ``concurrency`` overrides the configured one; ``limit_uploads`` applies the node-wide
-    ``max_upload_mib_per_s``, which the daemon does and the CLI's commands do not."""
+    ``max_upload_mib_per_s``, which the daemon does and the CLI's commands do not;
+    ``read_timeout`` shortens an s3:// request's wait for an answer (``open_backend``)."""
     return open_storage(
         dest.url,
         endpoint_url=dest.endpoint_url,
@@ -175,4 +183,5 @@ def open_destination(
         stop=stop,
         sse=dest.sse,
         sse_kms_key_id=dest.sse_kms_key_id,
+        read_timeout=read_timeout,
     )

@@ -85,6 +85,11 @@ def _object_info(key: str, size: int, resp: dict[str, Any]) -> ObjectInfo:
     )
 
 
+# How long one request waits for the store's answer (botocore's read timeout, and the
+# direct path's): long enough for a large part on a slow link.
+READ_TIMEOUT_SECONDS = 60.0
+
+
 class S3Storage:
     """Objects under ``s3://bucket/prefix``."""
 
@@ -96,7 +101,7 @@ class S3Storage:
         endpoint_url: str = "",
         region: str = "",
         max_connections: int = 10,
-        timeout_seconds: float = 60.0,
+        timeout_seconds: float = READ_TIMEOUT_SECONDS,
         sse: str = "",
         sse_kms_key_id: str = "",
     ) -> None:
