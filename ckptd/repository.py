@@ -3,7 +3,8 @@
     <run>/<checkpoint>/<path>                   a checkpoint's objects
     <run>/<checkpoint>/ckptd.claim.json         written first: the one writer of them
     <run>/<checkpoint>/ckptd.manifest.json      written last: present = committed (or a
-                                                redirect to the slot that is)
+                                                redirect to the slot that is, or a
+                                                withdrawal: never committed)
     <run>/LATEST                                the newest committed step's pointer
     <run>/.ckptd-restoring/<checkpoint>-<uuid>  a restore's lease (retention keeps off)
     <run>/NOTICE                                a preemption notice seen by any node
@@ -63,7 +64,14 @@ from ckptd.core.manifest import (
     parse_latest,
     parse_manifest,
 )
-from ckptd.core.names import ANNOUNCE_NAME, CLAIM_NAME, REDIRECT_FORMAT, part_name, rank_of_part
+from ckptd.core.names import (
+    ANNOUNCE_NAME,
+    CLAIM_NAME,
+    REDIRECT_FORMAT,
+    WITHDRAWN_FORMAT,
+    part_name,
+    rank_of_part,
+)
 from ckptd.core.ranges import RangeCrc, chunk_ranges  # re-exported: every ranged read
 from ckptd.storage.base import (
     ConditionalWrite,
@@ -207,6 +215,17 @@ def redirect_target(body: bytes) -> str | None:
     return target if isinstance(target, str) and target and "/" not in target else None
 
 
+def is_withdrawal(body: bytes) -> bool:
+    """Whether ``body`` (what stands at a slot's manifest key) is a withdrawal
+    (``ckptd.commit.withdrawal``): the slot was taken out of the commit protocol, and
+    nothing of it is, or ever will be, committed."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == WITHDRAWN_FORMAT
+
+
 def lease_is_fresh(body: bytes, now: float, ttl: float = LEASE_TTL_SECONDS) -> bool:
     """Whether a lease was taken less than ``ttl`` seconds before ``now``; a lease
     whose time cannot be read counts as fresh (when unsure, keep)."""
@@ -266,9 +285,9 @@ class Repository:
         """The committed manifest of a checkpoint, or None if it is not committed;
         ManifestError if one is there but cannot be trusted. With ``follow``, a redirect
         there is followed once (to the slot holding the name's content), else it reads as
-        not committed here."""
+        not committed here. A withdrawal there reads as not committed, always."""
         body = self.read_manifest_bytes(run_id, checkpoint)
-        if body is None:
+        if body is None or is_withdrawal(body):
             return None
         target = redirect_target(body)
         if target is not None:
@@ -577,6 +596,7 @@ __all__ = [
     "drill_claim_key",
     "drill_prefix",
     "drill_record_key",
+    "is_withdrawal",
     "latest_key",
     "lease_checkpoint",
     "lease_is_fresh",

@@ -33,13 +33,16 @@ from ckptd.commit.lineage import moves_latest
 from ckptd.commit.slots import (
     Claim,
     Redirect,
+    Withdrawal,
     canonical_for,
     letters,
     parse_claim,
     parse_redirect,
+    parse_withdrawal,
     private_slot,
     trajectory_slot,
 )
+from ckptd.commit.withdrawal import REDIRECT_GRACE_SECONDS, described, take_back
 from ckptd.core import checksum
 from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import Latest, Manifest, ManifestError, parse_manifest, utc_timestamp
@@ -54,6 +57,25 @@ class CommitConflictError(CkptdError):
     def __init__(self, message: str, theirs: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.theirs = theirs or {}
+
+
+class SlotWithdrawnError(CommitConflictError):
+    """The slot this writer shipped into was withdrawn (``ckptd rm --force``, retention,
+    or the name's owner taking it back: ``ckptd.commit.withdrawal``): never committed,
+    the local copy kept, said as a conflict is."""
+
+
+def withdrawn_error(run: str, withdrawal: Withdrawal) -> SlotWithdrawnError:
+    return SlotWithdrawnError(
+        f"{run}/{withdrawal.checkpoint} was withdrawn by {withdrawal.by} on "
+        f"{withdrawal.host} at {withdrawal.withdrawn_at} ({withdrawal.reason}) while this "
+        "writer shipped it: not committed; the local copy is kept",
+        described(withdrawal),
+    )
+
+
+Found = Manifest | Redirect | Withdrawal | None
+"""What stands at a name's commit point (``committed_at``)."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +171,7 @@ class Prepared:
     caller compares contents (the same: committed; else a conflict) and ships nothing."""
 
     slot: Slot | None
-    committed: Manifest | Redirect | None
+    committed: Found
 
 
 def prepare_slot(
@@ -199,29 +221,35 @@ def prepare_slot(
     return Prepared(Slot(name, slot, canonical, trajectory), committed)
 
 
-def committed_at(repo: Repository, run: str, slot: Slot) -> Manifest | Redirect | None:
+def committed_at(repo: Repository, run: str, slot: Slot) -> Found:
     """What commits ``slot.name`` on its trajectory already: the manifest at the canonical
     slot (or the one its redirect names), a redirect whose manifest is not written yet
-    (its writer is between the two writes), or None."""
+    (its writer is between the two writes), a withdrawal (of the canonical slot, or of
+    this writer's own slot its redirect names), or None."""
     body = repo.read_manifest_bytes(run, slot.canonical)
     if body is None:
         return None
+    withdrawal = parse_withdrawal(body)
+    if withdrawal is not None:
+        return withdrawal
     redirect = parse_redirect(body)
     if redirect is None:
         return parse_manifest(body)
-    if redirect.to == slot.slot:
-        return repo.read_manifest(run, slot.slot)  # ours, from before a restart
+    if redirect.to == slot.slot:  # ours, from before a restart
+        own = repo.read_manifest_bytes(run, slot.slot)
+        withdrawn = parse_withdrawal(own) if own is not None else None
+        return withdrawn or repo.read_manifest(run, slot.slot)
     return repo.read_manifest(run, redirect.to) or redirect
 
 
 # -- steps 2 and 3 -----------------------------------------------------------------------
 
 
-def conflict(
-    run: str, name: str, theirs: Manifest | Redirect | None, why: str = ""
-) -> CommitConflictError:
+def conflict(run: str, name: str, theirs: Found, why: str = "") -> CommitConflictError:
     """The error a writer gets when ``theirs`` holds its name on its trajectory."""
     where = f"{run}/{name}"
+    if isinstance(theirs, Withdrawal):
+        return withdrawn_error(run, theirs)
     if isinstance(theirs, Manifest):
         info = holder(theirs)
         text = (
@@ -236,7 +264,7 @@ def conflict(
     return CommitConflictError(f"{text}{': ' + why if why else ''}", info)
 
 
-def _conflict(manifest: Manifest, theirs: Manifest | Redirect | None) -> CommitConflictError:
+def _conflict(manifest: Manifest, theirs: Found) -> CommitConflictError:
     return conflict(manifest.run_id, manifest.local_name, theirs)
 
 
@@ -273,6 +301,37 @@ def _won_redirect(
     return body is not None and redirect_target(body) == slot.slot
 
 
+#: Attempts of the commit write at a canonical slot whose redirect keeps being taken back
+#: (each take-back removes one cut-short redirect; a new one is another writer's race).
+_TAKE_BACK_TRIES = 3
+
+
+def writer_id(writer: Writer | None) -> str:
+    return writer.id if writer is not None else "(unnamed)"
+
+
+def take_back_name(
+    repo: Repository,
+    run: str,
+    slot: Slot,
+    redirect: Redirect,
+    writer: Writer | None,
+    now: float,
+    wait_seconds: float = REDIRECT_GRACE_SECONDS,
+) -> bool:
+    """``take_back`` by this canonical slot's owner (``ckptd.commit.withdrawal``)."""
+    assert not slot.private, "only a canonical slot's owner takes a name back"
+    return take_back(
+        repo,
+        run,
+        slot.slot,
+        redirect,
+        by=f"writer {writer_id(writer)}",
+        now=now,
+        wait_seconds=wait_seconds,
+    )
+
+
 def commit(
     storage: Storage | Repository,
     manifest: Manifest,
@@ -299,16 +358,25 @@ def commit(
                 return _found(repo, theirs)
             raise _conflict(manifest, theirs)
     body = manifest.to_bytes()
-    try:
-        repo.put_manifest_if_absent(manifest, body, checksum.crc32c(body))
-    except PreconditionFailedError:
-        # Ours from before a crash or a lost answer; or, at a canonical slot, another
-        # writer's redirect won it.
-        own = Slot(slot.name, slot.slot, slot.slot, slot.trajectory)
-        theirs = committed_at(repo, run, own)
+    own = Slot(slot.name, slot.slot, slot.slot, slot.trajectory)
+    for attempt in range(_TAKE_BACK_TRIES):
+        try:
+            repo.put_manifest_if_absent(manifest, body, checksum.crc32c(body))
+            break
+        except PreconditionFailedError:
+            # Ours from before a crash or a lost answer; at a canonical slot, another
+            # writer's redirect won it; or a deleter withdrew the slot.
+            theirs = committed_at(repo, run, own)
         if isinstance(theirs, Manifest) and same_content(theirs, manifest):
             return _found(repo, theirs)
-        raise _conflict(manifest, theirs) from None
+        last = attempt == _TAKE_BACK_TRIES - 1
+        if last or slot.private or not isinstance(theirs, Redirect):
+            raise _conflict(manifest, theirs)
+        if not take_back_name(repo, run, slot, theirs, writer, now):
+            theirs = committed_at(repo, run, own)  # its manifest came: committed there
+            if isinstance(theirs, Manifest) and same_content(theirs, manifest):
+                return _found(repo, theirs)
+            raise _conflict(manifest, theirs)
     crc = checksum.crc32c(body)
     return CommitResult(checksum.to_hex(crc), move_latest(repo, manifest, crc), False, manifest)
 

@@ -9,7 +9,9 @@ writer ships into; no I/O (``ckptd.commit.single`` reads and writes).
     <run>/<slot>/ckptd.manifest.json   create-only: present = committed. In a name's
                                        canonical slot it may instead hold a redirect:
                                        the name's content for that trajectory is in
-                                       another slot, named by the redirect
+                                       another slot, named by the redirect. Any slot's
+                                       may hold a withdrawal: housekeeping took the
+                                       uncommitted slot away (``ckptd.commit.withdrawal``)
 
 A checkpoint's *name* is its entry in the watch dir; its *slot* is where one content of
 that name lives in the store. The first content of a name takes the name itself (its
@@ -34,6 +36,12 @@ there first (exactly one of the two create-only writes wins), then its own manif
 its slot. The loser finds the winner's manifest or redirect: a conflict unless the
 contents are the same, never overwritten. A redirect never names a slot whose claim is
 not the redirect's writer's.
+
+**I3: nothing deletes under a writer that can still commit.** Whatever deletes objects of
+a slot that holds no manifest (``rm``, ``prune``, retention on any node) first writes a
+*withdrawal* at the slot's manifest key, create-only: once it stands, no manifest can
+follow, so the deleted objects are never named by one; if a manifest won the key first,
+the slot is committed and is not deleted as uncommitted.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import json
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ckptd.core.manifest import ManifestError, check_path_component, check_trajectory_id
+from ckptd.core.names import WITHDRAWN_FORMAT
 
 CLAIM_FORMAT = "ckptd.claim/1"
 REDIRECT_FORMAT = "ckptd.redirect/1"
@@ -120,6 +129,42 @@ class Redirect(_Model):
         return check_path_component(value)
 
 
+class Withdrawal(_Model):
+    """What housekeeping puts at an uncommitted slot's manifest key before deleting any of
+    its objects (I3): the slot is never committed. ``by`` says who (``rm`` on a host,
+    retention of a daemon), ``reason`` why, ``writer`` whose claim it withdrew (if any)."""
+
+    format: str = WITHDRAWN_FORMAT
+    run_id: str
+    checkpoint: str  # the slot
+    by: str
+    host: str
+    withdrawn_at: str
+    reason: str
+    writer: str | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        if value != WITHDRAWN_FORMAT:
+            raise ValueError(f"unknown withdrawal format {value!r}")
+        return value
+
+
+def parse_withdrawal(data: bytes) -> Withdrawal | None:
+    """The withdrawal ``data`` holds, or None when it is something else."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != WITHDRAWN_FORMAT:
+        return None
+    try:
+        return Withdrawal.model_validate(doc)
+    except ValidationError:
+        return None
+
+
 def parse_claim(data: bytes) -> Claim:
     try:
         return Claim.model_validate_json(data)
@@ -186,10 +231,12 @@ __all__ = [
     "SLOT_SEPARATOR",
     "Claim",
     "Redirect",
+    "Withdrawal",
     "canonical_for",
     "letters",
     "parse_claim",
     "parse_redirect",
+    "parse_withdrawal",
     "private_slot",
     "trajectory_slot",
 ]

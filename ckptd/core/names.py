@@ -17,6 +17,10 @@ CLAIM_NAME = "ckptd.claim.json"
 #: What a name's canonical slot holds at its manifest key when another slot holds the
 #: committed content (``ckptd.commit.slots``).
 REDIRECT_FORMAT = "ckptd.redirect/1"
+#: What housekeeping puts at an uncommitted slot's manifest key, create-only, before it
+#: deletes any of the slot's objects: no writer can commit that slot afterwards
+#: (``ckptd.commit.withdrawal``).
+WITHDRAWN_FORMAT = "ckptd.withdrawn/1"
 #: Many nodes: written by the node holding the framework's commit record.
 ANNOUNCE_NAME = "ckptd.announce.json"
 #: Many nodes: one node's verified files, ``ckptd.part-<rank>.json``.
@@ -53,6 +57,7 @@ __all__ = [
     "PART_PREFIX",
     "PART_SUFFIX",
     "REDIRECT_FORMAT",
+    "WITHDRAWN_FORMAT",
     "is_cluster_object",
     "is_protocol_object",
     "part_name",

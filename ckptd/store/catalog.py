@@ -8,6 +8,8 @@ went) costs nothing on later passes. Each pass (``refresh``):
 
 - lists the run's names once (one request per 1,000 names) and forgets every name no
   longer listed;
+- tells a withdrawn slot (``ckptd.commit.withdrawal``) from one without a manifest, from
+  the same read, and keeps the withdrawal's time (read once, as a manifest is);
 - reads the manifest of each name it has not seen yet, and again of each name it saw
   without one (an upload in flight may have committed since): in a steady run, the one
   checkpoint just committed (kept without its file list: ``kept``);
@@ -36,7 +38,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckptd.core.manifest import Manifest, ManifestError, parse_manifest
+from ckptd.commit.slots import parse_withdrawal
+from ckptd.core.manifest import Manifest, ManifestError, epoch_of_timestamp, parse_manifest
 from ckptd.repository import LIST_CONCURRENCY, Repository, manifest_key
 from ckptd.storage.base import ObjectInfo
 
@@ -83,6 +86,13 @@ class RunCatalog:
         self.uncommitted: set[str] = set()
         # A manifest is there but does not parse (a newer ckptd's): never touched.
         self.unparsable: set[str] = set()
+        # Among ``uncommitted``: a withdrawal stands at the manifest key
+        # (``ckptd.commit.withdrawal``), by the epoch seconds it was made (None: not
+        # readable). What is left of the slot can go at once; a withdrawal, like a
+        # manifest, is read once.
+        self.withdrawn: dict[str, float | None] = {}
+        # Withdrawn slots emptied but for their withdrawal: nothing to do until it expires.
+        self.emptied: set[str] = set()
         # Deleted or collected by retention: nothing left to do, even while still listed.
         self.settled: set[str] = set()
         self.refreshed_at: float | None = None
@@ -91,6 +101,8 @@ class RunCatalog:
     def reset(self) -> None:
         self.committed.clear()
         self.uncommitted.clear()
+        self.withdrawn.clear()
+        self.emptied.clear()
         self.unparsable.clear()
         self.settled.clear()
         self.refreshed_at = None
@@ -99,6 +111,8 @@ class RunCatalog:
         """``name`` was deleted (manifest and objects) or collected: nothing to do."""
         self.committed.pop(name, None)
         self.uncommitted.discard(name)
+        self.withdrawn.pop(name, None)
+        self.emptied.discard(name)
         self.settled.add(name)
 
     def forget(self, name: str) -> None:
@@ -112,6 +126,8 @@ class RunCatalog:
             name = self._to_forget.pop()
             self.committed.pop(name, None)
             self.uncommitted.discard(name)
+            self.withdrawn.pop(name, None)
+            self.emptied.discard(name)
             self.unparsable.discard(name)
             self.settled.discard(name)
 
@@ -130,14 +146,19 @@ class RunCatalog:
         unread = [
             n
             for n in sorted(listed)
-            if n not in self.committed and n not in self.settled and n not in self.unparsable
+            if n not in self.committed
+            and n not in self.settled
+            and n not in self.unparsable
+            and n not in self.withdrawn
         ]
         self._read(repo, run_id, unread)
         self._check_newest(repo, run_id, window)
 
     def _forget_unlisted(self, listed: set[str]) -> None:
-        for names in (self.uncommitted, self.unparsable, self.settled):
+        for names in (self.uncommitted, self.emptied, self.unparsable, self.settled):
             names.intersection_update(listed)
+        for name in [n for n in self.withdrawn if n not in listed]:
+            del self.withdrawn[name]
         for name in [n for n in self.committed if n not in listed]:
             del self.committed[name]
 
@@ -150,9 +171,12 @@ class RunCatalog:
         self.manifest_reads += len(todo)
         for name, body in zip(todo, bodies, strict=True):
             self.uncommitted.discard(name)
-            if body is None:
+            withdrawal = parse_withdrawal(body) if body is not None else None
+            if body is None or withdrawal is not None:
                 self.committed.pop(name, None)
                 self.uncommitted.add(name)
+                if withdrawal is not None:
+                    self.withdrawn[name] = epoch_of_timestamp(withdrawal.withdrawn_at)
                 continue
             try:
                 self.committed[name] = KnownManifest(kept(parse_manifest(body)))

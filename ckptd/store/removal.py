@@ -13,12 +13,19 @@ got before it was killed:
 2. **Each manifest next**, then the checkpoint's objects (retention's order): from the
    manifest's deletion on, no reader counts it committed, so a removal cut short
    leaves at worst objects without a manifest, which retention collects as an orphan.
-3. For a whole run, **everything else under it** last (orphans, the run's CADENCE,
-   ledger chunks, NOTICE, leases).
+3. **Each uncommitted name withdrawn** before its objects go (``ckptd.commit.withdrawal``):
+   a writer still uploading into it is then refused at its commit point and keeps its
+   local copy, and never commits a manifest over what was deleted. A name committed
+   between the plan and the withdrawal is kept (``kept`` step: run ``rm`` again). The
+   withdrawal stays behind (retention collects it after ``WITHDRAWAL_TTL_SECONDS``).
+4. For a whole run, **everything else under it** last (the run's CADENCE, ledger
+   chunks, NOTICE, leases), the withdrawals of step 3 excepted.
 
 Refused without ``force``, before anything is deleted: the checkpoint LATEST names (or
-a run whose LATEST names a committed checkpoint), and a checkpoint a restore is reading
-now (a fresh lease). A name with nothing under it is a NotFoundError.
+a run whose LATEST names a committed checkpoint), a checkpoint a restore is reading
+now (a fresh lease), and a name a writer is uploading (a claim younger than
+``CLAIM_LIVE_SECONDS``: the refusal names the writer's host, node and claim age). A name
+with nothing under it is a NotFoundError.
 """
 
 from __future__ import annotations
@@ -28,10 +35,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptd.commit.lineage import abandoned
+from ckptd.commit.withdrawal import in_flight, withdraw
 from ckptd.core import checksum
 from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import Latest, ManifestError, parse_manifest
-from ckptd.repository import CommittedCheckpoint, Repository, latest_key, lease_prefix
+from ckptd.repository import (
+    CommittedCheckpoint,
+    Repository,
+    latest_key,
+    lease_prefix,
+    manifest_key,
+)
 from ckptd.storage.base import NotFoundError
 from ckptd.store.retention import delete_checkpoint
 
@@ -45,8 +59,9 @@ class RemovalRefusedError(CkptdError):
 class RemovalStep:
     """One delete of a removal, in order: ``latest`` (moved to ``name``, or removed when
     ``name`` is empty), ``checkpoint`` (manifest first, then its ``objects``),
-    ``uncommitted`` (a name's objects, no manifest), or ``rest`` (the run's other
-    objects)."""
+    ``uncommitted`` (a name's objects, no manifest, withdrawn first), ``kept`` (an
+    uncommitted name committed since the plan: nothing deleted), or ``rest`` (the run's
+    other objects)."""
 
     kind: str
     name: str
@@ -65,6 +80,8 @@ class Removal:
     latest: str | None  # what LATEST names now, if it changes
     latest_after: str | None  # what LATEST names afterwards (None: removed)
     steps: list[RemovalStep] = field(default_factory=list)
+    # Uncommitted names a writer was uploading into (forced): host, node and claim age.
+    uploading: dict[str, str] = field(default_factory=dict)
 
     @property
     def moves_latest(self) -> bool:
@@ -129,6 +146,18 @@ def plan_removal(
             f"{where}: a restore is reading {', '.join(reading)} now (a lease under "
             f"{lease_prefix(run_id)}): wait for it, or --force"
         )
+    clock = time.time() if now is None else now
+    uploading = {}
+    for name in uncommitted:
+        writer = in_flight(repo, run_id, name, clock)
+        if writer is not None:
+            uploading[name] = writer.who()
+    if uploading and not force:
+        name, who = next(iter(uploading.items()))
+        raise RemovalRefusedError(
+            f"{where}: {run_id}/{name} is being uploaded by {who}: wait for its commit, or "
+            "--force (the writer is then refused at its commit and keeps its local copy)"
+        )
     after = _newest_staying(committed, going, named) if moves else None
     return Removal(
         run_id,
@@ -138,6 +167,7 @@ def plan_removal(
         objects,
         named if moves else None,
         after,
+        uploading=uploading,
     )
 
 
@@ -188,12 +218,19 @@ def apply_removal(
         except ManifestError:
             manifest = None
         did("checkpoint", name, delete_checkpoint(repo, run_id, name, manifest))
+    withdrawn: set[str] = set()
     for name in removal.uncommitted:
-        keys = [info.key for info in repo.list_objects(run_id, name)]
+        reason = "ckptd rm --force" if name in removal.uploading else "ckptd rm"
+        if withdraw(repo, run_id, name, by="rm", reason=reason, now=time.time()) is None:
+            did("kept", name, 0)  # committed (or redirected) since the plan
+            continue
+        marker = manifest_key(run_id, name)
+        withdrawn.add(marker)
+        keys = [info.key for info in repo.list_objects(run_id, name) if info.key != marker]
         repo.delete(keys)
         did("uncommitted", name, len(keys))
     if removal.checkpoint is None:
-        rest = [info.key for info in repo.list_run_objects(run_id)]
+        rest = [info.key for info in repo.list_run_objects(run_id) if info.key not in withdrawn]
         repo.delete(rest)
         did("rest", run_id, len(rest))
     return removal

@@ -58,6 +58,7 @@ from ckptd.commit import objects
 from ckptd.commit.lineage import abandoned
 from ckptd.commit.parts import epoch_of, superseded
 from ckptd.commit.slots import trajectory_slot
+from ckptd.commit.withdrawal import WITHDRAWAL_TTL_SECONDS, in_flight, withdraw
 from ckptd.core.manifest import Manifest
 from ckptd.layouts.base import step_of
 from ckptd.repository import LEASE_TTL_SECONDS, Repository, manifest_key, redirect_target
@@ -222,9 +223,11 @@ class Deletions:
         self._report("checkpoint", name, objects)
         return objects
 
-    def prefix(self, name: str) -> int:
-        """Every object under a name with no manifest (an orphan)."""
-        keys = [info.key for info in self.repo.list_objects(self.run_id, name)]
+    def prefix(self, name: str, spare: Sequence[str] = ()) -> int:
+        """Every object under a name with no manifest (an orphan), but ``spare``."""
+        keys = [
+            info.key for info in self.repo.list_objects(self.run_id, name) if info.key not in spare
+        ]
         if not self.dry_run:
             self.repo.delete(keys)
         if keys:
@@ -363,7 +366,7 @@ def _apply_retention(
         # The orphan floor: the count rule's window or, with the age rule alone, what
         # the age rule keeps (an upload in flight is newer than both).
         window = entries if keep_last > 0 else kept_by_age(entries, keep_within, times, clock)
-        deleted += _collect_orphans(deletions, known, window, guarded, keep_last)
+        deleted += _collect_orphans(deletions, known, window, guarded, keep_last, clock)
 
     if cluster_grace_seconds is not None:
         sweep_cluster(
@@ -387,23 +390,47 @@ def _collect_orphans(
     window: Sequence[Entry],
     guarded: Set[str],
     keep_last: int,
+    now: float,
 ) -> list[str]:
-    """Delete the manifest-less prefixes ``plan_orphans`` picks against ``window``;
-    returns their names (module doc). Each is settled in ``known`` once looked at, so a
+    """Delete the manifest-less prefixes ``plan_orphans`` picks against ``window``, and
+    what is left of withdrawn slots; returns their names (module doc). A slot is
+    withdrawn before any of its objects goes, unless its claim is live (then it is kept);
+    its withdrawal stays until ``WITHDRAWAL_TTL_SECONDS`` have passed
+    (``ckptd.commit.withdrawal``). Each is settled in ``known`` once looked at, so a
     prefix the store keeps listing once emptied costs nothing on later passes."""
     from ckptd.runtime import logs
 
     repo, run_id = deletions.repo, deletions.run_id
     log = logs.get_logger(run=run_id)
     candidates = [(name, step_of(name)) for name in sorted(known.uncommitted)]
+    picked = plan_orphans(candidates, window, keep_last=keep_last, protected=guarded)
+    picked += sorted(set(known.withdrawn) - guarded - set(picked))
     collected: list[str] = []
-    for name in plan_orphans(candidates, window, keep_last=keep_last, protected=guarded):
-        # A manifest may have arrived since the catalog looked (a late commit, or one
-        # that does not parse): checked again right before deleting; such a name is kept.
-        if repo.has_manifest(run_id, name):
-            continue
-        objects = deletions.prefix(name)
-        known.settle(name)
+    for name in picked:
+        if name in known.withdrawn:
+            when = known.withdrawn[name]
+            spare = when is None or now - when < WITHDRAWAL_TTL_SECONDS
+            if spare and name in known.emptied:
+                continue  # only its withdrawal is left, and it stays a while yet
+        else:
+            writer = in_flight(repo, run_id, name, now)
+            if writer is not None:
+                log.info("retention_in_flight_kept", checkpoint=name, writer=writer.who())
+                continue
+            if not deletions.dry_run:
+                # A manifest may have arrived since the catalog looked: the withdrawal
+                # loses to it, and the name is kept.
+                reason = "retention: no manifest, below the orphan floor, no live claim"
+                withdrawal = withdraw(repo, run_id, name, by="retention", reason=reason, now=now)
+                if withdrawal is None:
+                    continue
+                known.withdrawn[name] = epoch_of(withdrawal.withdrawn_at)
+            spare = True
+        objects = deletions.prefix(name, spare=[manifest_key(run_id, name)] if spare else [])
+        if spare:
+            known.emptied.add(name)  # its withdrawal goes once old enough
+        else:
+            known.settle(name)
         if objects:  # some stores list an emptied prefix for a while: nothing to do
             if not deletions.dry_run:
                 log.info("retention_orphan_deleted", checkpoint=name, objects=objects)

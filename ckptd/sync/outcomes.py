@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from ckptd.commit.assemble import Assembly
-from ckptd.commit.single import CommitConflictError
+from ckptd.commit.single import CommitConflictError, SlotWithdrawnError
 from ckptd.config import Settings
 from ckptd.core.manifest import (
     Manifest,
@@ -210,6 +210,10 @@ class Outcomes:
         await asyncio.to_thread(
             self.journal.record_conflict, state.run_id, name, local, json.dumps(detail)
         )
+        if isinstance(error, SlotWithdrawnError):
+            # Taken from under this writer (``ckptd rm --force``, retention): never
+            # committed over what was deleted; the local copy stays.
+            log.error("checkpoint_slot_withdrawn", ours=ours, theirs=theirs)
         log.warning("checkpoint_conflict_writers", ours=ours, theirs=theirs)
         self.cluster.conflict(state, name, error, log)
         if request.slot is not None and self.cluster.committer is None:

@@ -47,10 +47,12 @@ from ckptd.commit.single import (
     CommitConflictError,
     CommitResult,
     commit,
+    committed_at,
     conflict,
     move_latest,
+    take_back_name,
 )
-from ckptd.commit.slots import Redirect
+from ckptd.commit.slots import Redirect, Withdrawal
 from ckptd.core import checksum, digest
 from ckptd.core.concurrency import NEVER_MULTIPART
 from ckptd.core.errors import CkptdError
@@ -228,13 +230,37 @@ class Shipper:
         prepared = await self.claims.prepare(run, name, request.trajectory.id)
         request.slot = prepared.slot
         theirs = prepared.committed
+        slot = prepared.slot
+        if (
+            isinstance(theirs, Redirect)
+            and slot is not None
+            and not slot.private
+            and theirs.to != slot.slot
+        ):
+            # Another writer's redirect in the slot this writer owns: its manifest follows
+            # within seconds, or the name is taken back (``ckptd.commit.withdrawal``).
+            taken = await asyncio.to_thread(
+                take_back_name, self.repo, run, slot, theirs, self.writer, self.clock.time()
+            )
+            if taken:
+                log.warning(
+                    "checkpoint_name_taken_back",
+                    slot=slot.slot,
+                    their_slot=theirs.to,
+                    their_host=theirs.host,
+                    reason="a redirect was not followed by its manifest: its slot is "
+                    "withdrawn and this content commits under the name",
+                )
+                return None
+            theirs = await asyncio.to_thread(committed_at, self.repo, run, slot)
         if isinstance(theirs, Manifest):
             return await self._against(request, theirs, log)
-        if isinstance(theirs, Redirect) and (
-            prepared.slot is None or theirs.to != prepared.slot.slot
+        if isinstance(theirs, Withdrawal) or (
+            isinstance(theirs, Redirect) and (slot is None or theirs.to != slot.slot)
         ):
-            # Another writer's redirect: every object of its content is verified, and its
-            # manifest follows. Nothing of this content can commit under the name.
+            # A withdrawn slot never commits; another writer's redirect: every object of
+            # its content is verified, and its manifest follows. Nothing of this content
+            # can commit under the name.
             return ShipResult(Outcome.CONFLICT, error=conflict(run, name, theirs))
         return None
 

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from ckptd.core import checksum
-from ckptd.core.manifest import Latest
+from ckptd.core.manifest import MANIFEST_NAME, Latest
 from ckptd.repository import (
     LEASE_DIR,
     Repository,
     latest_key,
     lease_checkpoint,
+    is_withdrawal,
     lease_is_fresh,
     manifest_key,
 )
@@ -203,14 +204,21 @@ def _commit_run(storage: RetryingStorage) -> None:
 
 
 def _state(storage: RetryingStorage) -> tuple[list[str], set[str]]:
-    """(committed names oldest first, checkpoint prefixes holding any object)."""
+    """(committed names oldest first, checkpoint prefixes holding any object but a
+    withdrawal: what retention leaves of an orphan it collected, for an hour)."""
     committed = [c.manifest.checkpoint for c in Repository(storage).list_committed("run")]
     prefixes = {
         info.key.split("/")[1]
         for info in storage.list_objects("run/")
-        if info.key.count("/") >= 2 and not info.key.split("/")[1].startswith(".")
+        if info.key.count("/") >= 2
+        and not info.key.split("/")[1].startswith(".")
+        and not _is_withdrawal(storage, info.key)
     }
     return committed, prefixes
+
+
+def _is_withdrawal(storage: RetryingStorage, key: str) -> bool:
+    return key.endswith("/" + MANIFEST_NAME) and is_withdrawal(storage.get_bytes(key))
 
 
 def test_retention_keeps_exactly_the_policy_over_20_checkpoints(storage: RetryingStorage) -> None:

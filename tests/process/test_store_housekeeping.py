@@ -120,6 +120,10 @@ def test_prune_is_dry_until_yes_then_deletes_exactly_what_it_said(store: Store) 
     assert done["tiers"][0]["actions"] == tier["actions"]  # what the dry run said, done
     after = store.objects()
     gone = set().union(*(_keys_of(before, run, name) for _, run, name in said))
+    # The orphan was withdrawn before its objects went: its withdrawal stays a while, so
+    # a writer still uploading into it could never commit over what was deleted.
+    marker = "run1/ck-0/ckptd.manifest.json"
+    assert json.loads(after.pop(marker))["format"] == "ckptd.withdrawn/1"
     assert set(after) == set(before) - gone
     assert {k: before[k] for k in after} == after  # what stays is byte for byte as written
     assert _latest(after, "run1") == _latest(before, "run1")

@@ -34,7 +34,8 @@ def add_parser(sub: Subparsers) -> None:
         "--force",
         action="store_true",
         help="also what LATEST names (LATEST then moves to the newest checkpoint that stays), "
-        "or a checkpoint a restore is reading",
+        "a checkpoint a restore is reading, or a name a writer is uploading (withdrawn: the "
+        "writer is refused at its commit and keeps its local copy)",
     )
     rm.add_argument("--json", action="store_true", help=JSON_HELP)
 
@@ -103,6 +104,12 @@ def _summary(tier: TierStore, removal: Removal, dry: bool) -> str:
             else f"LATEST {'would be' if dry else 'was'} removed"
         )
         line += f"; {moved}"
+    if removal.uploading:
+        names = ", ".join(f"{n} (by {who})" for n, who in removal.uploading.items())
+        line += f"; {'would withdraw' if dry else 'withdrew'} {names} while being uploaded"
+    kept = [s.name for s in removal.steps if s.kind == "kept"]
+    if kept:
+        line += f"; kept {', '.join(kept)}: committed meanwhile (run rm again to remove it)"
     return line
 
 
@@ -117,5 +124,6 @@ def _document(tier: TierStore, removal: Removal) -> dict[str, Any]:
         "objects": removal.objects,
         "latest": removal.latest,
         "latest_after": removal.latest_after,
+        "uploading": removal.uploading,
         "steps": [{"kind": s.kind, "name": s.name, "objects": s.objects} for s in removal.steps],
     }
