@@ -21,7 +21,7 @@ from typing import Any
 
 from ckptd.cadence.advisor import CadenceAdvisor
 from ckptd.config import Settings
-from ckptd.daemon.health import DestinationHealth
+from ckptd.daemon.health import DestinationHealth, WatchedStorage
 from ckptd.daemon.peering import Peering
 from ckptd.daemon.tier_set import Tier, TierSet, committed_in_every_tier, tier_settings
 from ckptd.notices.cluster import ClusterNoticeSource, NoticePublisher
@@ -32,6 +32,7 @@ from ckptd.runtime.clock import Clock
 from ckptd.runtime.instance import STATE_LOCK, WATCH_LOCK, InstanceLocks
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage import RetryingStorage, StorageError, open_destination
+from ckptd.storage.base import Storage
 from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
@@ -116,11 +117,12 @@ def build_daemon(
             if settings.peers.enabled
             else None
         )
-        wired = build_pipelines(settings, opened, metrics, clock, peering)
+        healths = [health_of(o, log) for o in opened]
+        wired = build_pipelines(settings, opened, metrics, clock, peering, healths)
         tiers = TierSet(
             [
-                Tier(o.name, o.journal, health_of(o, log), p)
-                for o, p in zip(opened, wired.pipelines, strict=True)
+                Tier(o.name, o.journal, h, p)
+                for o, h, p in zip(opened, healths, wired.pipelines, strict=True)
             ],
             clock,
         )
@@ -211,12 +213,20 @@ def build_pipelines(
     metrics: Metrics,
     clock: Clock,
     peering: Peering | None = None,
+    healths: list[DestinationHealth] | None = None,
 ) -> WiredPipelines:
     """Each tier's pipeline and every pipeline hook, in one place: commits and emergency
     saves go to the responder, what a save cost to the cadence advisor; a further tier
     starts nothing while the first is in emergency mode, and with several tiers local
-    retention deletes only what every tier has committed."""
+    retention deletes only what every tier has committed. With ``healths`` (one per
+    tier), each pipeline works through its tier's ``WatchedStorage``: a request of it
+    that fails has the tier checked at once (``ckptd.daemon.health``)."""
     first = opened[0]
+    stores: list[Storage] = (
+        [o.storage for o in opened]
+        if healths is None
+        else [watched(o.storage, h) for o, h in zip(opened, healths, strict=True)]
+    )
     advisor = CadenceAdvisor(
         settings,
         Repository(first.storage),
@@ -248,7 +258,7 @@ def build_pipelines(
 
     pipeline = SyncPipeline(
         settings,
-        first.storage,
+        stores[0],
         first.journal,
         metrics,
         clock=clock,
@@ -266,11 +276,11 @@ def build_pipelines(
     if peering is not None:
         peering.replicator.on_safe = responder.on_safe
     pipelines.append(pipeline)
-    for tier in opened[1:]:
+    for tier, store in zip(opened[1:], stores[1:], strict=True):
         pipelines.append(
             SyncPipeline(
                 tier.settings,
-                tier.storage,
+                store,
                 tier.journal,
                 tier.metrics,
                 clock=clock,
@@ -290,6 +300,20 @@ def health_of(tier: OpenedTier, log: Any) -> DestinationHealth:
     return DestinationHealth(
         tier.storage, tier.metrics, log, tier=tier.name, tier_metrics=tier.tier_metrics
     )
+
+
+def watched(storage: RetryingStorage, health: DestinationHealth) -> Storage:
+    """``storage`` as a pipeline uses it: every failed request, final or retried, makes
+    ``health`` suspect the destination (``DestinationHealth.suspect``)."""
+    log_retries = storage.on_retry
+
+    def on_retry(operation: str, exc: StorageError, attempt: int, delay: float) -> None:
+        if log_retries is not None:
+            log_retries(operation, exc, attempt, delay)
+        health.retry_seen(operation, exc, attempt, delay)
+
+    storage.on_retry = on_retry
+    return WatchedStorage(storage, health.suspect)
 
 
 def build_cluster_notices(

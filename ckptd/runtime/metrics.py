@@ -299,8 +299,16 @@ class Metrics:
         )
         self.tier_up = Gauge(
             "ckptd_tier_up",
-            "1 when the last check of this tier's destination succeeded.",
+            "1 when the last check of this tier's destination succeeded; a failed request to"
+            " it has it checked again at once.",
             ["tier"],
+            registry=r,
+        )
+        self.task_failures = Counter(
+            "ckptd_task_failures",
+            "Failures of the daemon's background tasks (each logged as task_failed, then"
+            " retried or restarted), by task.",
+            ["task"],
             registry=r,
         )
 

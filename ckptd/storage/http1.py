@@ -3,13 +3,15 @@
 A request is written whole (its head and, up to ``_JOIN_BODY_MAX``, its body in one
 write); a reply is read as status, headers and a body framed by Content-Length, chunks,
 or the end of the connection, 1xx interim replies skipped. A connection is used by one
-thread at a time. Anything it cannot read as HTTP/1.1 (cut short, malformed, a line or
+thread at a time, and its socket is closed by ``close`` or, at the latest, when the
+connection is dropped. Anything it cannot read as HTTP/1.1 (cut short, malformed, a line or
 a head too long) raises ``ReplyError`` and leaves the connection not ``reusable``; a
 reply that asks to close, or whose end only the closing marks, does the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import ssl
@@ -69,6 +71,13 @@ class Connection:
             self.reader.close()
         finally:
             self.sock.close()
+
+    def __del__(self) -> None:
+        # A connection dropped unclosed (its thread ended: ``s3_direct`` keeps one per
+        # thread) is closed here rather than left to the socket's own finalizer, which
+        # would say ResourceWarning. Closing twice is harmless.
+        with contextlib.suppress(Exception):
+            self.close()
 
     def send(self, head: bytes, body: bytes | memoryview | None) -> None:
         if body is not None and len(body) <= _JOIN_BODY_MAX:

@@ -149,6 +149,10 @@ class S3Storage:
         )
         _refuse_google(self._client)
 
+    def close(self) -> None:
+        """Close the connections kept open between requests (the daemon is stopping)."""
+        self._direct.close()
+
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 

@@ -33,6 +33,7 @@ import re
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -243,6 +244,10 @@ class DirectS3:
         self._user_agent = user_agent
         self._clock = clock
         self._local = threading.local()
+        # Every thread's connection, so ``close`` reaches them all (weak: one whose thread
+        # ended is closed as it goes, ``http1.Connection.__del__``).
+        self._open: weakref.WeakSet[http1.Connection] = weakref.WeakSet()
+        self._open_lock = threading.Lock()
 
     def _connection(self) -> http1.Connection:
         conn: http1.Connection | None = getattr(self._local, "conn", None)
@@ -252,7 +257,17 @@ class DirectS3:
         if conn is None:
             conn = http1.Connection(self.endpoint.address, self._tls, self._timeouts)
             self._local.conn = conn
+            with self._open_lock:
+                self._open.add(conn)
         return conn
+
+    def close(self) -> None:
+        """Close every thread's connection (the storage is being closed); a request
+        after this opens a new one."""
+        with self._open_lock:
+            conns = list(self._open)
+        for conn in conns:
+            conn.close()
 
     @contextlib.contextmanager
     def _exchange(self) -> Iterator[http1.Connection]:
@@ -405,6 +420,11 @@ class DirectPath:
         self._sent = threading.local()
         for operation in ("PutObject", "GetObject"):
             botocore_client.meta.events.register(f"before-send.s3.{operation}", self._note_sent)
+
+    def close(self) -> None:
+        """Close the direct path's connections, if it was learned."""
+        if self.client is not None:
+            self.client.close()
 
     def _note_sent(self, request: Any, **_: Any) -> None:
         """botocore's before-send hook: what it is sending, in case it succeeds."""
