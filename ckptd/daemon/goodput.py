@@ -5,8 +5,12 @@ it for a daemon (``ckptd.daemon.service``), or a stand-in that does nothing wher
 daemon keeps no such ledger (``run --once``; ``ckptd exec``, whose recorder follows its
 child instead), so the service calls it the same way either way.
 
-Invariant: the ledger never holds the daemon back: an error while recording is logged and
-the next poll goes on; the store is written by the ledger's own best-effort shipping.
+Invariant: the ledger never holds the daemon back: an error while reading, recording or
+shipping a ledger (the state dir read-only or full, the store down) is logged
+(``goodput_record_failed``), counted (``ckptd_task_failures_total{task="goodput"}``) and
+tried again at the next turn, and the task runs under ``ckptd.runtime.tasks.supervise``
+besides; the store is written by the ledger's own best-effort shipping. So a ledger
+chunk is shipped again once the fault passes, and the daemon's stop is never failed by it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from ckptd.goodput.sidecar import POLL_SECONDS, SHIP_SECONDS, SidecarLedger, Tra
 from ckptd.repository import Repository
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.metrics import Metrics
+from ckptd.runtime.tasks import supervise
 
 __all__ = ["NoLedger", "SidecarGoodput", "ledger_for"]
 
@@ -63,12 +68,22 @@ class SidecarGoodput:
             )
             for run_id, watch_dir in watch_dirs.items()
         }
-        self.started = False
+        self.running: dict[str, SidecarLedger] = {}  # the ledgers read (started)
         self.task: asyncio.Task[None] | None = None
+
+    @property
+    def started(self) -> bool:
+        return bool(self.running)
 
     def begin(self) -> None:
         """Start looking, beside the main loop, until ``finish``."""
-        self.task = asyncio.create_task(self.run(), name="goodput")
+        self.task = asyncio.create_task(
+            supervise("goodput", self.run, metrics=self.metrics, log=self.log), name="goodput"
+        )
+
+    def _failed(self, what: str, run_id: str, exc: Exception) -> None:
+        self.metrics.task_failures.labels(task="goodput").inc()
+        self.log.warning("goodput_record_failed", run=run_id, step=what, error=repr(exc))
 
     async def finish(self) -> None:
         """Stop looking; mark the daemon's stop in each ledger and ship it."""
@@ -85,38 +100,53 @@ class SidecarGoodput:
             body["goodput"] = goodput
 
     async def run(self) -> None:
-        """Read each run's ledger, then look every ``POLL_SECONDS`` until cancelled."""
-        for ledger in self.ledgers.values():
-            await ledger.start()
-        self.started = True
+        """Read each run's ledger, then look every ``POLL_SECONDS`` until cancelled; a
+        ledger that could not be read is tried again at each shipping (module doc)."""
+        await self._start_waiting()
         shipped = self.clock.monotonic()
         while True:
-            for run_id, ledger in self.ledgers.items():
+            for run_id, ledger in self.running.items():
                 try:
                     ledger.poll()
-                except OSError as exc:
-                    self.log.warning("goodput_record_failed", run=run_id, error=str(exc))
+                except Exception as exc:  # noqa: BLE001 - the module's invariant
+                    self._failed("poll", run_id, exc)
             if self.clock.monotonic() - shipped >= SHIP_SECONDS:
                 shipped = self.clock.monotonic()
-                for ledger in self.ledgers.values():
-                    await ledger.ship()
+                await self._start_waiting()
+                for run_id, ledger in self.running.items():
+                    try:
+                        await ledger.ship()
+                    except Exception as exc:  # noqa: BLE001 - the module's invariant
+                        self._failed("ship", run_id, exc)
             await asyncio.sleep(POLL_SECONDS)
 
+    async def _start_waiting(self) -> None:
+        """Read the ledger of each run not read yet."""
+        for run_id, ledger in self.ledgers.items():
+            if run_id in self.running:
+                continue
+            try:
+                await ledger.start()
+            except Exception as exc:  # noqa: BLE001 - the module's invariant
+                self._failed("start", run_id, exc)
+                continue
+            self.running[run_id] = ledger
+
     def noticed(self, at: float, source: str) -> None:
-        if self.started:
-            for ledger in self.ledgers.values():
+        for run_id, ledger in self.running.items():
+            try:
                 ledger.noticed(at, source)
+            except Exception as exc:  # noqa: BLE001 - the module's invariant
+                self._failed("notice", run_id, exc)
 
     async def stop(self) -> None:
         """The daemon stops: each ledger marks it and ships."""
-        if not self.started:
-            return
-        for run_id, ledger in self.ledgers.items():
+        for run_id, ledger in self.running.items():
             try:
                 ledger.poll()
                 await ledger.stop()
-            except OSError as exc:
-                self.log.warning("goodput_record_failed", run=run_id, error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - the module's invariant
+                self._failed("stop", run_id, exc)
 
     def status(self) -> dict[str, Any] | None:
         """``/v1/status``'s ``goodput`` (the run and the last day) with one watched run, as
@@ -125,7 +155,7 @@ class SidecarGoodput:
             return None
         body = None
         now = self.clock.time()
-        for run_id, ledger in self.ledgers.items():
+        for run_id, ledger in self.running.items():
             run = ledger.rec.summary()
             for cause, seconds in run.seconds.items():
                 self.metrics.badput_seconds.labels(run=run_id, cause=cause).set(seconds)

@@ -230,6 +230,7 @@ class Peering:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - replication is never worth the daemon
+                self.metrics.task_failures.labels(task=f"peers-{what}").inc()
                 self.log.error("peers_step_failed", step=what, error=repr(exc))
 
     async def _housekeep(self) -> None:

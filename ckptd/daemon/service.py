@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 from datetime import UTC, datetime
 from pathlib import Path
@@ -51,6 +52,7 @@ from ckptd.notices.model import Notice, NoticeSource
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.instance import WATCH_LOCK
 from ckptd.runtime.logs import get_logger
+from ckptd.runtime.tasks import noted, start_supervised
 from ckptd.storage import StorageError
 
 TICK_SECONDS = 1.0
@@ -208,7 +210,8 @@ class Service:
         if not self.once:
             # Off the start-up path: with the store down, reading the history would hold
             # READY, HTTP and the notice watch for its retries. The prior advises till then.
-            self._advice_io = asyncio.create_task(self.advisor.load(), name="advice-load")
+            load = noted("advice", self.advisor.load(), metrics=self.metrics, log=self.log)
+            self._advice_io = asyncio.create_task(load, name="advice-load")
             await self._start_http()
 
     async def _start_http(self) -> None:
@@ -280,21 +283,23 @@ class Service:
         self.watching = self.watcher.refresh()
         for run_id in pipeline.runs:
             await self.tiers.rescan(run_id)
-        worker = asyncio.create_task(pipeline.work(self.stop_event), name="worker")
+        stop = self.stop_event  # each task below is restarted whenever it fails
+        sup = functools.partial(start_supervised, metrics=self.metrics, log=self.log)
+        worker = sup("worker", lambda: pipeline.work(stop))
         # Each further tier has its own worker: one that is down holds no other back.
         tier_workers = [
-            asyncio.create_task(t.pipeline.work(self.stop_event), name=f"worker-{t.name}")
+            sup(f"worker-{t.name}", functools.partial(t.pipeline.work, stop))
             for t in self.tiers.further
         ]
         background = [
-            asyncio.create_task(self._tick(), name="ticker"),
-            asyncio.create_task(self.tiers.recheck_stores(TICK_SECONDS), name="rechecks"),
-            asyncio.create_task(self.notices.run(self._notice_sources()), name="notices"),
-            asyncio.create_task(self._poll_cluster(), name="cluster"),
-            asyncio.create_task(self.drills.keep_history(), name="drill-history"),
+            sup("ticker", self._tick),
+            sup("rechecks", lambda: self.tiers.recheck_stores(TICK_SECONDS)),
+            sup("notices", lambda: self.notices.run(self._notice_sources())),
+            sup("cluster", self._poll_cluster),
+            sup("drill-history", self.drills.keep_history),
         ]
         if self.drill_schedule is not None:
-            background.append(asyncio.create_task(self.drill_schedule.run(), name="drill-schedule"))
+            background.append(sup("drill-schedule", self.drill_schedule.run))
         self.ledger.begin()
         self.log.info("ckptd_ready", watching=self.watching)
         self.sd.ready(summarize(self.status()))
@@ -323,23 +328,25 @@ class Service:
 
     async def shutdown(self) -> None:
         """Stop intake and HTTP, let a NOTICE write and the cadence history's I/O end,
-        close every tier, let the locks go."""
+        close every tier, let the locks go; a step that fails (the store down, the state
+        dir read-only) is noted (``task_failed``) and the stop goes on, to exit 0."""
         self.io_stop.set()
         self.watcher.stop()
+        step = functools.partial(noted, metrics=self.metrics, log=self.log)
         for server in (self.http, self.control_http):
             if server is not None:
-                await server.stop()
+                await step("stop-http", server.stop())
         if self.publisher is not None:
-            await self.publisher.drain(PUBLISH_DRAIN_SECONDS)
-        await stop_peering(self.peering)
+            await step("stop-publisher", self.publisher.drain(PUBLISH_DRAIN_SECONDS))
+        await step("stop-peering", stop_peering(self.peering))
         if not self.once:
             if self._advice_io is not None:
                 # The store's retries end on io_stop: this returns within a request.
                 with contextlib.suppress(Exception):
                     await self._advice_io
-            await self.advisor.flush(force=True)
-        await self.ledger.finish()  # the stop marked, the ledger shipped
-        await self.tiers.close()
+            await step("stop-advice", self.advisor.flush(force=True))
+        await step("stop-goodput", self.ledger.finish())  # the stop marked, shipped
+        await step("stop-tiers", self.tiers.close())
         self.locks.release()
         self.sigterm_source.close()
         with contextlib.suppress(RuntimeError):
@@ -406,7 +413,9 @@ class Service:
             await asyncio.sleep(TICK_SECONDS)
             self.sd.tick(summarize(self.status()))  # status() refreshes the gauges too
             if self._advice_io is None or self._advice_io.done():
-                self._advice_io = asyncio.create_task(self._flush_advice(), name="advice-flush")
+                # Observed time and new records, every ``FLUSH_SECONDS`` at most.
+                flush = noted("advice", self.advisor.flush(), metrics=self.metrics, log=self.log)
+                self._advice_io = asyncio.create_task(flush, name="advice-flush")
             now = self.clock.monotonic()
             if now - last_stats >= JOURNAL_STATS_SECONDS:
                 last_stats = now
@@ -424,13 +433,6 @@ class Service:
                     last_scan[run_id] = now
                     with contextlib.suppress(OSError):
                         await self.tiers.rescan(run_id)
-
-    async def _flush_advice(self) -> None:
-        """Observed time and new records to the store, every ``FLUSH_SECONDS`` at most."""
-        try:
-            await self.advisor.flush()
-        except Exception as exc:  # noqa: BLE001 - advice is never worth the daemon
-            self.log.error("cadence_flush_failed", error=repr(exc))
 
     async def _poll_cluster(self) -> None:
         """Many nodes: look in the store every ``cluster.poll_interval_seconds``."""

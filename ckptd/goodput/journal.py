@@ -8,7 +8,8 @@ Invariants:
   under another key: their ids are unchanged, so readers count them once.
 - The journal is per run and state dir, not per writer: a later life of a writer on this
   node ships what an earlier one left unshipped (``ship`` first, at its start).
-- The store is best effort: a write it refuses is retried at the next ship, never fatal.
+- The store is best effort: a write it refuses is retried at the next ship, never fatal;
+  so is the state dir's ``.shipped`` mark (a state dir read-only or full for a while).
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ class LedgerJournal:
             except StorageError as exc:
                 self.log.warning("goodput_ship_failed", error=str(exc))
                 return
-            tmp = self.shipped_path.with_suffix(".tmp")
-            tmp.write_text(str(len(lines)))
-            os.replace(tmp, self.shipped_path)
+            try:
+                tmp = self.shipped_path.with_suffix(".tmp")
+                tmp.write_text(str(len(lines)))
+                os.replace(tmp, self.shipped_path)
+            except OSError as exc:
+                # The state dir refuses the mark (read-only, full): the next ship sends
+                # these records again under another key, and readers count them once.
+                self.log.warning("goodput_ship_unmarked", error=str(exc))

@@ -14,6 +14,10 @@ the others again, and deletes early objects of files no longer in the checkpoint
 checkpoint deleted before completion has its early objects and uploads removed
 (``cleanup.discard``). So early shipping changes when bytes move, never what commits.
 
+No early upload ends with an exception nobody handles: whatever one meets (the store,
+the journal's disk) is logged as ``early_upload_failed`` / ``early_batch_failed`` and
+leaves its file to the ordinary ship.
+
 A file whose size and CRC-32C equal a file of the run's last committed checkpoint (a
 frozen base model beside LoRA adapters) is copied server-side from that checkpoint's
 object instead of uploaded (as the ordinary ship would: ``ckptd.sync.plan``); its CRC
@@ -268,6 +272,10 @@ class EarlyUploads:
                 for f in files
             ]
             results, error = await self.small.try_send(batch, ship.ctx)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - said below; the ordinary ship sends them
+            error = exc
         finally:
             for future, result in zip(futures, results, strict=True):
                 if not future.done():
@@ -304,6 +312,11 @@ class EarlyUploads:
             return None
         except (StorageError, OSError) as exc:
             log.warning("early_upload_failed", error=str(exc))
+            return None
+        except Exception as exc:  # noqa: BLE001 - the journal's sqlite (disk full), a bug
+            # The future is awaited only if the ordinary ship takes it: an exception in
+            # it would be retrieved by no one. The ordinary ship sends this file.
+            log.warning("early_upload_failed", error=repr(exc))
             return None
         log.info("early_upload_done", bytes=entry.size)
         return result

@@ -7,7 +7,10 @@ make way: ``Emergency.make_way``); one not complete yet has its closed, quiet fi
 early (``[[watch]] ship_early``, ``ckptd.sync.early``) and is looked at again when the
 rule or the next file to settle says; one that vanished has what it sent early removed
 (``cleanup.discard``) unless it is committed or its part is written. A checkpoint being
-shipped whose files changed has its transfers told to stop at once.
+shipped whose files changed has its transfers told to stop at once. Early shipping that
+raises (a claim the store refuses, the journal's disk full) is said
+(``early_ship_failed``), counted (``ckptd_task_failures_total{task="early"}``) and tried
+again at a later look; it never fails the look, whose verdict stands without it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from ckptd.sync.queue import Pending, ShipQueue, completed_in_emergency
 from ckptd.sync.request import fingerprint, fingerprint_id
 from ckptd.sync.runs import RunState, lineage_of
 from ckptd.sync.scanner import snapshot
+
+# Early shipping that raised is tried again after this, doubling to the max meanwhile.
+EARLY_RETRY_SECONDS = 2.0
+EARLY_RETRY_MAX_SECONDS = 60.0
 
 
 class Intake:
@@ -69,6 +76,8 @@ class Intake:
         self._changed = changed
         self._wake = wake
         self._discard = discard
+        # Early shipping's failures in a row, per checkpoint (``_early_failed``).
+        self._early_failures: dict[tuple[str, str], int] = {}
 
     async def look(self, run_id: str, name: str) -> Completion | None:
         """Apply the completion rule to one checkpoint now; queue it if complete."""
@@ -251,20 +260,45 @@ class Intake:
         emergency = completed_in_emergency(listing.newest_mtime_ns / 1e9, self.emergency.since)
         if self.emergency.since is not None and not emergency:
             return None  # during a notice only the checkpoint being written goes early
-        trajectory, _ = await lineage_of(state, listing)
-        started, wait = await self.early.offer(
-            run,
-            state.dir,
-            listing,
-            emergency=emergency,
-            now_ns=int(self.clock.time() * 1e9),
-            # Read at start-up (``SyncPipeline.recover``) and kept by each commit.
-            previous=state.previous,
-            trajectory=trajectory.id,
-        )
+        try:
+            trajectory, _ = await lineage_of(state, listing)
+            started, wait = await self.early.offer(
+                run,
+                state.dir,
+                listing,
+                emergency=emergency,
+                now_ns=int(self.clock.time() * 1e9),
+                # Read at start-up (``SyncPipeline.recover``) and kept by each commit.
+                previous=state.previous,
+                trajectory=trajectory.id,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - early shipping is never worth the look
+            return self._early_failed(run, name, exc)
+        self._early_failures.pop((run, name), None)
         if started and emergency:
             self.emergency.make_way(started)
         return wait
+
+    def _early_failed(self, run: str, name: str, exc: Exception) -> float:
+        """Early shipping of ``run/name`` raised (its claim's write refused, the journal's
+        disk full): said, counted, and tried again at a later look, after a backoff that
+        doubles up to ``EARLY_RETRY_MAX_SECONDS``. The completion rule does not wait on
+        it: the ordinary ship sends whatever did not go early."""
+        key = (run, name)
+        failures = self._early_failures[key] = self._early_failures.get(key, 0) + 1
+        delay = min(EARLY_RETRY_MAX_SECONDS, EARLY_RETRY_SECONDS * 2.0 ** min(failures - 1, 8))
+        self.metrics.task_failures.labels(task="early").inc()
+        self.log.warning(
+            "early_ship_failed",
+            run=run,
+            checkpoint=name,
+            error=str(exc),
+            error_type=type(exc).__name__,
+            retry_in_seconds=delay,
+        )
+        return delay
 
     async def _discard_unfinished(self, state: RunState, name: str) -> None:
         """A checkpoint deleted locally before it was complete (or while queued): stop

@@ -35,6 +35,7 @@ from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.environment import describe
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
+from ckptd.runtime.tasks import retrieve
 from ckptd.storage.base import Storage, StorageError
 from ckptd.sync import cleanup
 from ckptd.sync.claims import Claims
@@ -65,6 +66,9 @@ EVENT_MAX_DELAY_SECONDS = 1.0
 # checkpoint being saved costs at most a third of a core, however many files it has
 # (and nothing a checkpoint of a few hundred files would notice).
 LOOK_SPACING = 2.0
+# A look that raised is tried again after this, doubling to the max while it still does.
+LOOK_RETRY_SECONDS = 1.0
+LOOK_RETRY_MAX_SECONDS = 60.0
 
 
 class SyncPipeline:
@@ -116,6 +120,8 @@ class SyncPipeline:
         self._last_look: dict[tuple[str, str], tuple[float, float]] = {}
         self._looking: dict[tuple[str, str], asyncio.Task[Completion | None]] = {}
         self._look_after: set[tuple[str, str]] = set()
+        # Looks that raised in a row, per checkpoint (``_look_failed``'s backoff).
+        self._look_failures: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._evaluating = 0
         self.priority = ThreadPriority(settings, self.log)
@@ -285,9 +291,12 @@ class SyncPipeline:
         self._timers[key] = loop.call_later(delay, fire)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """A look or a rescan beside the caller; a failure of it is logged and counted
+        (``ckptd.runtime.tasks.retrieve``), never left unretrieved."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(retrieve("look", self.tier_metrics, self.log))
 
     async def rescan(self, run_id: str, *, committed: bool = False) -> None:
         """Look at every checkpoint of a run (start-up, periodic, lost events). A name
@@ -312,7 +321,12 @@ class SyncPipeline:
         running = self._looking.get(key)
         if running is not None:
             self._look_after.add(key)
-            return await asyncio.shield(running)
+            try:
+                return await asyncio.shield(running)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - said and retried by the look's own evaluate
+                return None
         # Counted from before the timer is dropped to after a verdict is queued, so idle()
         # never sees the gap between "timer fired" and "checkpoint pending".
         self._evaluating += 1
@@ -323,7 +337,16 @@ class SyncPipeline:
         look.add_done_callback(self._tasks.discard)
         try:
             self._timers.pop(key, None)
-            return await asyncio.shield(look)
+            verdict = await asyncio.shield(look)
+            self._look_failures.pop(key, None)
+            return verdict
+        except asyncio.CancelledError:
+            if not look.done():  # cancelled while it runs: its outcome is still noted
+                look.add_done_callback(retrieve("look", self.tier_metrics, self.log))
+            raise
+        except Exception as exc:  # noqa: BLE001 - one look never stops the others
+            self._look_failed(run_id, name, exc)
+            return None
         finally:
             if look.done():
                 self._looking.pop(key, None)
@@ -337,6 +360,25 @@ class SyncPipeline:
             if key in self._look_after:
                 self._look_after.discard(key)
                 self.hint(run_id, name)  # spaced by LOOK_SPACING
+
+    def _look_failed(self, run_id: str, name: str, exc: Exception) -> None:
+        """A look that raised (the journal's disk full, a bug): logged, counted, and the
+        checkpoint looked at again after a backoff that doubles up to
+        ``LOOK_RETRY_MAX_SECONDS``, so a failure that lasts costs little and one that
+        passes delays it by seconds."""
+        key = (run_id, name)
+        failures = self._look_failures[key] = self._look_failures.get(key, 0) + 1
+        delay = min(LOOK_RETRY_MAX_SECONDS, LOOK_RETRY_SECONDS * 2.0 ** min(failures - 1, 8))
+        self.tier_metrics.task_failures.labels(task="look").inc()
+        self.log.error(
+            "checkpoint_look_failed",
+            run=run_id,
+            checkpoint=name,
+            error=repr(exc),
+            retry_in_seconds=delay,
+            exc_info=exc if failures == 1 else None,
+        )
+        self.hint(run_id, name, delay)
 
     def _discard(self, run: str, name: str) -> None:
         """``cleanup.discard``; with one node the checkpoint's whole slot is ours."""
