@@ -317,9 +317,10 @@ def take_back_name(
     redirect: Redirect,
     writer: Writer | None,
     now: float,
-    wait_seconds: float = REDIRECT_GRACE_SECONDS,
+    wait_seconds: float | None = None,
 ) -> bool:
-    """``take_back`` by this canonical slot's owner (``ckptd.commit.withdrawal``)."""
+    """``take_back`` by this canonical slot's owner (``ckptd.commit.withdrawal``), after
+    ``wait_seconds`` (None: ``REDIRECT_GRACE_SECONDS``)."""
     assert not slot.private, "only a canonical slot's owner takes a name back"
     return take_back(
         repo,
@@ -328,7 +329,7 @@ def take_back_name(
         redirect,
         by=f"writer {writer_id(writer)}",
         now=now,
-        wait_seconds=wait_seconds,
+        wait_seconds=REDIRECT_GRACE_SECONDS if wait_seconds is None else wait_seconds,
     )
 
 
