@@ -37,8 +37,8 @@ its slot. The loser finds the winner's manifest or redirect: a conflict unless t
 contents are the same, never overwritten. A redirect never names a slot whose claim is
 not the redirect's writer's.
 
-**I3: nothing deletes under a writer that can still commit.** Whatever deletes objects of
-a slot that holds no manifest (``rm``, ``prune``, retention on any node) first writes a
+**I1 against deleters: nothing deletes under a writer that can still commit.** Whatever
+deletes objects of a slot that holds no manifest (``rm``, ``prune``, retention on any node) first writes a
 *withdrawal* at the slot's manifest key, create-only: once it stands, no manifest can
 follow, so the deleted objects are never named by one; if a manifest won the key first,
 the slot is committed and is not deleted as uncommitted.

@@ -1,5 +1,5 @@
-"""Withdrawing an uncommitted slot: what makes deleting beside a live writer safe (I3 of
-``ckptd.commit.slots``).
+"""Withdrawing an uncommitted slot: what makes deleting beside a live writer safe (I1
+against deleters, in ``ckptd.commit.slots``).
 
 A slot's objects may be deleted while it holds no manifest only once a *withdrawal* stands
 at its manifest key. The withdrawal is written create-only, the very write a writer

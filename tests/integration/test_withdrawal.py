@@ -1,4 +1,4 @@
-"""Housekeeping beside a writer, on every store (``ckptd.commit.withdrawal``, I3 of
+"""Housekeeping beside a writer, on every store (``ckptd.commit.withdrawal``, I1 against deleters in
 ``ckptd.commit.slots``): ``rm``, ``rm --force`` and a retention pass run at many instants
 of an upload (its claim, each file, just before its commit point, between the deleter's
 plan and its deletes), each deleter also killed after each of its requests and run again.
