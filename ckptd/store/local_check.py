@@ -3,14 +3,21 @@
 
 Each name is one of:
 
-- ``identical``: committed, and every file the manifest names is here with its size and
-  CRC-32C, and nothing else is here that ckptd would ship;
+- ``identical``: committed, every file the manifest names is here with its size and
+  CRC-32C, nothing else is here that ckptd would ship, and every object the manifest
+  names is in the store with its size (one listing of the slot);
 - ``differs``: committed, but some file is missing here, of another size or content,
-  or here and not in the manifest (each named, with how);
+  or here and not in the manifest, or an object is missing from the store or of another
+  size there (each named, with how);
+- ``pruned``: here, committed from here once (this node's journal says so), and no
+  longer in the store: remote retention removed it. No difference;
 - ``only-local``: here, and not committed (still being written or shipped, or never
   shipped);
 - ``only-in-store``: committed, and not here (local retention removed it, or another
   node saved it).
+
+What this node committed is read from its journal (``<state dir>/journal.sqlite3``, the
+``committed`` table), opened read-only: a running daemon's journal is never written.
 
 "Here" is what the daemon would ship: the watch dir's children that may be checkpoints
 (``ckptd.layouts.is_checkpoint_candidate``: no dot-names, no temporary names, no
@@ -24,6 +31,7 @@ in the store.
 from __future__ import annotations
 
 import os
+import sqlite3
 import stat
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +49,7 @@ from ckptd.store.restore import is_single_file
 
 READ_BYTES = 4 * 1024 * 1024
 
-State = Literal["identical", "differs", "only-local", "only-in-store"]
+State = Literal["identical", "differs", "pruned", "only-local", "only-in-store"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,23 @@ class CheckpointComparison:
     files: int  # the manifest's files (committed) or the local ones (only-local)
     total_bytes: int
     problems: tuple[FileProblem, ...] = ()
+
+
+def committed_here(state_dir: Path, run_id: str) -> set[str] | None:
+    """The local names this node's journal records committed for ``run_id``; None when
+    there is no journal there or it cannot be read (then nothing is told "pruned")."""
+    path = state_dir / "journal.sqlite3"
+    if not path.is_file():
+        return None
+    try:
+        db = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+        try:
+            rows = db.execute("SELECT checkpoint FROM committed WHERE run = ?", (run_id,))
+            return {str(row[0]) for row in rows.fetchall()}
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
 
 
 def local_checkpoints(watch_dir: Path) -> list[str]:
@@ -120,6 +145,19 @@ def _crc_or_error(item: tuple[str, str, str]) -> int | OSError:
         return exc
 
 
+def store_problems(repo: Repository, manifest: Manifest) -> list[FileProblem]:
+    """The objects ``manifest`` names that the store lacks or holds at another size."""
+    return [
+        FileProblem(
+            m.path,
+            "missing in the store"
+            if m.found is None
+            else f"{m.found} bytes in the store, {m.expected} in the manifest",
+        )
+        for m in repo.object_mismatches(manifest)
+    ]
+
+
 def compare_checkpoint(
     path: Path, manifest: Manifest, pool: ThreadPoolExecutor
 ) -> list[FileProblem]:
@@ -156,12 +194,19 @@ def _order(name: str) -> tuple[int, str]:
 
 
 def compare_run(
-    repo: Repository, run_id: str, watch_dir: Path, *, concurrency: int = 8
+    repo: Repository,
+    run_id: str,
+    watch_dir: Path,
+    *,
+    concurrency: int = 8,
+    committed: set[str] | None = None,
 ) -> list[CheckpointComparison]:
     """Every checkpoint name of ``run_id``, here (``watch_dir``) or committed, by step. A
     name with several committed contents (a rollback's slots, ``ckptd.commit.slots``) is
-    identical when the local copy is any of them, the live trajectory's tried first; a
-    content only in the store is named by its slot."""
+    identical when the local copy is any of them, the live trajectory's tried first, and
+    its objects are all in the store; a content only in the store is named by its slot.
+    ``committed``: the names this node committed (``committed_here``), so that one
+    retention removed from the store is ``pruned``, not ``only-local``."""
     listed = repo.list_committed(run_id)
     latest = next((c.manifest.checkpoint for c in listed if c.is_latest), None)
     off_line = abandoned((c.manifest for c in listed), latest)
@@ -180,7 +225,8 @@ def compare_run(
             if not contents:
                 files = local_files(watch_dir / name, name)
                 size = sum(s for _, s in files.values())
-                found.append(CheckpointComparison(name, "only-local", len(files), size))
+                state: State = "pruned" if name in (committed or ()) else "only-local"
+                found.append(CheckpointComparison(name, state, len(files), size))
             elif name not in local:
                 for m in contents:
                     found.append(
@@ -189,18 +235,24 @@ def compare_run(
                         )
                     )
             else:
-                found.append(_against_any(watch_dir / name, name, contents, pool))
+                found.append(_against_any(repo, watch_dir / name, name, contents, pool))
     return found
 
 
 def _against_any(
-    local: Path, name: str, contents: list[Manifest], pool: ThreadPoolExecutor
+    repo: Repository,
+    local: Path,
+    name: str,
+    contents: list[Manifest],
+    pool: ThreadPoolExecutor,
 ) -> CheckpointComparison:
     """The local copy against each committed content of its name, in order, until one is
-    identical; else the differences from the first."""
+    identical here and whole in the store; else the differences from the first."""
     first: list[FileProblem] | None = None
     for manifest in contents:
         problems = compare_checkpoint(local, manifest, pool)
+        if not problems:
+            problems = store_problems(repo, manifest)
         if not problems:
             return CheckpointComparison(
                 name, "identical", len(manifest.files), manifest.total_bytes
@@ -215,9 +267,11 @@ def _against_any(
 __all__ = [
     "READ_BYTES",
     "CheckpointComparison",
+    "committed_here",
     "compare_checkpoint",
     "compare_run",
     "file_crc32c",
     "local_checkpoints",
     "local_files",
+    "store_problems",
 ]

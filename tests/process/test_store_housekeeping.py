@@ -239,6 +239,56 @@ def test_check_names_what_differs_and_what_is_on_one_side_only(
     clean = run_cli("check", *store.flags, "--watch", str(watch))
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert (
-        clean.stdout.splitlines()[-1] == "3 identical, 0 differ, 0 only here, 3 only in the store"
+        clean.stdout.splitlines()[-1]
+        == "3 identical, 0 differ, 0 pruned by retention, 0 only here, 3 only in the store"
     )
     assert store.objects() == objects  # check writes nothing to the store
+
+
+def test_check_tells_pruned_by_retention_from_never_shipped_and_sees_a_missing_object(
+    store: Store, tmp_path: Path
+) -> None:
+    """A healthy run with remote retention (``keep_last = 2``, no local retention) is no
+    difference: what retention removed from the store is ``pruned``; a checkpoint never
+    shipped is ``only-local``; an object deleted behind ckptd's back makes its checkpoint
+    differ, though every local file matches the manifest."""
+    watch = tmp_path / "watch" / "run1"
+    state = tmp_path / "state"
+    for step in (1, 2, 3, 4):
+        _write_local(watch, f"ck-{step}", {"model.bin": os.urandom(2048), "a.json": b"{}"})
+    env = {"CKPTD_RETENTION__KEEP_LAST": "2"}
+    flags = (*store.flags, "--watch", str(watch), "--state-dir", str(state))
+    for name in ("ck-1", "ck-2", "ck-3", "ck-4"):
+        (watch / name / "COMPLETE").write_text("")
+    shipped = run_cli("run", "--once", *flags, "--layout", "marker", env=env)
+    assert shipped.returncode == 0, shipped.stdout + shipped.stderr
+    committed = {k.split("/")[1] for k in store.objects() if k.endswith(MANIFEST)}
+    assert committed == {"ck-3", "ck-4"}  # retention removed ck-1 and ck-2 remotely
+    _write_local(watch, "ck-5", {"model.bin": b"never shipped"})
+
+    checked = run_cli("check", *flags, "--json")
+    doc = json.loads(checked.stdout)
+    states = {c["checkpoint"]: c["state"] for c in doc["runs"][0]["checkpoints"]}
+    assert states == {
+        "ck-1": "pruned",
+        "ck-2": "pruned",
+        "ck-3": "identical",
+        "ck-4": "identical",
+        "ck-5": "only-local",
+    }
+    assert checked.returncode == 1  # ck-5 only here: a difference
+    (watch / "ck-5" / "model.bin").unlink()
+    (watch / "ck-5").rmdir()
+    clean = run_cli("check", *flags)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "PRUNED   run1/ck-1: committed from here, then removed from" in clean.stdout
+
+    # An object of ck-4 deleted behind ckptd's back: the local files still match the
+    # manifest, and check says what it could not find.
+    store.storage.delete(["run1/ck-4/model.bin"])
+    broken = run_cli("check", *flags, "--json")
+    assert broken.returncode == 1
+    rows = {c["checkpoint"]: c for c in json.loads(broken.stdout)["runs"][0]["checkpoints"]}
+    assert rows["ck-4"]["state"] == "differs"
+    assert rows["ck-4"]["problems"] == [{"path": "model.bin", "problem": "missing in the store"}]
+    assert rows["ck-3"]["state"] == "identical"

@@ -19,7 +19,13 @@ if TYPE_CHECKING:
     from ckptd.store.local_check import CheckpointComparison
 
 # What each state reads as, first on its line.
-LABEL = {"identical": "OK", "differs": "DIFFERS", "only-local": "LOCAL", "only-in-store": "STORE"}
+LABEL = {
+    "identical": "OK",
+    "differs": "DIFFERS",
+    "pruned": "PRUNED",
+    "only-local": "LOCAL",
+    "only-in-store": "STORE",
+}
 # The states that make the exit code 1.
 DIFFERENCES = ("differs", "only-local")
 
@@ -38,12 +44,20 @@ def add_parser(sub: Subparsers) -> None:
     chk.add_argument(
         "--tier", default=None, help="against this tier (default: the first, [destination])"
     )
+    chk.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="the daemon's state dir, whose journal tells a checkpoint retention removed "
+        "from one never shipped (default: state.dir)",
+    )
     chk.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def handle(args: argparse.Namespace) -> int:
+    from ckptd.config import TierConfig
     from ckptd.repository import Repository
-    from ckptd.store.local_check import compare_run
+    from ckptd.store.local_check import committed_here, compare_run
 
     settings = settings_of(args)
     watches = [
@@ -55,11 +69,21 @@ def handle(args: argparse.Namespace) -> int:
         raise UsageError("give --watch DIR (or a [[watch]] in the config, or its --run)")
     tier = tiers_of(args, settings)[0]
     repo = Repository(tier.storage)
+    # This node's journal for that tier, as the daemon keeps it (``ckptd.daemon.build``).
+    journal_dir = Path(settings.state.dir)
+    if isinstance(tier.config, TierConfig):
+        journal_dir = journal_dir / "tiers" / tier.name
     runs = [
         (
             w.effective_run_id,
             Path(w.dir),
-            compare_run(repo, w.effective_run_id, Path(w.dir), concurrency=tier.config.concurrency),
+            compare_run(
+                repo,
+                w.effective_run_id,
+                Path(w.dir),
+                concurrency=tier.config.concurrency,
+                committed=committed_here(journal_dir, w.effective_run_id),
+            ),
         )
         for w in watches
     ]
@@ -86,7 +110,8 @@ def handle(args: argparse.Namespace) -> int:
                 print(_line(run, c, tier.storage.url))
         print(
             f"{counts['identical']} identical, {counts['differs']} differ, "
-            f"{counts['only-local']} only here, {counts['only-in-store']} only in the store"
+            f"{counts['pruned']} pruned by retention, {counts['only-local']} only here, "
+            f"{counts['only-in-store']} only in the store"
         )
     return EXIT_OK if ok else EXIT_FAILED
 
@@ -94,7 +119,13 @@ def handle(args: argparse.Namespace) -> int:
 def _line(run: str, c: CheckpointComparison, url: str) -> str:
     head = f"{LABEL[c.state]:<8} {run}/{c.name}"
     if c.state == "identical":
-        return f"{head}: committed, byte-identical ({c.files} files, {human_bytes(c.total_bytes)})"
+        return (
+            f"{head}: committed, byte-identical ({c.files} files, "
+            f"{human_bytes(c.total_bytes)}: each file's CRC-32C here against the manifest, "
+            "each object listed in the store with its size)"
+        )
+    if c.state == "pruned":
+        return f"{head}: committed from here, then removed from {url} by retention"
     if c.state == "only-local":
         return f"{head}: here, not committed in {url}"
     if c.state == "only-in-store":
