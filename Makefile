@@ -1,12 +1,13 @@
 # Two entry points for a fresh machine; both install into ./.venv first.
 #   make demo   end-to-end demo on the embedded local S3 (SeaweedFS on loopback)
+#   make s3     a local S3 (SeaweedFS on loopback) to try ckptd with; prints the exports; Ctrl-C stops it
 #   make test   lint, type-check and the whole test suite (but the peers' fault rig: pytest -m peers_faults)
 #   make test-unit   the pure, fast tests alone (tests/unit, seconds)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-unit lint venv clean
+.PHONY: demo s3 test test-unit lint venv clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ venv: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed-demo
 	$(BIN)/python -m ckptd.devtools.demo
+
+s3: $(VENV)/.installed-demo
+	$(BIN)/python -m ckptd.devtools.locals3
 
 lint: venv
 	$(BIN)/ruff check ckptd tests bench

@@ -5,17 +5,24 @@ bind every interface and report to the SeaweedFS project. The one exception is t
 peer-replication rig (``tests/support/netns.py``), which runs the server inside a
 network namespace of its own (``wrap``: ``ip netns exec NS``) bound to that namespace's
 own address (``ip``), so that the store sits behind a shaped link like a real one.
+
+``python -m ckptd.devtools.locals3`` (``make s3``) starts one for a person trying ckptd:
+it prints the endpoint and the exports to paste, and stops on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,4 +203,45 @@ class LocalS3:
         self.stop()
 
 
-__all__ = ["ACCESS_KEY", "SECRET_KEY", "LocalS3", "free_port"]
+def main(argv: list[str] | None = None) -> int:
+    """Run a loopback S3 until Ctrl-C or SIGTERM (module doc); 0 when stopped so."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ckptd.devtools.locals3",
+        description="A loopback S3 (SeaweedFS) to try ckptd with; Ctrl-C stops it.",
+    )
+    parser.add_argument("--dir", type=Path, default=None, help="data dir (default: a new temp dir)")
+    parser.add_argument("--port", type=int, default=0, help="S3 port (default: a free one)")
+    parser.add_argument("--bucket", default="ckpt", help="the bucket to create (default ckpt)")
+    args = parser.parse_args(argv)
+    data_dir = args.dir or Path(tempfile.mkdtemp(prefix="ckptd-s3-"))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server = LocalS3(data_dir, buckets=(args.bucket,), s3_port=args.port).start()
+    except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+        print(f"local S3 did not start: {exc}", file=sys.stderr)
+        return 1
+    exports = {**server.env(), "AWS_ENDPOINT_URL": server.endpoint_url}
+    print(f"S3 at {server.endpoint_url}, bucket {args.bucket!r}, data in {data_dir}")
+    print("In another shell:")
+    for name, value in exports.items():
+        print(f"  export {name}={value}")
+    print(f"  ckptd doctor --watch /tmp/ckpt/run1 --dest s3://{args.bucket}/ckpt")
+    print("Ctrl-C stops it.", flush=True)
+    try:
+        while not stop.wait(0.5):
+            if server.process is not None and server.process.poll() is not None:
+                print(f"SeaweedFS exited; see {data_dir / 'weed.log'}", file=sys.stderr)
+                return 1
+    finally:
+        server.stop()
+    print("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["ACCESS_KEY", "SECRET_KEY", "LocalS3", "free_port", "main"]
