@@ -50,7 +50,13 @@ from ckptd.storage.base import (
     StorageError,
     stream_body,
 )
-from ckptd.storage.s3_errors import TRANSIENT_CODES, UNUSABLE_CODES, classify
+from ckptd.storage.s3_errors import (
+    CHECK_CREDENTIALS,
+    FIX_BUCKET,
+    TRANSIENT_CODES,
+    UNUSABLE_CODES,
+    classify,
+)
 
 
 class GoogleThroughS3Error(CkptdError):
@@ -380,14 +386,14 @@ class S3Storage:
             # HEAD responses carry no error body: name the two common causes plainly.
             if exc.code in ("404", "NotFound", "NoSuchBucket"):
                 raise StorageError(
-                    f"bucket {self.bucket!r} does not exist (at {self._endpoint})",
+                    f"bucket {self.bucket!r} does not exist (at {self._endpoint}); {FIX_BUCKET}",
                     transient=False,
                     code="NoSuchBucket",
                     destination_unusable=True,
                 ) from exc
             if exc.code in ("403", "AccessDenied", "Forbidden"):
                 raise StorageError(
-                    f"access to bucket {self.bucket!r} denied: check the credentials boto3 found",
+                    f"access to bucket {self.bucket!r} denied: {CHECK_CREDENTIALS}",
                     transient=False,
                     code="AccessDenied",
                     destination_unusable=True,

@@ -53,6 +53,16 @@ UNUSABLE_CODES = {
 }
 
 
+# The store refuses these credentials for this bucket: the same plain words whichever
+# command met them (``S3Storage.check`` says them of a HEAD, which carries no code).
+CREDENTIAL_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
+FIX_BUCKET = "fix: create it, or correct the destination URL"
+CHECK_CREDENTIALS = (
+    "check the credentials boto3 found (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+    "AWS_PROFILE, or the instance or task role)"
+)
+
+
 def classify(exc: Exception, what: str) -> StorageError:
     """Turn a botocore failure into a StorageError that says whether to retry."""
     if isinstance(exc, StorageError):
@@ -91,7 +101,19 @@ def classify_reply(status: int, code: str, message: str, what: str) -> StorageEr
     if code in ("PreconditionFailed", "412") or status == 412:
         return PreconditionFailedError(text)
     if code == "NoSuchBucket":
-        return StorageError(text, transient=False, code=code, destination_unusable=True)
+        return StorageError(
+            f"{what}: the bucket does not exist (NoSuchBucket); {FIX_BUCKET}",
+            transient=False,
+            code=code,
+            destination_unusable=True,
+        )
+    if code in CREDENTIAL_CODES:
+        return StorageError(
+            f"{what}: access denied ({code}): {CHECK_CREDENTIALS}",
+            transient=False,
+            code=code,
+            destination_unusable=True,
+        )
     if code in NOT_FOUND_CODES or (status == 404 and not code):
         return NotFoundError(text, code=code or "404")
     transient = code in TRANSIENT_CODES or status >= 500 or status == 429
