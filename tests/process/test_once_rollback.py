@@ -225,3 +225,37 @@ def test_run_once_ships_a_backlog_in_step_order_and_says_no_rollback(
     assert slots == {
         name: local_files(root / "run" / name) for name in ("checkpoint-10", "checkpoint-20")
     }
+
+
+def test_a_daemon_started_after_a_rewrite_it_did_not_see_decides_it_at_start(
+    tmp_path: Path, local_s3: LocalS3, s3_client: Any, s3_prefix: str, s3_dest: str
+) -> None:
+    """A rollback that re-saves checkpoint-60 while no daemon runs sends no file event:
+    the daemon started afterwards looks at committed names too, and refuses the new 60
+    loudly (no report: a conflict), its bytes never over the old 60's."""
+    root = tmp_path / "node"
+    daemon = node(tmp_path, "node", local_s3, s3_dest)
+    run = root / "run"
+    with daemon:
+        for step in (20, 40, 60):
+            save(run, step, 0)
+        wait_until(
+            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-60"),
+            60,
+            "checkpoint-60 committed",
+            details=daemon.log_text,
+        )
+    save(run, 60, 1)  # while no daemon runs
+    restarted = daemon  # the same node's daemon, started again
+    with restarted:
+        wait_until(
+            lambda: restarted.events_named("checkpoint_conflict", checkpoint="checkpoint-60"),
+            60,
+            "the re-saved checkpoint-60 refused at start",
+            details=restarted.log_text,
+        )
+        assert restarted.events_named("checkpoint_resaved_after_commit", checkpoint="checkpoint-60")
+    latest, slots = stored(s3_client, s3_prefix)
+    assert latest == "checkpoint-60"
+    assert slots["checkpoint-60"] == local_files(root / "kept" / "checkpoint-60-life-0")
+    assert json.loads((run / "checkpoint-60" / "trainer_state.json").read_text())["life"] == 1
