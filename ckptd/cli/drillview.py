@@ -1,6 +1,7 @@
 """A run's drills as people read them, for ``ckptd status`` and ``ckptd report``: the
-success rate over the last drills, the last one's result with each stage's own time (or
-the stage that failed and why), and the schedule. Pure presentation of the JSON the
+success rate over the last drills (and of those that resumed the trainer), the last one's
+result with each stage's own time (or the stage that failed and why), and the schedule,
+with the periods it missed. Pure presentation of the JSON the
 daemon answers (``DrillSummary.to_json``) or the report builds."""
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ def drill_line(run: str, summary: Mapping[str, Any], schedule: Mapping[str, Any]
             parts.append(
                 f"last{kind} {when} FAILED at {last.get('failed_stage')}: {last.get('error')}"
             )
+    if summary.get("resumes"):
+        parts.append(f"{summary.get('resumes_passed')} of {summary['resumes']} resumed the trainer")
     if schedule:
+        missed, last_missed = schedule.get("missed_periods"), schedule.get("last_missed")
+        if missed and last_missed:
+            parts.append(
+                f"SCHEDULE MISSED {missed} period(s) in a row, last due "
+                f"{last_missed.get('due')}: {last_missed.get('why')}"
+            )
         if schedule.get("skipping"):
             parts.append(f"due {schedule.get('next_due')}, waiting: {schedule['skipping']}")
         elif schedule.get("next_due"):

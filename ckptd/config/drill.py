@@ -24,8 +24,10 @@ class DrillConfig(Section):
         default="0",
         description='How often the daemon drills by itself: `"7d"`, `"12h"`, `"30m"` or '
         'seconds; `"0"` = only by hand (`ckptd drill`). One drill per run and period '
-        "across the cluster; skipped while a notice is active, a save is in progress, or "
-        "the run's advised next save is within `margin_seconds`.",
+        "across the cluster, started at its due time unless a notice is active; a save in "
+        "progress or the run's advised next save within `margin_seconds` holds it back at "
+        "most `max_wait_seconds`. A period that ends without its drill is counted "
+        "(`ckptd_drill_periods_missed`, alert `CkptdDrillScheduleMissed`).",
     )
     jitter: float = Field(
         default=0.25,
@@ -41,7 +43,18 @@ class DrillConfig(Section):
         ge=0,
         allow_inf_nan=False,
         description="A scheduled drill waits while the run's advised next save (its last "
-        "routine save plus the advised interval) is less than this far before or after now.",
+        "routine save plus the advised interval) is less than this far before or after now, "
+        "but only until a routine save commits after its due time: it then starts right "
+        "after that save (so a run saving more often than this still drills), and never "
+        "past `max_wait_seconds`.",
+    )
+    max_wait_seconds: float = Field(
+        default=3600.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="The longest a save in progress or the margin holds a scheduled drill "
+        "back past its due time (and never past halfway from its due time to the period's "
+        "end); then it starts anyway, so every period has its drill.",
     )
     deadline_seconds: float = Field(
         default=120.0,
@@ -65,6 +78,28 @@ class DrillConfig(Section):
         description="The load check is ended (its process group killed) after this long, "
         "and the drill fails at loaded.",
     )
+    resume: list[str] = Field(
+        default_factory=list,
+        description="The restore-only drill's resume (`ckptd drill --restore-only "
+        "--resume-steps N -- CMD` on the command line): the trainer's own command (argv "
+        "list), started from the restored checkpoint (`CKPTD_RESUME_FROM`, with "
+        "`CKPTD_WATCH_DIR` a scratch dir and `CKPTD_DRILL_RESUME_STEPS`) until it reports "
+        "`resume_steps` steps (`ckptd.trainer.report_step`). Empty = no resume.",
+    )
+    resume_steps: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="How many steps the resumed trainer must report (`resume`); 0 = no "
+        "resume stage.",
+    )
+    resume_timeout_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="The resumed trainer must report its steps within this long; then its "
+        "process group is killed and the drill fails at resumed.",
+    )
     scratch_dir: Path | None = Field(
         default=None,
         description="Where the drill restores (absolute), one directory per drill, removed "
@@ -87,7 +122,7 @@ class DrillConfig(Section):
             parse_duration(value)
         return value
 
-    @field_validator("check", mode="before")
+    @field_validator("check", "resume", mode="before")
     @classmethod
     def _check_is_an_argv(cls, value: object) -> object:
         if not isinstance(value, list) or not all(isinstance(a, str) for a in value):

@@ -61,8 +61,10 @@ RESTORED = DIR / "restored.json"
 DAEMON_LOCK = DIR / "daemon.lock"
 
 # The environment variables the trainer helpers read: ``ckptd exec`` sets all but the last
-# for its trainer, and a user may set the last. They are not settings of the daemon, which
-# refuses any other ``CKPTD_*`` name it does not know (a typo), so it passes these by.
+# two for its trainer, and a user may set ``CKPTD_STEP_REPORT_SECONDS``; the resume drill
+# (``ckptd drill --restore-only --resume-steps N``) sets ``CKPTD_DRILL_RESUME_STEPS`` for
+# the trainer it starts. They are not settings of the daemon, which refuses any other
+# ``CKPTD_*`` name it does not know (a typo), so it passes these by.
 TRAINER_VARIABLES = frozenset(
     {
         "CKPTD_RESUME_FROM",
@@ -76,6 +78,7 @@ TRAINER_VARIABLES = frozenset(
 )
 
 
+        "CKPTD_DRILL_RESUME_STEPS",
 def replace_json(path: Path, document: dict[str, Any]) -> None:
     """Write ``document`` to ``path`` so that a reader sees the old file or the new one,
     never half of it: a temporary name in the same directory, then ``os.replace``.

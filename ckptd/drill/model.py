@@ -6,7 +6,8 @@ trainer that loads the checkpoint, and times each stage:
     signalled -> complete -> committed -> restored -> verified -> loaded
 
 The restore-only drill (``ckptd drill --restore-only``, from any node that reaches the
-store) runs the last three. Each stage is ``ok``, ``failed``, ``skipped`` (it did not
+store) runs the last three, and, asked to (``--resume-steps N``), one more: ``resumed``,
+the trainer itself started from the restored checkpoint until it reports N steps. Each stage is ``ok``, ``failed``, ``skipped`` (it did not
 apply: no process to signal while the trainer saved from its notice file anyway, no load
 check configured; said in its detail) or ``not_reached`` (a stage before it failed).
 A drill passes only when no stage failed; the first stage that failed is where it failed.
@@ -41,6 +42,10 @@ from typing import Any, Literal
 FORMAT = "ckptd.drill/1"
 STAGES = ("signalled", "complete", "committed", "restored", "verified", "loaded")
 RESTORE_STAGES = ("restored", "verified", "loaded")
+# The restore-only drill's optional last stage: the trainer resumed for N steps.
+RESUME_STAGE = "resumed"
+# Every stage a record may hold (one with another is no record).
+KNOWN_STAGES = (*STAGES, RESUME_STAGE)
 KINDS = ("full", "restore-only")
 TRIGGERS = ("schedule", "command")
 SUCCESS, FAILURE = "success", "failure"
@@ -173,7 +178,7 @@ def _stage(doc: Any) -> StageResult | None:
     name, raw = _text(doc, "stage"), doc.get("seconds")
     status = next((s for s in _STATUS_VALUES if s == doc.get("status")), None)
     seconds = None if raw is None else _number(raw)
-    if name not in STAGES or status is None or (raw is not None and seconds is None):
+    if name not in KNOWN_STAGES or status is None or (raw is not None and seconds is None):
         return None
     return StageResult(name, status, seconds, _text(doc, "detail", MAX_TEXT) or "")
 
@@ -231,18 +236,27 @@ def parse_record(body: bytes) -> DrillRecord | None:
 
 @dataclass(frozen=True)
 class DrillSummary:
-    """A run's last drills: how many passed, the last one, and when the last success and
-    the last failure among them were (None: none among them)."""
+    """A run's last drills, of every kind: how many passed, the last one, and when the
+    last success and the last failure among them were (None: none among them); and of
+    those that asked the trainer to resume (a ``resumed`` stage), how many passed and when
+    the last of them that passed ended."""
 
     drills: int
     passed: int
     last: DrillRecord | None
     last_success: float | None
     last_failure: float | None
+    resumes: int = 0
+    resumes_passed: int = 0
+    last_resume_success: float | None = None
 
     @property
     def rate(self) -> float | None:
         return None if self.drills == 0 else self.passed / self.drills
+
+    @property
+    def resume_rate(self) -> float | None:
+        return None if self.resumes == 0 else self.resumes_passed / self.resumes
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -251,8 +265,17 @@ class DrillSummary:
             "success_rate": None if self.rate is None else round(self.rate, 4),
             "last_success": self.last_success,
             "last_failure": self.last_failure,
+            "resumes": self.resumes,
+            "resumes_passed": self.resumes_passed,
+            "resume_success_rate": None if self.resume_rate is None else round(self.resume_rate, 4),
+            "last_resume_success": self.last_resume_success,
             "last": None if self.last is None else self.last.to_json(),
         }
+
+
+def asked_to_resume(record: DrillRecord) -> bool:
+    """Whether the drill asked the trainer to resume from what it restored."""
+    return any(s.stage == RESUME_STAGE for s in record.stages)
 
 
 def summarize(records: Sequence[DrillRecord], last: int) -> DrillSummary:
@@ -260,12 +283,17 @@ def summarize(records: Sequence[DrillRecord], last: int) -> DrillSummary:
     recent = sorted(records, key=lambda r: (r.started, r.drill_id))[-last:] if last > 0 else []
     passed = [r for r in recent if r.result == SUCCESS]
     failed = [r for r in recent if r.result == FAILURE]
+    resumes = [r for r in recent if asked_to_resume(r)]
+    resumed = [r for r in resumes if r.result == SUCCESS]
     return DrillSummary(
         drills=len(recent),
         passed=len(passed),
         last=recent[-1] if recent else None,
         last_success=max((r.finished for r in passed), default=None),
         last_failure=max((r.finished for r in failed), default=None),
+        resumes=len(resumes),
+        resumes_passed=len(resumed),
+        last_resume_success=max((r.finished for r in resumed), default=None),
     )
 
 
@@ -328,24 +356,42 @@ def decide(
     return Look("drill", period, due, now)
 
 
+def hold_seconds(schedule: Schedule, due: float, most: float) -> float:
+    """How long past ``due`` a save may hold a period's drill back: ``most``, and never
+    more than halfway from ``due`` to the period's end (so the drill starts inside it)."""
+    end = schedule.period_of(due) + schedule.every
+    return max(0.0, min(most, (end - due) / 2))
+
+
 def blocked_reason(
     now: float,
     *,
+    due: float,
     notice: str | None,
     saving: bool,
     next_save_at: float | None,
+    last_routine_save: float | None,
     margin: float,
+    hold: float,
     drilling: bool,
 ) -> str | None:
-    """Why a scheduled drill may not start at ``now``, or None: a drill already running,
-    a notice active (``notice`` names it), a save in progress, or the run's advised next
-    save less than ``margin`` seconds before or after ``now``."""
+    """Why a scheduled drill due at ``due`` may not start at ``now``, or None.
+
+    A drill already running and an active notice (``notice`` names it) block it. A save
+    in progress and the run's advised next save less than ``margin`` seconds before or
+    after ``now`` hold it back, but only while ``now`` is less than ``hold`` seconds past
+    ``due``; and the margin only until a routine save committed at or after ``due``
+    (``last_routine_save``): right after one the drill starts, whatever the interval."""
     if drilling:
         return "a drill is running"
     if notice is not None:
         return f"a notice is active ({notice})"
+    if now - due >= hold:
+        return None
     if saving:
         return "a save is in progress"
+    if last_routine_save is not None and last_routine_save >= due:
+        return None
     if next_save_at is not None and abs(next_save_at - now) < margin:
         return f"the advised next save is due within {margin:g} s"
     return None
@@ -359,15 +405,16 @@ def advised_next_save(last_routine_save: float | None, interval: float) -> float
 
 @dataclass
 class SkipLog:
-    """Which skip was said for which period, so each is logged once."""
+    """Which period's drill was said to be held back, so each due time is logged once,
+    however often the reason changes while it waits."""
 
-    said: dict[float, str] = field(default_factory=dict)
+    said: set[float] = field(default_factory=set)
 
-    def first(self, period: float, reason: str) -> bool:
-        """Whether ``reason`` is new for ``period`` (and remember it)."""
-        if self.said.get(period) == reason:
+    def first(self, period: float) -> bool:
+        """Whether ``period``'s skip is unsaid (and remember it)."""
+        if period in self.said:
             return False
-        self.said = {period: reason}
+        self.said = {period}
         return True
 
 
@@ -375,6 +422,7 @@ __all__ = [
     "FAILURE",
     "FORMAT",
     "RESTORE_STAGES",
+    "RESUME_STAGE",
     "STAGES",
     "SUCCESS",
     "DrillRecord",
@@ -384,10 +432,12 @@ __all__ = [
     "SkipLog",
     "StageResult",
     "advised_next_save",
+    "asked_to_resume",
     "blocked_reason",
     "compact_time",
     "decide",
     "drill_id",
+    "hold_seconds",
     "not_reached",
     "parse_record",
     "summarize",

@@ -14,6 +14,13 @@ that reaches the store (``ckptd drill --restore-only``).
     loaded    ``check`` exits 0 within ``check_timeout``, run with the restored path as
               its last argument and in ``CKPTD_RESUME_FROM`` (``CKPTD_RUN``: the run);
               on the timeout its whole process group is killed
+    resumed   (only when asked: ``resume_steps`` > 0) the trainer's own command started
+              from the restored checkpoint (``CKPTD_RESUME_FROM``, ``CKPTD_RUN``,
+              ``CKPTD_WATCH_DIR`` the drill's scratch dir, ``CKPTD_DRILL_RESUME_STEPS``)
+              reports ``resume_steps`` steps (``ckptd.trainer.report_step``, counted from
+              its first report) within ``resume_timeout``; then it has ``STOP_GRACE_SECONDS``
+              to exit by itself before its process group is sent SIGTERM, and as long again
+              before SIGKILL. Exiting before its steps, or the timeout, fails the stage
 
 Invariants: nothing is written outside the drill's own scratch dir, and that directory is
 removed before ``prove`` returns, whatever happened; a stage passes only on what it
@@ -28,6 +35,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +44,8 @@ from pathlib import Path
 from ckptd.core import checksum
 from ckptd.core.manifest import Manifest, ManifestError
 from ckptd.core.signing import AuthenticationError, KeyRing
-from ckptd.drill.model import RESTORE_STAGES, StageResult, not_reached
+from ckptd.drill.model import RESTORE_STAGES, RESUME_STAGE, StageResult, not_reached
+from ckptd.goodput.step_report import read_steps
 from ckptd.repository import FileProblem, Repository
 from ckptd.runtime.logs import get_logger
 from ckptd.storage.base import Storage, StorageError
@@ -49,6 +58,10 @@ from ckptd.store.restore import (
 )
 
 READ_BYTES = 8 * 1024 * 1024
+# A resumed trainer that reached its steps exits by itself within this, else is stopped.
+STOP_GRACE_SECONDS = 10.0
+# How often the resumed trainer's step report is read.
+RESUME_POLL_SECONDS = 0.2
 # What of a failed check's output the record keeps: its last line, this long at most.
 OUTPUT_TAIL_CHARS = 300
 # A drill's scratch dir is named by its id: ``20261206T135100.123Z.<writer>``.
@@ -68,6 +81,14 @@ class ProofRequest:
     check_timeout: float
     concurrency: int = 8
     keys: KeyRing | None = None
+    resume: Sequence[str] = ()
+    resume_steps: int = 0
+    resume_timeout: float = 1800.0
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The stages this proof runs, in order."""
+        return (*RESTORE_STAGES, RESUME_STAGE) if self.resume_steps > 0 else RESTORE_STAGES
 
 
 @dataclass(frozen=True)
@@ -98,7 +119,7 @@ def prove(
 
 
 def _prove(storage: Storage, request: ProofRequest, monotonic: Monotonic) -> Proof:
-    restored, verified, loaded = RESTORE_STAGES
+    restored, verified = RESTORE_STAGES[:2]
     started = monotonic()
     try:
         result = restore(
@@ -115,7 +136,7 @@ def _prove(storage: Storage, request: ProofRequest, monotonic: Monotonic) -> Pro
     except (RestoreError, AuthenticationError) as exc:
         problems = exc.problems if isinstance(exc, RestoreError) else []
         if isinstance(exc, RestoreError) and not problems:  # the target: I/O, free space
-            return _failed(restored, monotonic() - started, str(exc), [verified, loaded])
+            return _failed(restored, monotonic() - started, str(exc), request.stages[1:])
         # The store's copy disagrees with its manifest: read, and refused as written.
         error = (
             f"{len(problems)} object(s) in the store do not match the manifest{_listed(problems)}"
@@ -126,14 +147,14 @@ def _prove(storage: Storage, request: ProofRequest, monotonic: Monotonic) -> Pro
             [
                 StageResult(restored, "ok", monotonic() - started, "stopped by the check below"),
                 StageResult(verified, "failed", 0.0, error),
-                *not_reached([loaded]),
+                *not_reached(request.stages[2:]),
             ],
             request.checkpoint,
             0,
             error,
         )
     except (StorageError, ManifestError) as exc:
-        return _failed(restored, monotonic() - started, str(exc), [verified, loaded])
+        return _failed(restored, monotonic() - started, str(exc), request.stages[1:])
     stages = [
         StageResult(
             restored,
@@ -151,16 +172,21 @@ def _prove(storage: Storage, request: ProofRequest, monotonic: Monotonic) -> Pro
     if problems:
         error = f"{len(problems)} restored file(s) differ from the manifest{_listed(problems)}"
         stages += [StageResult(verified, "failed", monotonic() - begun, error)]
-        return Proof([*stages, *not_reached([loaded])], result.checkpoint, 0, error)
+        return Proof([*stages, *not_reached(request.stages[2:])], result.checkpoint, 0, error)
     stages.append(
         StageResult(verified, "ok", monotonic() - begun, "every byte re-read matches the manifest")
     )
     stages.append(_load(request, result.path, monotonic))
-    error = stages[-1].detail if stages[-1].status == "failed" else ""
+    if request.resume_steps > 0:
+        if stages[-1].status == "failed":
+            stages += not_reached([RESUME_STAGE])
+        else:
+            stages.append(_resume(request, result.path, monotonic))
+    error = next((s.detail for s in stages if s.status == "failed"), "")
     return Proof(stages, result.checkpoint, result.total_bytes, error)
 
 
-def _failed(stage: str, seconds: float, error: str, after: list[str]) -> Proof:
+def _failed(stage: str, seconds: float, error: str, after: Sequence[str]) -> Proof:
     return Proof(
         [StageResult(stage, "failed", seconds, error), *not_reached(after)], None, 0, error
     )
@@ -249,6 +275,98 @@ def _load(request: ProofRequest, path: Path, monotonic: Monotonic) -> StageResul
             name, "failed", seconds, f"the load check exited {proc.returncode}" + _tail(output)
         )
     return StageResult(name, "ok", seconds, f"the load check ({Path(argv[0]).name}) exited 0")
+
+
+def _resume(request: ProofRequest, path: Path, monotonic: Monotonic) -> StageResult:
+    """Start the trainer from ``path`` and wait for its steps (module doc, "resumed")."""
+    steps = request.resume_steps
+    if not request.resume:
+        return StageResult(RESUME_STAGE, "failed", None, "no command to resume the trainer with")
+    argv = list(request.resume)
+    env = {
+        **os.environ,
+        "CKPTD_RESUME_FROM": str(path),
+        "CKPTD_RUN": request.run_id,
+        "CKPTD_WATCH_DIR": str(request.scratch),
+        "CKPTD_DRILL_RESUME_STEPS": str(steps),
+    }
+    begun = monotonic()
+    with tempfile.TemporaryFile() as output:
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            return StageResult(
+                RESUME_STAGE, "failed", None, f"cannot start the trainer {argv[0]!r}: {exc}"
+            )
+        try:
+            done, code = _await_steps(proc, request, monotonic, begun)
+            if done < steps:
+                seconds = monotonic() - begun
+                if code is None:
+                    why = f"killed after {request.resume_timeout:g} s"
+                else:
+                    why = f"the trainer exited {code}"
+                output.seek(0)
+                detail = f"{done} of {steps} steps: {why}" + _tail(output.read())
+                return StageResult(RESUME_STAGE, "failed", seconds, detail)
+            seconds = monotonic() - begun
+            ended = _stop(proc)
+        finally:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)  # anything it left behind in its group
+            proc.wait()
+    return StageResult(
+        RESUME_STAGE,
+        "ok",
+        seconds,
+        f"the trainer ({Path(argv[0]).name}) resumed from {path.name} and reported {done} "
+        f"steps ({steps} asked); {ended}",
+    )
+
+
+def resumed_steps(watch_dir: Path) -> int:
+    """Steps the trainer reported in ``watch_dir`` since its first report (0: none)."""
+    current = read_steps(watch_dir).current
+    return 0 if current is None else max(0, current.step - current.first_step + 1)
+
+
+def _await_steps(
+    proc: subprocess.Popen[bytes], request: ProofRequest, monotonic: Monotonic, begun: float
+) -> tuple[int, int | None]:
+    """Wait until the trainer reports its steps, exits, or runs out of time: the steps it
+    reported, and its exit code (None: it still runs, ended here at the timeout)."""
+    while True:
+        code = proc.poll()
+        done = resumed_steps(request.scratch)
+        if done >= request.resume_steps or code is not None:
+            return done, code
+        if monotonic() - begun >= request.resume_timeout:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return done, None
+        time.sleep(RESUME_POLL_SECONDS)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> str:
+    """Let the trainer that reached its steps exit, else end it (module doc)."""
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, sig)
+        try:
+            code = proc.wait(timeout=STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            continue
+        return f"it exited {code}" if sig is None else f"it was stopped ({sig.name})"
+    return "it did not exit"
 
 
 def _tail(output: bytes | None) -> str:

@@ -9,11 +9,13 @@ watched here when none was). Its record is written whether it passed or not; a r
 the store refuses is logged (``drill_record_not_written``), and the answer, the log and
 the metrics still say what the drill found.
 
-Each run's last ``[drill] history`` records are read from the store at start-up and every
-``HISTORY_REFRESH_SECONDS`` (a restore-only drill run from another node shows up so),
-and the gauges are set from them: the last success and failure, and each stage of the
-last drill. So a restarted daemon, and every node of a run, says the same of the run's
-drills, and the alert on them outlives a restart.
+Each run's last ``[drill] history`` records are listed in the store at start-up and every
+``HISTORY_REFRESH_SECONDS`` (a restore-only drill run from another node shows up so; only
+records not read before are fetched), and the gauges are set from them: the last success
+and failure, the success ratio over every kind of drill, that of the drills that resumed
+the trainer and the last of them that passed, and each stage of the last drill. So a
+restarted daemon, and every node of a run, says the same of the run's drills, and the
+alerts on them outlive a restart.
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ from ckptd.drill.model import (
     summarize,
 )
 from ckptd.drill.proof import ProofRequest, clear_stale, prove
-from ckptd.repository import Repository
+from ckptd.repository import Repository, drill_prefix
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.metrics import Metrics
-from ckptd.storage.base import Storage, StorageError
+from ckptd.storage.base import NotFoundError, Storage, StorageError
 
-HISTORY_REFRESH_SECONDS = 600.0
+HISTORY_REFRESH_SECONDS = 60.0
 # What the responder's drill does: a simulated notice, answered with its timings.
 NoticeDrill = Callable[[float], Awaitable[dict[str, Any]]]
 
@@ -226,13 +228,26 @@ class DrillRunner:
 
     # -- the history ------------------------------------------------------------------------
 
+    def _read_new(self, run: str) -> list[bytes]:
+        """The run's last ``[drill] history`` records not already known here (a listing,
+        then one read per new record)."""
+        prefix, known = drill_prefix(run), self.history.get(run, {})
+        keys = sorted(o.key for o in self.storage.list_objects(prefix))
+        bodies = []
+        for key in keys[-self.config.history :]:
+            if key[len(prefix) :].removesuffix(".json") in known:
+                continue
+            try:
+                bodies.append(self.storage.get_bytes(key))
+            except NotFoundError:
+                continue  # removed while we listed
+        return bodies
+
     async def refresh(self) -> None:
         """Read each run's last drills from the store, and set the gauges from them."""
         for run in self.runs:
             try:
-                bodies = await asyncio.to_thread(
-                    self.repo.read_drill_records, run, self.config.history
-                )
+                bodies = await asyncio.to_thread(self._read_new, run)
             except StorageError as exc:
                 self.log.warning("drill_history_unreadable", run=run, error=str(exc))
                 continue
@@ -259,6 +274,14 @@ class DrillRunner:
         m = self.metrics
         m.drill_last_success.labels(run=run).set(summary.last_success or 0)
         m.drill_last_failure.labels(run=run).set(summary.last_failure or 0)
+        m.drill_success_ratio.labels(run=run).set(summary.rate or 0.0)
+        if summary.resume_rate is not None:
+            m.drill_resume_success_ratio.labels(run=run).set(summary.resume_rate)
+            m.drill_last_resume_success.labels(run=run).set(summary.last_resume_success or 0)
+        else:  # none among the last drills: no series, no alert
+            for gauge in (m.drill_resume_success_ratio, m.drill_last_resume_success):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(run)
         for stage in summary.last.stages:
             if stage.seconds is None:
                 with contextlib.suppress(KeyError):

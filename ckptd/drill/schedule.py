@@ -5,8 +5,17 @@ The times and the decision are ``ckptd.drill.model``'s (``Schedule``, ``decide``
 ``blocked_reason``); here they meet the daemon. What blocks a drill is read at each
 look: the responder's notice (a real one, or another node's drill followed here), the
 pipeline (a checkpoint being written, complete but not committed, or uploading), the
-cadence advice (the run's advised next save within ``margin_seconds``) and the runner (a
-drill by hand running). Each skip is logged once per period and reason.
+cadence advice (the run's advised next save within ``margin_seconds``, and its last
+routine save) and the runner (a drill by hand running). The pipeline and the advice only
+hold a due drill back, for at most ``hold_seconds`` (so a run whose saves are always
+near never starves its drill); a notice and a running drill block it. A held drill is
+logged once per due time (``drill_skipped``, with the first reason).
+
+A period that ends with its due drill never started (a notice, a running drill or a store
+that refused the claim for the rest of the period) is a missed period: logged
+(``drill_period_missed``, with the last reason), counted in a row in
+``ckptd_drill_periods_missed{run}`` and ``/v1/status`` until a period's drill starts
+(here, or on the node that claimed it), and alerted on (``CkptdDrillScheduleMissed``).
 
 One drill per run and period across a cluster: before it starts, the node writes the
 period's claim ``<run>/DRILL-PERIOD.<period>.json`` with the store's conditional write
@@ -33,6 +42,7 @@ from ckptd.drill.model import (
     blocked_reason,
     compact_time,
     decide,
+    hold_seconds,
 )
 from ckptd.drill.runner import DrillBusyError, DrillRunner
 from ckptd.notices.responder import Responder
@@ -55,14 +65,21 @@ class Pipeline(Protocol):
     def idle(self) -> bool: ...
 
 
+def last_routine_save_of(advisor: CadenceAdvisor, run: str) -> float | None:
+    """When ``run``'s last committed routine save was complete, or None (none seen)."""
+    state = advisor.runs.get(run)
+    if state is None:
+        return None
+    return max((s.at for s in state.view().saves if not s.emergency), default=None)
+
+
 def next_save_of(advisor: CadenceAdvisor, run: str) -> float | None:
     """When ``run``'s next routine save is expected (the cadence advice), or None."""
     state = advisor.runs.get(run)
     if state is None:
         return None
-    routine = [s.at for s in state.view().saves if not s.emergency]
     advice = state.advice or advisor.refresh(run)
-    return advised_next_save(max(routine, default=None), advice.interval_seconds)
+    return advised_next_save(last_routine_save_of(advisor, run), advice.interval_seconds)
 
 
 class DrillScheduler:
@@ -78,6 +95,7 @@ class DrillScheduler:
         blockers: Callable[[], dict[str, Any]],
         clock: Clock,
         log: Any,
+        metrics: Metrics | None = None,
     ) -> None:
         config = settings.drill
         self.config = config
@@ -93,38 +111,83 @@ class DrillScheduler:
         self.handled: float | None = None
         self.skips = SkipLog()
         self.last: Look | None = None
+        # The period whose due drill has not started yet, and the last reason it waited.
+        self.pending: tuple[float, float, str] | None = None
+        self.missed = 0
+        self.last_missed: dict[str, Any] | None = None
+        self.missed_gauge = (
+            None if metrics is None else metrics.drill_periods_missed.labels(run=run)
+        )
+        if self.missed_gauge is not None:
+            self.missed_gauge.set(0)
 
-    def blocked(self, now: float) -> str | None:
-        """What stops a drill at ``now`` (``blocked_reason``), from the daemon's state."""
+    def blocked(self, now: float, due: float) -> str | None:
+        """What stops the drill due at ``due`` at ``now`` (``blocked_reason``), from the
+        daemon's state."""
         state = self.blockers()
         return blocked_reason(
             now,
+            due=due,
             notice=state.get("notice"),
             saving=bool(state.get("saving")),
             next_save_at=state.get("next_save_at"),
+            last_routine_save=state.get("last_routine_save"),
             margin=self.config.margin_seconds,
+            hold=hold_seconds(self.schedule, due, self.config.max_wait_seconds),
             drilling=self.runner.busy,
         )
 
     async def look(self) -> Look:
-        """One look: wait, skip (logged once per period and reason), or drill."""
+        """One look: wait, skip (logged once per due time), or drill; a period that ended
+        with its drill never started counted as missed."""
         now = self.clock.time()
+        due = self.schedule.due(self.schedule.period_of(now))
         look = decide(
             self.schedule,
             now,
             since=self.since,
             handled=self.handled,
-            blocked=self.blocked(now),
+            blocked=self.blocked(now, due),
             retry=LOOK_SECONDS,
         )
         self.last = look
-        if look.action == "skip" and self.skips.first(look.period, look.reason):
-            self.log.info(
-                "drill_skipped", run=self.run_id, due=utc_timestamp(look.due), why=look.reason
-            )
+        self._count_missed(look)
+        if look.action == "skip":
+            self.pending = (look.period, look.due, look.reason)
+            if self.skips.first(look.period):
+                self.log.info(
+                    "drill_skipped", run=self.run_id, due=utc_timestamp(look.due), why=look.reason
+                )
         if look.action == "drill":
             await self._drill(look)
         return look
+
+    def _count_missed(self, look: Look) -> None:
+        """The pending period is missed once a look belongs to a later one."""
+        if self.pending is None or look.period == self.pending[0]:
+            return
+        period, due, why = self.pending
+        self.pending = None
+        if self.handled == period:
+            return
+        self.missed += 1
+        self.last_missed = {"due": utc_timestamp(due), "why": why}
+        if self.missed_gauge is not None:
+            self.missed_gauge.set(self.missed)
+        self.log.error(
+            "drill_period_missed",
+            run=self.run_id,
+            due=utc_timestamp(due),
+            why=why,
+            missed_in_a_row=self.missed,
+        )
+
+    def _handled(self, period: float) -> None:
+        self.handled = period
+        self.pending = None
+        self.missed = 0
+        if self.missed_gauge is not None:
+            self.missed_gauge.set(0)
 
     async def _drill(self, look: Look) -> None:
         period = compact_time(look.period)
@@ -135,12 +198,22 @@ class DrillScheduler:
             mine = await asyncio.to_thread(self.repo.claim_drill_period, self.run_id, period, claim)
         except StorageError as exc:
             self.log.warning("drill_claim_failed", run=self.run_id, period=period, error=str(exc))
-            return  # the next look tries again, within the period
-        self.handled = look.period
+            # The next look tries again, within the period.
+            self.pending = (look.period, look.due, f"the claim was not written: {exc}")
+            return
+        self._handled(look.period)
         if not mine:
             self.log.info("drill_claimed_elsewhere", run=self.run_id, period=period)
             return
-        self.log.info("drill_starting", run=self.run_id, period=period, trigger="schedule")
+        held = self.blockers()
+        despite = "a save is in progress" if held.get("saving") else ""
+        self.log.info(
+            "drill_starting",
+            run=self.run_id,
+            period=period,
+            trigger="schedule",
+            **({"despite": despite} if despite else {}),
+        )
         try:
             await self.runner.drill(
                 self.config.deadline_seconds, trigger="schedule", period=look.period
@@ -170,6 +243,8 @@ class DrillScheduler:
             "every_seconds": self.schedule.every,
             "next_due": None if look is None else utc_timestamp(look.due),
             "skipping": look.reason if look is not None and look.action == "skip" else None,
+            "missed_periods": self.missed,
+            "last_missed": self.last_missed,
         }
 
 
@@ -185,6 +260,7 @@ def daemon_blockers(
             "notice": None if current is None else f"{current.notice.source} {current.notice.kind}",
             "saving": not pipeline.idle(),
             "next_save_at": next_save_of(advisor, run),
+            "last_routine_save": last_routine_save_of(advisor, run),
         }
 
     return blockers
@@ -215,9 +291,23 @@ def build_drills(
 
     blockers = daemon_blockers(responder, pipeline, advisor, runs[0])
     scheduler = DrillScheduler(
-        settings, runner, Repository(storage), run=runs[0], blockers=blockers, clock=clock, log=log
+        settings,
+        runner,
+        Repository(storage),
+        run=runs[0],
+        blockers=blockers,
+        clock=clock,
+        log=log,
+        metrics=metrics,
     )
     return runner, scheduler
 
 
-__all__ = ["LOOK_SECONDS", "DrillScheduler", "build_drills", "daemon_blockers", "next_save_of"]
+__all__ = [
+    "LOOK_SECONDS",
+    "DrillScheduler",
+    "build_drills",
+    "daemon_blockers",
+    "last_routine_save_of",
+    "next_save_of",
+]

@@ -258,6 +258,35 @@ class Metrics:
             ["run"],
             registry=r,
         )
+        self.drill_success_ratio = Gauge(
+            "ckptd_drill_success_ratio",
+            "Share of the run's last [drill] history drills that passed, every kind "
+            "(restore-only ones included); from the store, once the run has a drill.",
+            ["run"],
+            registry=r,
+        )
+        self.drill_resume_success_ratio = Gauge(
+            "ckptd_drill_resume_success_ratio",
+            "Share of the run's last [drill] history drills that asked the trainer to resume "
+            "(ckptd drill --restore-only --resume-steps) that passed; from the store, once "
+            "the run has one.",
+            ["run"],
+            registry=r,
+        )
+        self.drill_last_resume_success = Gauge(
+            "ckptd_drill_last_resume_success_timestamp_seconds",
+            "Unix time the run's last drill whose trainer resumed for its steps ended (0: "
+            "none among its last [drill] history drills); once the run has one.",
+            ["run"],
+            registry=r,
+        )
+        self.drill_periods_missed = Gauge(
+            "ckptd_drill_periods_missed",
+            "Periods in a row of the run's drill schedule ([drill] every) that ended with "
+            "their drill never started (0 once one starts); only with a schedule.",
+            ["run"],
+            registry=r,
+        )
         self.drill_stage_seconds = Gauge(
             "ckptd_drill_stage_seconds",
             "Each stage of the run's last drill, its own duration (signalled, complete, "

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.cadence.advisor import CadenceAdvisor
+from ckptd.cli.drillview import drill_line
 from ckptd.config import Settings
 from ckptd.drill.model import compact_time
 from ckptd.drill.schedule import DrillScheduler, daemon_blockers, next_save_of
@@ -189,3 +190,146 @@ async def test_two_nodes_looking_at_once_make_one_drill(tmp_path: Path) -> None:
     clock.advance(10)
     assert [(await a.look()).action, (await b.look()).action] == ["wait", "wait"]
     assert len(drills_a.drills) + len(drills_b.drills) == 1
+
+
+class Log:
+    """The scheduler's log lines, as events with their fields."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.lines.append((event, fields))
+
+    warning = error = info
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [fields for name, fields in self.lines if name == event]
+
+
+def logged_node(tmp_path: Path, clock: ManualClock, config: Settings) -> tuple[Node, Log, Metrics]:
+    """A node as ``node`` builds it, with its log lines kept and its metrics readable."""
+    n = node(tmp_path, clock, config)
+    log, metrics = Log(), Metrics()
+    n.scheduler = DrillScheduler(
+        config,
+        n.runner,  # type: ignore[arg-type]
+        n.scheduler.repo,
+        run="run1",
+        blockers=daemon_blockers(n.responder, n.pipeline, n.advisor, "run1"),
+        clock=clock,
+        log=log,
+        metrics=metrics,
+    )
+    return n, log, metrics
+
+
+async def test_a_run_that_saves_more_often_than_the_margin_drills_in_every_period(
+    tmp_path: Path,
+) -> None:
+    """Issue 45: with the advised interval under ``margin_seconds`` the advised next save
+    is always within the margin; the drill used to wait for ever (0 drills in 3 periods,
+    ``drill_skipped`` logged each time the reason flipped). Now it starts right after the
+    first routine save committed after its due time, once per period, logged once."""
+    clock = ManualClock(wall=1_800_000_000.0)
+    n, log, _ = logged_node(tmp_path, clock, settings(margin_seconds=600))
+    scheduler, runner, pipeline, advisor = n.scheduler, n.runner, n.pipeline, n.advisor
+    saves = 0
+    started: list[float] = []
+    drill = runner.drill
+
+    async def timed(deadline: float, *, trigger: str, period: float) -> dict[str, Any]:
+        started.append(clock.time())
+        return await drill(deadline, trigger=trigger, period=period)
+
+    runner.drill = timed  # type: ignore[method-assign]
+
+    def save() -> None:
+        """A routine save every 5 s: written and shipped for 1 s, then committed."""
+        nonlocal saves
+        saves += 1
+        advisor.record_save("run1", f"step-{saves}", clock.time() - 1, 0.5, 0.5, False)
+
+    first = scheduler.schedule.period_of(clock.time()) + HOUR
+    clock.advance(first - clock.time())
+    save()
+    assert (interval := advisor.refresh("run1").interval_seconds) < 600, interval
+    for _ in range(3 * int(HOUR) // 5):
+        pipeline.saving = True
+        await scheduler.look()
+        clock.advance(1)
+        save()
+        pipeline.saving = False
+        await scheduler.look()
+        clock.advance(4)
+    assert [d["period"] for d in runner.drills] == [first, first + HOUR, first + 2 * HOUR]
+    for period, at in zip((first, first + HOUR, first + 2 * HOUR), started, strict=True):
+        # Right after the first routine save committed after the due time (every 5 s).
+        assert 0 <= at - scheduler.schedule.due(period) <= 5 + 1, (period, at)
+    skipped = log.named("drill_skipped")
+    assert len(skipped) <= 3, skipped  # once per due time at most, however the reason flips
+    assert len({s["due"] for s in skipped}) == len(skipped)
+    assert log.named("drill_period_missed") == []
+    assert scheduler.status()["missed_periods"] == 0
+
+
+async def test_a_save_always_in_progress_holds_a_drill_back_only_so_long(tmp_path: Path) -> None:
+    """A pipeline that is never idle (a trainer whose saves overlap their uploads) holds
+    the drill back at most ``max_wait_seconds``, and never out of its period."""
+    clock = ManualClock(wall=1_800_000_000.0)
+    n, log, _ = logged_node(tmp_path, clock, settings(max_wait_seconds=120))
+    scheduler, runner, pipeline = n.scheduler, n.runner, n.pipeline
+    period = scheduler.schedule.period_of(clock.time()) + HOUR
+    due = scheduler.schedule.due(period)
+    clock.advance(due - clock.time())
+    pipeline.saving = True
+    while clock.time() < due + 119:
+        look = await scheduler.look()
+        assert (look.action, look.reason) == ("skip", "a save is in progress")
+        clock.advance(1)
+    clock.advance(1)
+    assert (await scheduler.look()).action == "drill"
+    assert [d["period"] for d in runner.drills] == [period]
+    assert len(log.named("drill_skipped")) == 1
+    (started,) = log.named("drill_starting")
+    assert started["despite"] == "a save is in progress"
+
+
+async def test_a_period_that_ends_without_its_drill_is_missed_in_status_the_log_and_a_metric(
+    tmp_path: Path,
+) -> None:
+    """A notice for the rest of the period: its drill never starts. The period is counted
+    missed (``/v1/status``, ``drill_period_missed``, ``ckptd_drill_periods_missed``) until
+    a period's drill starts."""
+    clock = ManualClock(wall=1_800_000_000.0)
+    n, log, metrics = logged_node(tmp_path, clock, settings())
+    scheduler, runner, responder = n.scheduler, n.runner, n.responder
+
+    def missed() -> float | None:
+        return metrics.registry.get_sample_value("ckptd_drill_periods_missed", {"run": "run1"})
+
+    assert missed() == 0  # the series exists from the start: an alert can watch it
+    period = scheduler.schedule.period_of(clock.time()) + HOUR
+    clock.advance(scheduler.schedule.due(period) - clock.time())
+    now = datetime.fromtimestamp(clock.time(), UTC)
+    spot = Notice("aws", "spot", "i-1", noticed_at=now, deadline=now + timedelta(hours=2))
+    assert await responder.handle(spot) is not None
+    while clock.time() < period + HOUR:
+        look = await scheduler.look()
+        clock.advance(max(1.0, min(600.0, look.next_look - clock.time())))
+    responder.clear()
+    look = await scheduler.look()
+    assert runner.drills == []
+    assert look.period == period + HOUR
+    (line,) = log.named("drill_period_missed")
+    assert line["why"] == "a notice is active (aws spot)" and line["missed_in_a_row"] == 1
+    status = scheduler.status()
+    assert status["missed_periods"] == 1
+    assert status["last_missed"]["why"] == "a notice is active (aws spot)"
+    assert missed() == 1
+    shown = drill_line("run1", {"drills": 0, "passed": 0}, status)  # as `ckptd status` says it
+    assert "SCHEDULE MISSED 1 period(s) in a row" in shown and "aws spot" in shown
+    # The next period's drill starts: the schedule is met again.
+    clock.advance(scheduler.schedule.due(period + HOUR) - clock.time())
+    assert (await scheduler.look()).action == "drill"
+    assert missed() == 0 and scheduler.status()["missed_periods"] == 0

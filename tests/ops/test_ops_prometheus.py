@@ -35,6 +35,9 @@ ALERTS = {
     "CkptdNoticeSourceDown",
     "CkptdNoCheckpoint",
     "CkptdNoRecentDrill",
+    "CkptdDrillSuccessRateLow",
+    "CkptdDrillScheduleMissed",
+    "CkptdDrillResumeFailing",
     "CkptdDown",
 }
 

@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ckptd.devtools.locals3 import LocalS3
+from ckptd.devtools.locals3 import LocalS3, free_port
 from ckptd.drill.model import parse_record
 from tests.support.daemon import Daemon, run_cli, wait_until
 from tests.support.exec_harness import ExecNode
@@ -189,6 +189,10 @@ def test_a_restore_only_drill_fails_at_verified_for_a_replaced_object_and_at_loa
         "success_rate": 0.0,
         "last_success": None,
         "last_failure": records[1]["finished"],
+        "resumes": 0,
+        "resumes_passed": 0,
+        "resume_success_rate": None,
+        "last_resume_success": None,
         "last": None,
     }
 
@@ -285,3 +289,51 @@ def test_under_exec_the_trainer_stopped_by_a_drill_starts_again_from_its_checkpo
         assert run["seconds"]["drill"] > 0 and run["interruptions"] == 0, run
     finally:
         node.close()
+
+
+def test_the_restore_only_drill_resumes_the_trainer_refuses_a_run_with_nothing_and_spares_a_dead_store(
+    tmp_path: Path, local_s3: LocalS3, s3_client: Any, s3_prefix: str, s3_dest: str
+) -> None:
+    """Issue 45: ``--resume-steps N -- CMD`` starts the trainer from the restored
+    checkpoint until it reports N steps; a run with nothing committed is refused with one
+    line and nothing written (it used to get a DRILL record); a store that cannot be
+    reached fails the drill at restored without a second wait to write its record there."""
+    watch = tmp_path / "run1"
+    write_bytes(watch / "step-5" / "model.bin", 64 * 1024)
+    (watch / "step-5" / "COMPLETE").write_text("5")
+    store = ["--dest", s3_dest, "--endpoint-url", local_s3.endpoint_url]
+    shipped = run_cli(
+        "run", "--once", "--watch", str(watch), "--layout", "marker",
+        "--state-dir", str(tmp_path / "state"), *store,
+    )  # fmt: skip
+    assert shipped.returncode == 0, shipped.stderr
+    scratch = ["--scratch", str(tmp_path / "scratch")]
+
+    trainer = [sys.executable, "-m", "tests.support.trainers.resume_steps"]
+    resumed = run_cli(
+        "drill", "--restore-only", "--run", "run1", *scratch, *store,
+        "--resume-steps", "3", "--", *trainer,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    (line,) = [ln for ln in resumed.stdout.splitlines() if ln.strip().startswith("resumed")]
+    assert "resumed from step-5 and reported 3 steps (3 asked); it exited 0" in line, line
+    (record,) = drill_records(s3_client, s3_prefix, "run1")
+    assert [(s["stage"], s["status"]) for s in record["stages"]][-1] == ("resumed", "ok")
+
+    refused = run_cli("drill", "--restore-only", "--run", "nosuchrun", *scratch, *store)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stdout == ""
+    assert refused.stderr.strip().splitlines() == [
+        "ckptd: nothing to drill: run 'nosuchrun' has no committed checkpoint"
+    ]
+    assert (
+        s3_client.list_objects_v2(Bucket=BUCKET, Prefix=f"{s3_prefix}/nosuchrun/").get("KeyCount")
+        == 0
+    )
+
+    dead = ["--dest", s3_dest, "--endpoint-url", f"http://127.0.0.1:{free_port()}"]
+    unreachable = run_cli("drill", "--restore-only", "--run", "run1", *scratch, *dead)
+    assert unreachable.returncode == 1, unreachable.stdout + unreachable.stderr
+    assert "result: FAILED at restored" in unreachable.stdout
+    assert "recorded: no" in unreachable.stdout
+    assert "put_if_absent" not in unreachable.stderr  # no record tried on the dead store

@@ -11,9 +11,12 @@ import json
 from ckptd.drill.model import (
     DrillRecord,
     Schedule,
+    SkipLog,
     StageResult,
+    blocked_reason,
     decide,
     drill_id,
+    hold_seconds,
     parse_record,
     summarize,
 )
@@ -185,3 +188,64 @@ def test_the_run_ledger_counts_a_drill_as_its_own_cause_not_lost_time_nor_a_pree
     assert run.seconds["startup"] == 2.0
     assert run.interruptions == []
     assert abs(sum(run.seconds.values()) - run.wall) < 1e-9
+
+
+def test_saves_hold_a_due_drill_back_only_until_a_routine_save_commits_or_the_hold_ends() -> None:
+    """Issue 45: a run whose advised interval (60 s) is under the margin (600 s) always
+    has its next save within the margin; that used to block its drill for ever."""
+    due = T0
+
+    def why(now: float, **state: object) -> str | None:
+        given = {
+            "notice": None,
+            "saving": False,
+            "next_save_at": now + 55,  # saving every 5 s, advised every 60 s
+            "last_routine_save": due - 5,
+            "margin": 600.0,
+            "hold": 3600.0,
+            "drilling": False,
+            **state,
+        }
+        return blocked_reason(now, due=due, **given)  # type: ignore[arg-type]
+
+    assert why(due) == "the advised next save is due within 600 s"
+    assert why(due + 4, saving=True) == "a save is in progress"
+    # Right after the first routine save committed after the due time: go.
+    assert why(due + 5, last_routine_save=due + 4) is None
+    # However long the margin or the saves last, the hold ends them.
+    assert why(due + 3600, saving=True) is None
+    assert why(due + 3600) is None
+    # A notice and a running drill are never waited out.
+    assert why(due + 9999, notice="aws spot") == "a notice is active (aws spot)"
+    assert why(due + 9999, drilling=True) == "a drill is running"
+
+
+def test_the_hold_ends_inside_the_period_and_a_skip_is_said_once_per_due_time() -> None:
+    schedule = Schedule(every=3600, jitter=0.9, seed="run1")
+    period = schedule.period_of(T0)
+    for k in range(20):
+        due = schedule.due(period + k * 3600)
+        assert due + hold_seconds(schedule, due, 1e9) < period + (k + 1) * 3600
+    assert hold_seconds(schedule, schedule.due(period), 60) <= 60
+    skips = SkipLog()
+    said = [skips.first(p) for p in (period, period, period, period + 3600, period + 3600)]
+    assert said == [True, False, False, True, False]
+
+
+def test_a_resume_drill_reads_back_and_counts_on_its_own() -> None:
+    resumed = DrillRecord(
+        "run1", drill_id(T0 + 10, "n"), "restore-only", "command", "n", T0 + 10, T0 + 20,
+        (
+            StageResult("restored", "ok", 1.0),
+            StageResult("verified", "ok", 1.0),
+            StageResult("loaded", "skipped"),
+            StageResult("resumed", "failed", 4.0, "2 of 5 steps: the trainer exited 3"),
+        ),
+        error="2 of 5 steps: the trainer exited 3",
+    )  # fmt: skip
+    back = parse_record(resumed.to_bytes())
+    assert back is not None and back.failed_stage == "resumed"
+    summary = summarize([record(T0), back], 10)
+    assert (summary.drills, summary.passed, summary.rate) == (2, 1, 0.5)
+    assert (summary.resumes, summary.resumes_passed, summary.last_resume_success) == (1, 0, None)
+    assert summary.to_json()["resume_success_rate"] == 0.0

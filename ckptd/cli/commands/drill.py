@@ -1,7 +1,9 @@
 """``ckptd drill``: a simulated preemption against the running daemon, followed the whole
 way to a trainer that loads the checkpoint, with each stage's time; ``--restore-only``:
-the restore-and-load half by itself, on any node that reaches the store. Exit 1 when any
-stage failed (``ckptd.drill.model``), naming it."""
+the restore-and-load half by itself, on any node that reaches the store, and with
+``--resume-steps N -- CMD`` the trainer resumed from it for N steps. Exit 1 when any
+stage failed (``ckptd.drill.model``), naming it, or when the run has nothing committed to
+drill (nothing recorded then)."""
 
 from __future__ import annotations
 
@@ -28,11 +30,22 @@ LABELS = {
     "restored": "restored",
     "verified": "verified",
     "loaded": "loaded",
+    "resumed": "resumed",
 }
 # How long `ckptd drill` waits for a restore and its verification (a socket's idle time).
 PROOF_ALLOWANCE_SECONDS = 86400.0
 # The flags that belong to --restore-only (a fresh node, no daemon).
-RESTORE_ONLY_FLAGS = ("run_id", "checkpoint", "check", "scratch", "dest", "endpoint_url")
+RESTORE_ONLY_FLAGS = (
+    "run_id",
+    "checkpoint",
+    "check",
+    "scratch",
+    "dest",
+    "endpoint_url",
+    "resume_steps",
+    "resume_timeout",
+    "resume_command",
+)
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -75,13 +88,42 @@ def add_parser(sub: Subparsers) -> None:
         help="--restore-only: restore under DIR (default: [drill] scratch_dir, else "
         "<state.dir>/drill)",
     )
+    drill.add_argument(
+        "--resume-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--restore-only: then start the trainer (the command after --, default: [drill] "
+        "resume) from the restored checkpoint until it reports N steps (default: [drill] "
+        "resume_steps; 0: no resume)",
+    )
+    drill.add_argument(
+        "--resume-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="--restore-only: seconds the resumed trainer has for its steps (default: "
+        "[drill] resume_timeout_seconds)",
+    )
     drill.add_argument("--json", action="store_true", help=JSON_HELP)
+    drill.add_argument(
+        "resume_command",
+        nargs=argparse.REMAINDER,
+        metavar="CMD",
+        help="--restore-only --resume-steps N: the trainer, after --",
+    )
 
 
 def handle(args: argparse.Namespace) -> int:
+    command = list(args.resume_command)
+    args.resume_command = command[1:] if command[:1] == ["--"] else command
     if args.restore_only:
         if not args.run_id:
             raise UsageError("--restore-only needs --run RUN")
+        if args.resume_steps is not None and args.resume_steps < 0:
+            raise UsageError("--resume-steps must be 0 or more")
+        if args.resume_timeout is not None and not args.resume_timeout > 0:
+            raise UsageError("--resume-timeout must be more than 0")
         doc = _restore_only(args)
     else:
         given = [_flag(name) for name in RESTORE_ONLY_FLAGS if getattr(args, name)]
@@ -106,6 +148,8 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def _flag(name: str) -> str:
+    if name == "resume_command":
+        return "a command after --"
     return "--" + name.removesuffix("_id").replace("_", "-")
 
 
@@ -128,6 +172,15 @@ def _restore_only(args: argparse.Namespace) -> dict[str, Any]:
         if args.scratch is not None
         else config.scratch(settings.state.dir)
     )
+    resume = args.resume_command or config.resume
+    steps = config.resume_steps if args.resume_steps is None else args.resume_steps
+    if args.resume_command and not steps:
+        raise UsageError("a command after -- is the trainer to resume: give --resume-steps N")
+    if steps and not resume:
+        raise UsageError(
+            "--resume-steps needs the trainer's command: ckptd drill --restore-only --run RUN "
+            "--resume-steps N -- CMD [ARG...] (or [drill] resume)"
+        )
     record, key = run_restore_only(
         storage,
         RestoreOnlyDrill(
@@ -138,6 +191,9 @@ def _restore_only(args: argparse.Namespace) -> dict[str, Any]:
             config.check_timeout_seconds,
             concurrency=settings.destination.concurrency,
             keys=settings.authentication.key_ring(),
+            resume=resume,
+            resume_steps=steps,
+            resume_timeout=args.resume_timeout or config.resume_timeout_seconds,
         ),
     )
     return {**record.to_json(), "record": key}
@@ -173,6 +229,8 @@ def _print(doc: dict[str, Any], deadline: float | None) -> None:
         print(f"result: FAILED at {doc.get('failed_stage')}: {doc.get('error')}")
     if doc.get("record"):
         print(f"recorded: {doc['record']}")
+    elif deadline is None:
+        print("recorded: no (the store did not take the record; the result stands)")
 
 
 def _when(stage: dict[str, Any]) -> str:
