@@ -226,6 +226,17 @@ def is_withdrawal(body: bytes) -> bool:
     return isinstance(doc, dict) and doc.get("format") == WITHDRAWN_FORMAT
 
 
+def withdrawn_why(body: bytes) -> str | None:
+    """ "withdrawn by WHO on HOST at WHEN (REASON)" when ``body`` is a withdrawal."""
+    if not is_withdrawal(body):
+        return None
+    doc = json.loads(body)
+    return (
+        f"withdrawn by {doc.get('by', '?')} on {doc.get('host', '?')} at "
+        f"{doc.get('withdrawn_at', '?')} ({doc.get('reason', '')})"
+    )
+
+
 def lease_is_fresh(body: bytes, now: float, ttl: float = LEASE_TTL_SECONDS) -> bool:
     """Whether a lease was taken less than ``ttl`` seconds before ``now``; a lease
     whose time cannot be read counts as fresh (when unsure, keep)."""
@@ -373,9 +384,11 @@ class Repository:
         if checkpoint is not None:
             manifest = self.read_manifest(run_id, checkpoint, follow=True)
             if manifest is None:
+                body = self.read_manifest_bytes(run_id, checkpoint)
+                why = withdrawn_why(body) if body is not None else None
                 raise NotFoundError(
                     f"{run_id}/{checkpoint} is not committed "
-                    f"(no {manifest_key(run_id, checkpoint)})"
+                    f"({why or f'no {manifest_key(run_id, checkpoint)}'})"
                 )
             return manifest
         latest = self.read_latest(run_id)
@@ -609,4 +622,5 @@ __all__ = [
     "peer_key",
     "redirect_target",
     "run_prefix",
+    "withdrawn_why",
 ]

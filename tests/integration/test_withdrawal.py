@@ -32,6 +32,7 @@ from ckptd.commit.withdrawal import CLAIM_LIVE_SECONDS
 from ckptd.core import checksum
 from ckptd.core.manifest import Manifest, build_manifest
 from ckptd.repository import Repository, manifest_key, object_key
+from ckptd.storage.base import NotFoundError
 from ckptd.store.removal import RemovalRefusedError, apply_removal, plan_removal
 from ckptd.store.retention import apply_retention
 from tests.integration.test_commit_protocol import repo  # noqa: F401  (the four stores)
@@ -162,6 +163,8 @@ def test_rm_beside_an_upload_refuses_then_withdraws_at_every_instant(
         assert withdrawn(repo, NAME) is False
         remove(repo, force=True)
         assert withdrawn(repo, NAME)
+        with pytest.raises(NotFoundError, match="is not committed \\(withdrawn by rm on "):
+            repo.resolve(RUN, NAME)  # what restore --checkpoint and verify say of it
         assert upload.commit() is None
         assert assert_no_committed_hole(repo, [upload]) == []
         assert repo.read_latest(RUN) is None  # rm --force took LATEST with the commit

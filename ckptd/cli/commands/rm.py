@@ -96,7 +96,9 @@ def _summary(tier: TierStore, removal: Removal, dry: bool) -> str:
     kinds = [f"{len(removal.committed)} committed checkpoint(s)"]
     if removal.uncommitted:
         kinds.append(f"{len(removal.uncommitted)} uncommitted name(s)")
-    line = f"{verb} {what} from {tier.storage.url}: {', '.join(kinds)}, {removal.objects} objects"
+    # Done: what was deleted (a withdrawal left behind is not); dry: what the plan lists.
+    objects = removal.objects if dry else sum(s.objects for s in removal.steps)
+    line = f"{verb} {what} from {tier.storage.url}: {', '.join(kinds)}, {objects} objects"
     if removal.moves_latest:
         moved = (
             f"LATEST {'would move' if dry else 'moved'} to {removal.run_id}/{removal.latest_after}"
