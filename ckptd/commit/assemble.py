@@ -8,13 +8,21 @@
     part      each node, once its files are uploaded and verified, writes
               ckptd.part-<rank>.json carrying the announced save (``write_part``)
     commit    a node that finds every rank's part of the announced save merges them
-              (``ckptd.commit.parts.merge_parts``), checks every object is in the store with
-              the listed size, and commits the union with ``ckptd.commit.single``'s one
+              (``ckptd.commit.parts.merge_parts``), checks every object in the store is
+              the one its node wrote (its size, and the identity its part recorded:
+              ``ckptd.commit.objects.not_as_written``), and commits the union with
+              ``ckptd.commit.single``'s one
               conditional write (``try_commit``); exactly one node's write wins. The
               node whose part completes the set does so right after writing it; a node
               that only polls reads the parts when it is node 0, or when every part
               has been listed for ``TAKEOVER_POLLS`` of its polls (node 0 gone): so a
               commit costs N part reads, not N per node (``assemble=False``)
+
+Every object of a save, its announcement, its parts and its manifest are in the one slot
+its job's writer claimed (``ckptd.sync.claims.cluster_writer``): another job of the same
+run id saving the same name is another writer, in another slot, and the name's one
+conditional write commits one job's save whole; every node of the other job finds the
+name committed by another writer (``try_commit``) and is refused as a conflict.
 
 The store is the only coordinator: every step is an object read or written, so a daemon
 killed anywhere repeats its step on restart (the announcement and part are rewritten
@@ -45,8 +53,11 @@ from ckptd.commit.single import (
     Slot,
     Writer,
     commit,
+    committed_at,
+    conflict,
     move_latest,
 )
+from ckptd.commit.slots import Withdrawal
 from ckptd.core import digest
 from ckptd.core.manifest import Manifest, ManifestError, build_manifest
 from ckptd.core.signing import KeyRing
@@ -65,6 +76,13 @@ class Committer:
     rank: int
     host: str
     environment: Mapping[str, str] = field(default_factory=dict)
+    # The job's writer (``ckptd.sync.claims.cluster_writer``); "": not known (an
+    # announcement is then taken whoever wrote it).
+    writer: str = ""
+
+    def owns(self, announcement: Announcement) -> bool:
+        """Whether ``announcement`` is this node's job's (its writer's)."""
+        return not self.writer or announcement.writer == self.writer
 
 
 @dataclass(frozen=True)
@@ -104,9 +122,9 @@ class AssemblyResult:
 
 
 def announce(repo: Repository, announcement: Announcement) -> Announcement:
-    """Write ``announcement`` unless one in force wins over it (``announcer_may_overwrite``);
-    returns the announcement in force afterwards."""
-    existing = objects.read_announcement(repo, announcement.run_id, announcement.checkpoint)
+    """Write ``announcement`` in its slot unless one in force there wins over it
+    (``announcer_may_overwrite``); returns the announcement in force afterwards."""
+    existing = objects.read_announcement(repo, announcement.run_id, announcement.slot_name)
     if existing is not None and existing.save == announcement.save:
         return existing
     if not announcer_may_overwrite(existing, announcement.node_rank, announcement.save):
@@ -116,16 +134,19 @@ def announce(repo: Repository, announcement: Announcement) -> Announcement:
     return announcement
 
 
-def withdraw(repo: Repository, run: str, name: str, rank: int, save: str) -> bool:
+def withdraw(
+    repo: Repository, run: str, name: str, rank: int, save: str, slot: str | None = None
+) -> bool:
     """The announcing node's files changed (a re-save under the same name has begun):
-    remove its announcement and its part of ``save``, so no other node pairs its new
-    files with the old save. Only objects of ``save`` by ``rank`` are removed; returns
-    whether the announcement was."""
-    announcement = objects.read_announcement(repo, run, name)
-    slot = announcement.slot_name if announcement is not None else name
+    remove its announcement and its part of ``save`` in ``slot`` (None: the name's own),
+    so no other node pairs its new files with the old save. Only objects of ``save`` by
+    ``rank`` are removed; returns whether the announcement was."""
+    where = slot or name
+    announcement = objects.read_announcement(repo, run, where)
+    slot = announcement.slot_name if announcement is not None else where
     gone = False
     if announcement is not None and (announcement.node_rank, announcement.save) == (rank, save):
-        repo.delete([announce_key(run, name)])
+        repo.delete([announce_key(run, where)])
         gone = True
     part = objects.read_part(repo, run, slot, rank)
     if part is not None and part.save == save:
@@ -143,6 +164,7 @@ def try_commit(
     now: float,
     keys: KeyRing | None = None,
     assemble: bool = True,
+    slot: str | None = None,
 ) -> AssemblyResult:
     """Commit ``run/name`` if every part of the announced save is there (module doc);
     with ``assemble`` False, stop short of reading the parts once all are listed
@@ -151,22 +173,41 @@ def try_commit(
     node holds the key; the parts are not signed, the manifest made of them is).
 
     ``save`` is the save this node's part answered (None: no opinion, as when a node
-    only looks); an announcement of another save means this node's part is stale."""
-    existing = repo.read_manifest(run, name, follow=True)
-    if existing is not None and existing.local_name == name:
-        move_latest(repo, existing)  # a crash between manifest and LATEST (commit.py)
-        return AssemblyResult(Assembly.COMMITTED, existing, already_committed=True)
-    announcement = objects.read_announcement(repo, run, name)
+    only looks); an announcement of another save means this node's part is stale.
+    ``slot`` is where this node's job ships the save (None: the name's own slot); an
+    announcement there by another writer is not this job's and is never followed. The
+    name committed by another writer (its manifest at the name's commit point, on the
+    announced trajectory) is a CONFLICT: that content is never this job's."""
+    where = slot or name
+    announcement = objects.read_announcement(repo, run, where)
+    if announcement is not None and not committer.owns(announcement):
+        announcement = None
     if announcement is None:
+        existing = repo.read_manifest(run, name, follow=True)
+        if existing is not None and existing.local_name == name and existing.checkpoint == where:
+            move_latest(repo, existing)  # a crash between manifest and LATEST (commit.py)
+            return AssemblyResult(Assembly.COMMITTED, existing, already_committed=True)
         return AssemblyResult(
             Assembly.WAITING, missing=tuple(range(committer.nodes)), reason="no announcement"
         )
     slot = announcement.slot_name
-    if slot != name:
-        existing = repo.read_manifest(run, slot)
-        if existing is not None:
-            move_latest(repo, existing)
-            return AssemblyResult(Assembly.COMMITTED, existing, already_committed=True)
+    found = committed_at(repo, run, announced_slot(announcement))
+    if isinstance(found, Manifest) and found.checkpoint == slot:
+        move_latest(repo, found)  # a crash between manifest and LATEST (commit.py)
+        return AssemblyResult(Assembly.COMMITTED, found, already_committed=True)
+    if isinstance(found, Manifest | Withdrawal):
+        return AssemblyResult(
+            Assembly.CONFLICT,
+            reason=str(
+                conflict(
+                    run,
+                    name,
+                    found,
+                    f"this job's save {announcement.save} in slot {slot} is never committed",
+                )
+            ),
+            announcement=announcement,
+        )
     if save is not None and announcement.save != save:
         return AssemblyResult(
             Assembly.RESAVED,
@@ -242,15 +283,23 @@ def _commit_union(
         ),
         digest_algorithm=digest.ALGORITHM,
     )
-    mismatches = repo.object_mismatches(manifest)
-    if mismatches:
-        # A part says verified, yet an object is gone or of another size: a node is
-        # re-shipping (a re-save) or something deleted it. Never commit; wait.
-        first = mismatches[0]
+    # Every object must be the one its node wrote (its size, and the identity its part
+    # recorded): never a manifest over another writer's bytes at one of its keys.
+    wrong = objects.not_as_written(
+        repo,
+        run,
+        announcement.slot_name,
+        [(f.path, f.size) for f in merged.files],
+        merged.objects,
+    )
+    if wrong:
+        # A part says verified, yet an object is gone, of another size or another write:
+        # a node is re-shipping (a re-save), something deleted it, or another writer's
+        # bytes are at its key. Never commit; wait for the parts to be written again.
         return AssemblyResult(
             Assembly.WAITING,
             missing=(),
-            reason=f"{len(mismatches)} object(s) not as the parts list them, e.g. {first.path}",
+            reason=f"{len(wrong)} object(s) not as the parts list them, e.g. {wrong[0]}",
             announcement=announcement,
         )
     if keys is not None:
@@ -258,7 +307,10 @@ def _commit_union(
             manifest = keys.sign(manifest)
         except ManifestError as exc:  # a part without digests: a node without the key
             return AssemblyResult(Assembly.CONFLICT, reason=str(exc), announcement=announcement)
-    writer = Writer(announcement.writer or f"node-{announcement.node_rank}", committer.host)
+    writer = Writer(
+        announcement.writer or committer.writer or f"node-{announcement.node_rank}",
+        committer.host,
+    )
     try:
         result = commit(repo, manifest, announced_slot(announcement), writer, now=now)
     except CommitConflictError as exc:

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
@@ -100,7 +100,7 @@ def save_id(fingerprint: Iterable[tuple[str, int, int]]) -> str:
 
 # Fields added with slots and trajectories: absent when unset, as a manifest's optional
 # ones, so an announcement without them is as it was.
-_OPTIONAL = ("slot", "canonical", "writer", "trajectory", "parent")
+_OPTIONAL = ("slot", "canonical", "writer", "trajectory", "parent", "objects")
 
 
 class _Model(BaseModel):
@@ -171,6 +171,11 @@ class Part(_Model):
     total_bytes: int = Field(ge=0)
     files: list[ManifestFile]
     environment: dict[str, str] = Field(default_factory=dict)
+    # Path -> the identity of the object this node wrote, as the store reported it once
+    # its bytes were verified (``ckptd.commit.objects.object_identity``): the committer
+    # commits only over these very objects, never over another writer's bytes written
+    # at the same key since. Absent (an older node): held to the size alone.
+    objects: dict[str, str] | None = None
 
     @field_validator("format")
     @classmethod
@@ -230,6 +235,9 @@ class Merged:
 
     files: tuple[ManifestFile, ...]
     created_at: str
+    # Path -> the object identities the parts recorded for it (several nodes may write
+    # one path with the same bytes); a path no part recorded one for is absent.
+    objects: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 MergeVerdict = Waiting | Conflict | Merged
@@ -268,7 +276,16 @@ def merge_parts(announcement: Announcement, parts: Mapping[int, Part], nodes: in
         if len(contents) > 1:
             return Conflict(path, tuple((r, f.size, f.crc32c) for r, f in versions))
         files.append(versions[0][1])
-    return Merged(tuple(files), min(p.created_at for p in current.values()))
+    written: dict[str, set[str]] = {}
+    for part in current.values():
+        for path, identity in (part.objects or {}).items():
+            if identity:
+                written.setdefault(path, set()).add(identity)
+    return Merged(
+        tuple(files),
+        min(p.created_at for p in current.values()),
+        {path: frozenset(ids) for path, ids in written.items()},
+    )
 
 
 # -- who does what -----------------------------------------------------------------------

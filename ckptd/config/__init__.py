@@ -32,6 +32,7 @@ from ckptd.config.loading import (
     require_watch,
 )
 from ckptd.config.node import (
+    LAUNCHER_JOB_ID_VARIABLES,
     LAUNCHER_NODE_RANK_VARIABLES,
     CadenceConfig,
     ClusterConfig,
@@ -59,6 +60,7 @@ from ckptd.config.shipping import (
 __all__ = [
     "DEFAULT_CONFIG_PATH",
     "ENV_PREFIX",
+    "LAUNCHER_JOB_ID_VARIABLES",
     "LAUNCHER_NODE_RANK_VARIABLES",
     "AuthenticationConfig",
     "CadenceConfig",

@@ -19,7 +19,7 @@ from pydantic_settings import TomlConfigSettingsSource
 
 from ckptd.config.environment import read_environment
 from ckptd.config.errors import ConfigError, ConfigProblem, did_you_mean, unset_destination
-from ckptd.config.node import LAUNCHER_NODE_RANK_VARIABLES
+from ckptd.config.node import LAUNCHER_JOB_ID_VARIABLES, LAUNCHER_NODE_RANK_VARIABLES
 from ckptd.config.settings import Settings
 from ckptd.config.translation import translate
 
@@ -53,6 +53,7 @@ def load_settings(
 
     problems = list(env.problems)
     problems += _node_rank_from_launcher(merged, environ)
+    _job_id_from_launcher(merged, environ)
     # BaseSettings.__init__ takes underscore-prefixed keyword options (_env_file,
     # _cli_parse_args, ...), so a stray top-level key must never reach it as a keyword.
     fields = {name: value for name, value in merged.items() if name in Settings.model_fields}
@@ -106,6 +107,35 @@ def _node_rank_from_launcher(
             "(set cluster.node_rank or CKPTD_CLUSTER__NODE_RANK)",
         )
     ]
+
+
+def _job_id_from_launcher(merged: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """Fill ``cluster.job_id`` from the first launcher variable set, when no layer set it
+    (a multi-node cluster only). Slurm keeps a job's id across a requeue: a restarted one
+    (``SLURM_RESTART_COUNT`` above 0) is ``<id>.r<count>``, another job than the attempt
+    before it, which may still be running beside it. torchrun's default rendezvous id
+    ``none`` names no job. None set: left unset (``ckptd.sync.claims.cluster_writer``)."""
+    cluster = merged.get("cluster")
+    if cluster is not None and not isinstance(cluster, dict):
+        return
+    cluster = cluster or {}
+    if cluster.get("job_id") is not None:
+        return
+    try:
+        if int(cluster.get("nodes", 1)) <= 1:
+            return
+    except (TypeError, ValueError):
+        return
+    for name in LAUNCHER_JOB_ID_VARIABLES:
+        raw = environ.get(name, "").strip()
+        if not raw or (name == "TORCHELASTIC_RUN_ID" and raw == "none"):
+            continue
+        if name == "SLURM_JOB_ID":
+            restarts = environ.get("SLURM_RESTART_COUNT", "").strip()
+            if restarts.isdigit() and int(restarts) > 0:
+                raw = f"{raw}.r{int(restarts)}"
+        merged["cluster"] = {**cluster, "job_id": raw}
+        return
 
 
 def require_destination(settings: Settings) -> None:

@@ -20,6 +20,7 @@ from ckptd.config.errors import keyed_error
 
 __all__ = [
     "CONTROL_SOCKET_NAME",
+    "LAUNCHER_JOB_ID_VARIABLES",
     "LAUNCHER_NODE_RANK_VARIABLES",
     "CadenceConfig",
     "ClusterConfig",
@@ -142,6 +143,19 @@ LAUNCHER_NODE_RANK_VARIABLES: tuple[str, ...] = (
 )
 
 
+#: Where launchers put the job's id, the same on every node of one job and different for
+#: another job, tried in order when ``cluster.job_id`` is not set: Slurm (SLURM_JOB_ID,
+#: with SLURM_RESTART_COUNT appended once a requeued job restarts: a requeue keeps the
+#: id), torchrun's rendezvous id (TORCHELASTIC_RUN_ID, but its default ``none``) and
+#: SkyPilot (SKYPILOT_TASK_ID). Two jobs of one run id are told apart by it
+#: (``ckptd.sync.claims.cluster_writer``).
+LAUNCHER_JOB_ID_VARIABLES: tuple[str, ...] = (
+    "SLURM_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
+    "SKYPILOT_TASK_ID",
+)
+
+
 class ClusterConfig(Section):
     """Several nodes whose local disks each hold part of every checkpoint."""
 
@@ -159,6 +173,21 @@ class ClusterConfig(Section):
         description="This node, 0 .. nodes-1; when unset (and nodes > 1) taken from "
         + ", ".join(LAUNCHER_NODE_RANK_VARIABLES[:-1])
         + f" or {LAUNCHER_NODE_RANK_VARIABLES[-1]}, the first one set.",
+    )
+    # None = not configured: load_settings fills it from a launcher's variable, if any.
+    job_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="The job these nodes are (with nodes > 1): the same on every node of "
+        "one job, another for any other job, a relaunch included. Every node of a job "
+        "ships a save into one slot as the writer `cluster-<nodes>-<job_id>`; another job "
+        "of the same run id is another writer and never shares it. When unset, taken from "
+        + ", ".join(LAUNCHER_JOB_ID_VARIABLES[:-1])
+        + f" or {LAUNCHER_JOB_ID_VARIABLES[-1]}, the first one set (Slurm's with "
+        "`SLURM_RESTART_COUNT` once requeued); with none, every job of the run id is the "
+        "one writer `cluster-<nodes>`, and two jobs saving the same name at once cannot be "
+        "told apart (docs/many-nodes.md).",
     )
     poll_interval_seconds: float = Field(
         default=1.0,

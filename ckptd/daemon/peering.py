@@ -48,6 +48,7 @@ from ckptd.runtime.clock import Clock
 from ckptd.runtime.environment import describe
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage.base import Storage
+from ckptd.sync.claims import cluster_writer
 from ckptd.sync.handoff import TICK_SECONDS as HANDOFF_TICK_SECONDS
 from ckptd.sync.handoff import HandOff
 from ckptd.sync.journal import Journal
@@ -102,7 +103,7 @@ class Peering:
             self.own,
             Identity(
                 peer=peer_id,
-                writer=f"cluster-{cluster.nodes}",
+                writer=cluster_writer(cluster),
                 host=self.host,
                 rank=cluster.rank,
                 nodes=cluster.nodes,
@@ -128,7 +129,7 @@ class Peering:
             self.client,
             repo,
             self.transfers,
-            Committer(cluster.nodes, cluster.rank, self.host, describe()),
+            Committer(cluster.nodes, cluster.rank, self.host, describe(), cluster_writer(cluster)),
             after_seconds=peers.handoff_after_seconds,
             keys=settings.authentication.key_ring(),
             metrics=metrics,

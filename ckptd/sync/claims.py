@@ -21,6 +21,20 @@ from ckptd.runtime.clock import Clock
 from ckptd.sync.journal import Journal
 
 
+def cluster_writer(cluster: ClusterConfig) -> str:
+    """The writer every node of one many-node job claims as, and only that job's nodes:
+    ``cluster-<nodes>-<job_id>``. Every node of the job ships a save into the one slot its
+    writer claims (early files included, before the save is announced); another job of
+    the same run id (a relaunch beside a zombie of itself, a second submission) is another
+    writer, so it gets a slot of its own (``ckptd.commit.slots``) and its save can only
+    commit whole or be refused as a conflict, never share objects, parts or an
+    announcement with this one. Without a job id (no ``cluster.job_id``, no launcher's)
+    every job of the run is ``cluster-<nodes>``: one job at a time (docs/many-nodes.md)."""
+    if cluster.job_id:
+        return f"cluster-{cluster.nodes}-{cluster.job_id}"
+    return f"cluster-{cluster.nodes}"
+
+
 class Claims:
     """The slots this node ships into, by run, name and trajectory (module doc)."""
 
@@ -39,11 +53,11 @@ class Claims:
         cls, repo: Repository, journal: Journal, cluster: ClusterConfig, clock: Clock, log: Any
     ) -> Claims:
         """This node's claims: as the journal's writer on this host; with many nodes, as
-        the job's (``cluster-<nodes>``): every node of a save claims the same slot, and so
+        the job's (``cluster_writer``): every node of a save claims the same slot, and so
         ships into it, early files included, before the save is announced."""
         host = socket.gethostname()
         if cluster.multi_node:
-            writer = Writer(f"cluster-{cluster.nodes}", host, cluster.rank)
+            writer = Writer(cluster_writer(cluster), host, cluster.rank)
         else:
             writer = Writer(journal.writer, host)
         return cls(repo, journal, writer, clock, log)

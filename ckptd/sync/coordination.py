@@ -44,20 +44,27 @@ from ckptd.commit.parts import (
 from ckptd.commit.parts import (
     superseded as save_superseded,
 )
-from ckptd.core.manifest import utc_timestamp
+from ckptd.commit.single import CommitConflictError, Slot, conflict
+from ckptd.commit.slots import Withdrawal
+from ckptd.core.manifest import Manifest, utc_timestamp
 from ckptd.core.signing import KeyRing
 from ckptd.layouts.base import CheckpointListing, Completion, not_complete, settled, step_of
 from ckptd.repository import Repository
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.metrics import Metrics
 from ckptd.storage.base import StorageError
+from ckptd.sync.claims import Claims
 from ckptd.sync.queue import EMERGENCY_MTIME_SLACK, Pending, ShipQueue
-from ckptd.sync.runs import RunState, WaitingEntry, previous_manifest
+from ckptd.sync.runs import RunState, WaitingEntry, lineage_of, previous_manifest
 from ckptd.sync.ship import ClusterConflictError, Outcome, ShipResult
 
 # What ``poll`` hands back for each global commit: the run, the checkpoint as if it had
 # been queued, and the outcome as a ship of its own would have carried it.
 GlobalCommit = tuple[RunState, Pending, ShipResult]
+
+# A node awaiting its job's announcement reads what commits the name (another job may
+# have committed it: a conflict) on its first look and then every this many polls.
+COMMIT_POINT_POLLS = 5
 
 
 def judge_role(
@@ -133,8 +140,12 @@ class ClusterCoordination:
         keys: KeyRing | None,
         look_again: Callable[[str, str, float], None],
         changed: Callable[[], None],
+        claims: Claims | None = None,
     ) -> None:
         self.committer = committer  # None: one node
+        # The job's claims (``ckptd.sync.claims``): the slot this node's job ships a name
+        # into, where a job other than the name's canonical owner announces its save.
+        self.claims = claims
         self.runs = runs
         self.repo = repo
         self.queue = queue
@@ -152,6 +163,13 @@ class ClusterCoordination:
         # Per waiting checkpoint: this node's polls in a row that found every part listed
         # and left the reading of the parts to node 0 (``assemble.TAKEOVER_POLLS``).
         self._all_listed: dict[tuple[str, str], int] = {}
+        # Per checkpoint: the slot its save ships into (learnt from its announcement),
+        # the listing a follower awaits an announcement for (its trajectory, so its own
+        # slot), the slot this node claimed, and its looks at the commit point.
+        self._slots: dict[tuple[str, str], str] = {}
+        self._listings: dict[tuple[str, str], CheckpointListing] = {}
+        self._own: dict[tuple[str, str], Slot] = {}
+        self._looks: dict[tuple[str, str], int] = {}
 
     @property
     def whole_prefix(self) -> bool:
@@ -169,17 +187,84 @@ class ClusterCoordination:
         )
         if self.committer is None:
             return verdict, None
-        return judge_role(state, listing, verdict, self.committer, self.clock.time())
+        judged = judge_role(state, listing, verdict, self.committer, self.clock.time())
+        if listing.name in state.awaiting:
+            self._listings[(state.run_id, listing.name)] = listing
+        return judged
+
+    def _slot_of(self, run: str, name: str) -> str | None:
+        """The slot this node's job ships ``run/name`` into, as far as it knows (None: the
+        name's own, as before slots). Blocking (the journal)."""
+        key = (run, name)
+        if key in self._slots:
+            return self._slots[key]
+        own = self._own.get(key)
+        if own is not None:
+            return own.slot
+        if self.claims is not None:
+            slots = self.claims.journal.slots_of(run, name)
+            if len(slots) == 1:
+                return slots[0]
+        return None
+
+    async def _job_announcement(
+        self, state: RunState, name: str, committer: Committer
+    ) -> Announcement | CommitConflictError | None:
+        """The announcement of ``name`` by this node's job (``Committer.owns``): in the
+        name's own slot, else in the slot this node claims for it (another job holds the
+        name's: ``ckptd.sync.claims.cluster_writer``). Another job's announcement is never
+        followed. On the first look and every ``COMMIT_POINT_POLLS`` the commit point is
+        read too: the name committed (or withdrawn) under another writer means this job's
+        save can never commit, a conflict (returned)."""
+        run, key = state.run_id, (state.run_id, name)
+        found = await asyncio.to_thread(objects.read_announcement, self.repo, run, name)
+        if found is not None and committer.owns(found):
+            return found
+        looks = self._looks[key] = self._looks.get(key, 0) + 1
+        listing = self._listings.get(key)
+        if self.claims is not None and listing is not None and looks % COMMIT_POINT_POLLS == 1:
+            trajectory, _ = await lineage_of(state, listing)
+            prepared = await self.claims.prepare(run, name, trajectory.id)
+            if prepared.slot is not None:
+                self._own[key] = prepared.slot
+            theirs = prepared.committed
+            mine = prepared.slot.slot if prepared.slot is not None else None
+            if isinstance(theirs, Withdrawal) or (
+                isinstance(theirs, Manifest) and theirs.checkpoint != mine
+            ):
+                return conflict(
+                    run,
+                    name,
+                    theirs,
+                    "another writer's content commits the name; this "
+                    "job's save of it can never commit",
+                )
+        own = self._own.get(key)
+        if own is not None and own.slot != name:
+            found = await asyncio.to_thread(objects.read_announcement, self.repo, run, own.slot)
+            if found is not None and committer.owns(found):
+                return found
+        return None
+
+    def _forget(self, run: str, name: str) -> None:
+        key = (run, name)
+        self._slots.pop(key, None)
+        self._listings.pop(key, None)
+        self._own.pop(key, None)
+        self._looks.pop(key, None)
 
     def part_written(self, run: str, name: str) -> bool:
         """Many nodes: whether this node's part of ``run/name`` is in the store (its
-        objects then belong to a save the other nodes may still complete). Blocking."""
+        objects then belong to a save the other nodes may still complete): in the slot
+        its job's announcement names, or any slot this node claimed for it. Blocking."""
         committer = self.committer
         if committer is None:
             return False
+        slots = {name, *(self.claims.journal.slots_of(run, name) if self.claims else [])}
         announcement = objects.read_announcement(self.repo, run, name)
-        slot = announcement.slot_name if announcement is not None else name
-        return objects.read_part(self.repo, run, slot, committer.rank) is not None
+        if announcement is not None and committer.owns(announcement):
+            slots.add(announcement.slot_name)
+        return any(objects.read_part(self.repo, run, s, committer.rank) for s in slots)
 
     async def superseded(
         self, state: RunState, name: str, since: float, *, refresh: bool = False
@@ -230,7 +315,8 @@ class ClusterCoordination:
         state.waiting.pop(name, None)
         state.announcements.pop(name, None)
         try:
-            await asyncio.to_thread(withdraw, self.repo, run, name, committer.rank, save)
+            slot = await asyncio.to_thread(self._slot_of, run, name)
+            await asyncio.to_thread(withdraw, self.repo, run, name, committer.rank, save, slot)
         except StorageError as exc:
             self.log.warning(
                 "announcement_withdraw_failed", run=run, checkpoint=name, error=str(exc)
@@ -272,6 +358,10 @@ class ClusterCoordination:
             return
         if role is None:
             return
+        announced = assembly.announcement if assembly is not None else None
+        announced = announced or role.followed
+        if announced is not None:
+            self._slots[(state.run_id, name)] = announced.slot_name
         entry = state.waiting.get(name)
         if entry is None or entry.save != role.save:
             entry = state.waiting[name] = WaitingEntry(role.save, self.clock.time())
@@ -294,8 +384,15 @@ class ClusterCoordination:
             for name in list(state.awaiting):
                 if name in state.committed or name in state.failed_for_good:
                     state.awaiting.pop(name, None)
+                    self._forget(run, name)
                     continue
-                found = await asyncio.to_thread(objects.read_announcement, self.repo, run, name)
+                found = await self._job_announcement(state, name, committer)
+                if isinstance(found, CommitConflictError):
+                    state.awaiting.pop(name, None)
+                    self._forget(run, name)
+                    log = self.log.bind(run=run, checkpoint=name)
+                    self.conflict(state, name, ClusterConflictError(str(found)), log)
+                    continue
                 known = state.announcements.get(name)
                 if found is not None and (known is None or known.save != found.save):
                     state.announcements[name] = found
@@ -317,6 +414,7 @@ class ClusterCoordination:
                     now=self.clock.time(),
                     keys=self.keys,
                     assemble=committer.rank == 0 or listed >= TAKEOVER_POLLS,
+                    slot=await asyncio.to_thread(self._slot_of, run, name),
                 )
                 self._count_all_listed(run, name, result)
                 if result.outcome is Assembly.COMMITTED:

@@ -13,8 +13,9 @@ origin's name, through the commit protocol, and no human is involved. Each tick
    save, or the checkpoint committed): then the replica is marked delivered, nothing sent;
 3. **may this node write it?** The save must still be the announced one (a withdrawn or
    superseded save is stale: refused), and the slot's claim must name the replica's
-   writer. With many nodes that writer is ``cluster-<nodes>``: every node of the save is
-   the slot's writer (``ckptd.commit.slots``), this holder included. So the part ships
+   writer. With many nodes that writer is the job's (``ckptd.sync.claims.cluster_writer``):
+   every node of the save is the slot's writer (``ckptd.commit.slots``), this holder
+   included. So the part ships
    into **the origin's claimed slot**, where the other nodes' parts are and where the
    global commit joins them; a private slot and a redirect would commit the holder's
    copy alone, not the many-node checkpoint, and would leave the other parts orphaned;
@@ -213,7 +214,7 @@ class HandOff:
         """RefusedError unless the replica's save is the announced one and the slot's claim
         names the replica's writer (module doc, 3)."""
         r = held.replica
-        announcement = objects.read_announcement(self.repo, r.run_id, r.name)
+        announcement = objects.read_announcement(self.repo, r.run_id, r.checkpoint)
         if announcement is None or announcement.save != r.save:
             raise RefusedError(
                 f"save {r.save} of {r.run_id}/{r.name} is no longer announced "
@@ -232,7 +233,7 @@ class HandOff:
         if (
             claim is None
             or claim.writer != r.writer
-            or r.writer != f"cluster-{self.committer.nodes}"
+            or r.writer != (self.committer.writer or f"cluster-{self.committer.nodes}")
         ):
             raise RefusedError(
                 f"the claim of {r.run_id}/{r.checkpoint} does not name writer {r.writer} as "
@@ -301,6 +302,7 @@ class HandOff:
             save=r.save,
             now=self.clock.time(),
             keys=self.keys,
+            slot=r.checkpoint,
         )
         return result.outcome is Assembly.COMMITTED
 

@@ -145,7 +145,9 @@ class SyncPipeline:
         """The coordination with the other nodes (inert with one node)."""
         cluster = self.settings.cluster
         return ClusterCoordination(
-            Committer(cluster.nodes, cluster.rank, self.shipper.host, describe())
+            Committer(
+                cluster.nodes, cluster.rank, self.shipper.host, describe(), self.shipper.writer.id
+            )
             if cluster.multi_node
             else None,
             self.runs,
@@ -157,6 +159,7 @@ class SyncPipeline:
             keys=self.keys,
             look_again=self.hint,
             changed=self.update_gauges,
+            claims=self.shipper.claims,
         )
 
     def _intake(self) -> Intake:

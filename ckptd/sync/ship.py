@@ -41,7 +41,7 @@ from ckptd.commit.assemble import (
     announced_slot,
     try_commit,
 )
-from ckptd.commit.objects import write_part
+from ckptd.commit.objects import NOT_OURS, identities, object_identity, write_part
 from ckptd.commit.parts import Part, part_files
 from ckptd.commit.single import (
     CommitConflictError,
@@ -67,7 +67,7 @@ from ckptd.layouts.base import step_of
 from ckptd.repository import Repository, checkpoint_prefix
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.environment import describe
-from ckptd.storage.base import StorageError
+from ckptd.storage.base import ObjectInfo, StorageError
 from ckptd.sync.claims import Claims
 from ckptd.sync.files import CheckpointFiles
 from ckptd.sync.journal import Journal
@@ -118,6 +118,19 @@ class ShipResult:
         if self.error is None:
             return ""
         return getattr(self.error, "code", "") or type(self.error).__name__
+
+
+def _identity_of(result: FileResult, info: ObjectInfo | None) -> str:
+    """The identity of the object this node verified for ``result`` (``object_identity``),
+    or a mark no object ever has when what the store reports now is not that object (of
+    another size, or of another whole-object CRC-32C): the committer then never commits
+    over it, and waits for this node to ship again."""
+    if info is None or info.size != result.size:
+        return NOT_OURS
+    whole = info.checksum and "-" not in info.checksum
+    if whole and info.checksum != checksum.to_base64(result.crc32c):
+        return NOT_OURS
+    return object_identity(info) or ""
 
 
 class Shipper:
@@ -385,6 +398,12 @@ class Shipper:
         node's part is there (``ckptd.commit.assemble``)."""
         run, name = request.run, request.name
         now = self.clock.time()
+        assert request.slot is not None
+        # Which write of each object this node verified: the committer commits over these
+        # very objects only (``ckptd.commit.objects.not_as_written``).
+        found = await asyncio.to_thread(
+            identities, self.repo, run, request.slot.slot, [r.path for r in files]
+        )
         part = Part(
             run_id=run,
             checkpoint=name,
@@ -402,8 +421,10 @@ class Shipper:
                 {r.path: r.digest for r in files if r.digest},
             ),
             environment=self.environment,
+            objects={
+                r.path: identity for r in files if (identity := _identity_of(r, found[r.path]))
+            },
         )
-        assert request.slot is not None
         await asyncio.to_thread(write_part, self.repo, part, request.slot.slot)
         log.info("part_written", save=cluster.save, files=len(files), bytes=part.total_bytes)
         assembly = await asyncio.to_thread(
@@ -415,6 +436,7 @@ class Shipper:
             save=cluster.save,
             now=now,
             keys=self.keys,
+            slot=request.slot.slot,
         )
         result = ShipResult(
             Outcome.WAITING,

@@ -264,6 +264,7 @@ BAD_VALUES = [
     ("[cluster]\nnodes = 2\nnode_rank = 2", "cluster.node_rank"),
     ("[cluster]\nnode_rank = -1", "cluster.node_rank"),
     ("[cluster]\nnodes = 2", "cluster.node_rank"),
+    ('[cluster]\nnodes = 2\nnode_rank = 0\njob_id = ""', "cluster.job_id"),
     ("[cluster]\npoll_interval_seconds = 0", "cluster.poll_interval_seconds"),
     ("[cadence]\nmtbf_hours = -1", "cadence.mtbf_hours"),
     ("[cadence]\nmerge_seconds = -1", "cadence.merge_seconds"),
