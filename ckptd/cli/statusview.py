@@ -44,15 +44,21 @@ def progress_text(uploading: Mapping[str, Any] | None) -> Text:
     return text
 
 
-def _last_committed(last: Mapping[str, Any] | None) -> Text:
-    if not last:
+def _latest(run: Mapping[str, Any]) -> Text:
+    """What LATEST names (a daemon older than ``latest``: its last commit), and the last
+    commit in time below it when that is another checkpoint."""
+    latest = run.get("latest") or run.get("last_committed")
+    last = run.get("last_committed")
+    if not latest:
         return Text("-", style="dim")
-    step = last.get("step")
-    text = Text(str(last.get("checkpoint", "?")))
+    step = latest.get("step")
+    text = Text(str(latest.get("checkpoint", "?")))
     if step is not None:
         text.append(f" (step {step})", style="dim")
-    if last.get("committed_at"):
-        text.append(f"\n{last['committed_at']}", style="dim")
+    if latest.get("committed_at"):
+        text.append(f"\n{latest['committed_at']}", style="dim")
+    if last and last.get("checkpoint") != latest.get("checkpoint"):
+        text.append(f"\nlast commit: {last.get('checkpoint')}", style="dim")
     return text
 
 
@@ -68,7 +74,7 @@ def status_table(doc: Mapping[str, Any]) -> Table:
     table.add_column("RUN", style="bold", no_wrap=True)
     table.add_column("PENDING", justify="right")
     table.add_column("UPLOADING", no_wrap=True)
-    table.add_column("LAST COMMITTED")
+    table.add_column("LATEST")
     table.add_column("LAG", justify="right")
     table.add_column("FAILED", justify="right")
     runs: Mapping[str, Any] = doc.get("runs") or {}
@@ -79,7 +85,7 @@ def status_table(doc: Mapping[str, Any]) -> Table:
             run_id,
             str(len(pending)),
             progress_text(run.get("uploading")),
-            _last_committed(run.get("last_committed")),
+            _latest(run),
             _lag(float(run.get("sync_lag_seconds") or 0)),
             Text(str(failed), style="bold red" if failed else "dim"),
         )

@@ -223,6 +223,15 @@ class RunState:
                 "bytes_sent": current.sent_bytes,
             },
             "last_committed": self.last_committed,
+            # What LATEST names (a restore --latest takes it): the last commit in time may
+            # be another (a backlog shipped out of step order, an older trajectory's).
+            "latest": None
+            if self.previous is None
+            else {
+                "checkpoint": self.previous.checkpoint,
+                "step": self.previous.step,
+                "committed_at": self.previous.committed_at,
+            },
             "failed": self.failed_for_good,
             "failures": {
                 "count": sum((failures or {}).values()),

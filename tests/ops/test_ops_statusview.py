@@ -65,7 +65,7 @@ def status_doc(**overrides: Any) -> dict[str, Any]:
 
 def test_table_shows_run_pending_progress_last_commit_and_lag() -> None:
     text = render(status_doc())
-    for header in ("RUN", "PENDING", "UPLOADING", "LAST COMMITTED", "LAG", "FAILED"):
+    for header in ("RUN", "PENDING", "UPLOADING", "LATEST", "LAG", "FAILED"):
         assert header in text
     row = next(line for line in text.splitlines() if "run1" in line)
     assert "│ 2 " in row or " 2 │" in row  # two pending
@@ -153,11 +153,28 @@ def test_ckptd_status_prints_the_rich_table(
         as_json = run_cli("status", "--json", config=daemon.config, timeout=60)
         assert daemon.stop() == 0
     assert table.returncode == 0, table.stderr
-    for header in ("RUN", "PENDING", "UPLOADING", "LAST COMMITTED", "LAG"):
+    for header in ("RUN", "PENDING", "UPLOADING", "LATEST", "LAG"):
         assert header in table.stdout, table.stdout
     assert "checkpoint-10 (step 10)" in table.stdout
     assert "notice: none" in table.stdout
     assert json.loads(as_json.stdout)["runs"]["run1"]["last_committed"]["step"] == 10
+    assert json.loads(as_json.stdout)["runs"]["run1"]["latest"]["checkpoint"] == "checkpoint-10"
+
+
+def test_the_latest_column_shows_what_latest_names_not_the_last_commit_in_time() -> None:
+    """A backlog shipped 20 then 10 (or an abandoned trajectory's checkpoint committed
+    last): the column names what LATEST names, and the other commit beneath it."""
+    doc = status_doc()
+    run = doc["runs"]["run1"]
+    run["latest"] = {
+        "checkpoint": "checkpoint-20",
+        "step": 20,
+        "committed_at": "2026-12-02T12:00:05Z",
+    }
+    text = render(doc)
+    row = next(line for line in text.splitlines() if "run1" in line)
+    assert "checkpoint-20 (step 20)" in row
+    assert "last commit: checkpoint-10" in text
 
 
 def test_the_supervised_trainer_renders_under_exec_only() -> None:
