@@ -359,6 +359,12 @@ def goodput_text(goodput: Mapping[str, Any] | None) -> Text | None:
         text.append("  badput " + ", ".join(f"{c} {s:.0f} s" for s, c in worst))
     text.append(f"  interruptions {run.get('interruptions', 0)}")
     text.append(f"  steps lost {run.get('lost_steps', 0)}")
+    if run.get("no_step_reports"):
+        text.append(
+            "\n  no step reports arrived: call ckptd.trainer.report_step(step) after each "
+            "step (docs/goodput.md)",
+            style="yellow",
+        )
     return text
 
 

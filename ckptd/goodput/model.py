@@ -273,12 +273,19 @@ class Goodput:
         """Productive over wall; None before any time has passed."""
         return self.seconds.get("productive", 0.0) / self.wall if self.wall > 0 else None
 
+    @property
+    def without_steps(self) -> bool:
+        """Time passed and none of it productive: the trainer reported no step
+        (``ckptd.trainer.report_step``), so its time counts as startup."""
+        return self.wall > 0 and self.seconds.get("productive", 0.0) == 0.0
+
     def to_json(self) -> dict[str, Any]:
         return {
             "start": round(self.start, 3),
             "end": round(self.end, 3),
             "wall_seconds": round(self.wall, 3),
             "goodput_ratio": None if self.ratio is None else round(self.ratio, 4),
+            "no_step_reports": self.without_steps,
             "seconds": {c: round(s, 3) for c, s in sorted(self.seconds.items())},
             "attempts": self.attempts,
             "nodes": self.nodes,

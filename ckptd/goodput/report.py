@@ -86,6 +86,14 @@ def lost_comparison(run: Goodput, advice: Advice | None) -> dict[str, Any]:
     return out
 
 
+#: Said wherever goodput reads 0 % because no step report arrived.
+NO_STEPS_HINT = (
+    "no step reports arrived, so no time counts as productive (the trainer's reads as "
+    "startup): call ckptd.trainer.report_step(step) after each training step (the HF and "
+    "Lightning callbacks do); docs/goodput.md"
+)
+
+
 def summary_text(run_id: str, run: Goodput, day: Goodput, advice: Advice | None) -> str:
     """What ``ckptd report --run RUN`` prints."""
     if run.wall <= 0:
@@ -115,6 +123,8 @@ def summary_text(run_id: str, run: Goodput, day: Goodput, advice: Advice | None)
                 f"{_clock(i.at):<24} {i.node:<16} {i.cause:<16} {steps:>6} "
                 f"{_duration(i.lost_seconds):>9}"
             )
+    if run.without_steps:
+        lines += ["", NO_STEPS_HINT]
     compared = lost_comparison(run, advice)
     if advice is not None and compared["measured_mean_lost_seconds"] is not None:
         lines += [
@@ -175,6 +185,8 @@ def timeline_html(run_id: str, records: Sequence[Record], run: Goodput) -> str:
                 )
             )
     ratio = "-" if run.ratio is None else f"{100 * run.ratio:.1f} %"
+    if run.without_steps:
+        ratio += " (no step reports: call ckptd.trainer.report_step)"
     fig.update_layout(
         title=f"ckptd run {run_id}: goodput {ratio} over {_duration(run.wall)}",
         barmode="overlay",

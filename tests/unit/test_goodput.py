@@ -199,6 +199,24 @@ def test_the_status_line_shows_goodput_and_the_worst_causes() -> None:
     assert goodput_text(None) is None and goodput_text({"run": {}}) is None
 
 
+def test_no_step_reports_is_said_where_goodput_shows_and_not_otherwise() -> None:
+    """A trainer that follows the README without ``report_step``: its time reads as
+    startup and goodput as 0 %; the report, the JSON and ``ckptd status`` say why and
+    how to add them. One that reports steps gets no such line."""
+    from ckptd.cli.statusview import goodput_text
+    from ckptd.goodput.report import NO_STEPS_HINT, summary_text
+
+    silent = goodput([iv("startup", 0, 100)])
+    assert silent.ratio == 0.0 and silent.to_json()["no_step_reports"] is True
+    assert NO_STEPS_HINT in summary_text("run1", silent, silent, None)
+    shown = goodput_text({"run": silent.to_json()})
+    assert shown is not None and "report_step" in str(shown)
+    counted = goodput([iv("startup", 0, 10), iv("productive", 10, 100, steps=(0, 90))])
+    assert counted.to_json()["no_step_reports"] is False
+    assert "report_step" not in summary_text("run1", counted, counted, None)
+    assert "report_step" not in str(goodput_text({"run": counted.to_json()}))
+
+
 def test_a_missing_report_extra_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
