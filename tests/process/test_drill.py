@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -249,6 +250,62 @@ def test_two_daemons_of_one_run_make_one_drill_per_period(
         e for d in daemons for e in d.events_named("drill_skipped")
     ]
     assert waited
+
+
+def test_a_daemon_whose_run_saves_more_often_than_the_margin_drills_every_period(
+    tmp_path: Path, local_s3: LocalS3, s3_client: Any, s3_prefix: str, s3_dest: str
+) -> None:
+    """Issue 45, as it was seen: a run saving every second, advised every 60 s, under the
+    default 600 s margin: its advised next save is always within the margin, and the
+    daemon used to skip every period (no DRILL record, ``drill_skipped`` again at each
+    flip of the reason). Now each period's drill starts, right after a routine save."""
+    root = tmp_path / "run"
+    root.mkdir()
+    stop = threading.Event()
+
+    def trainer() -> None:  # a routine save every second (no process to signal)
+        step = 0
+        while not stop.wait(1.0):
+            step += 1
+            write_bytes(root / f"step-{step}" / "model.bin", 4096)
+            (root / f"step-{step}" / "COMPLETE").write_text(str(step))
+
+    daemon = Daemon.configured(
+        tmp_path,
+        watch=[{"dir": root, "run_id": "run1", "layout": "marker"}],
+        dest=s3_dest,
+        endpoint_url=local_s3.endpoint_url,
+        state_dir=tmp_path / "state",
+    )
+    daemon.env = {"CKPTD_PREEMPTION__SIGTERM": "stop"}  # the test's stop is no notice
+    # Periods of 8 s, the margin left at its default (600 s), the advice at most 60 s.
+    add_toml(
+        daemon,
+        "[cadence]\nmax_interval_seconds = 60\n"
+        '[drill]\nevery = "8s"\njitter = 0.1\ndeadline_seconds = 2\n',
+    )
+    writer = threading.Thread(target=trainer, daemon=True)
+    writer.start()
+    try:
+        with daemon:
+            records = wait_until(
+                lambda: (r := drill_records(s3_client, s3_prefix, "run1")) and len(r) >= 3 and r,
+                45,
+                "three periods' drills",
+                interval=0.5,
+                details=lambda: daemon.log_text()[-3000:],
+            )
+            advised = daemon.metric("ckptd_advised_checkpoint_interval_seconds", run="run1")
+            assert advised <= 60 < 600, advised
+            assert daemon.metric("ckptd_drill_periods_missed", run="run1") == 0
+            assert daemon.stop() == 0
+    finally:
+        stop.set()
+        writer.join()
+    periods = [r["period"] for r in records]
+    assert len(set(periods)) == len(periods), periods  # one drill a period
+    skipped = Counter(e["due"] for e in daemon.events_named("drill_skipped"))
+    assert set(skipped.values()) <= {1}, skipped  # once per due time
 
 
 def test_under_exec_the_trainer_stopped_by_a_drill_starts_again_from_its_checkpoint(
