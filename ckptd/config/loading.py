@@ -49,7 +49,9 @@ def load_settings(
     environ = os.environ if environ is None else environ
     env = read_environment(environ)
     override_layer = _without_none(overrides or {})
-    merged = _merge(_merge(file_layer, env.layer), override_layer)
+    below = _merge(file_layer, env.layer)
+    override_layer = _watch_over(below, override_layer)
+    merged = _merge(below, override_layer)
 
     problems = list(env.problems)
     problems += _node_rank_from_launcher(merged, environ)
@@ -200,6 +202,28 @@ def _without_none(data: Mapping[str, Any]) -> dict[str, Any]:
         for key, value in data.items()
         if value is not None
     }
+
+
+def _watch_over(below: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` with its ``--watch`` entry completed by the file's (or the
+    environment's) ``[[watch]]`` entry for the same directory: ``--watch DIR`` keeps that
+    entry's settings (``layout``, ``run_id``, ...), the flags' own over them. The list
+    still replaces the lower one: other directories are not watched."""
+    out = dict(overrides)
+    given, lower = overrides.get("watch"), below.get("watch")
+    if not (isinstance(given, list) and len(given) == 1 and isinstance(lower, list)):
+        return out
+    entry = given[0]
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("dir"), str):
+        return out
+    wanted = Path(entry["dir"]).expanduser().absolute()
+    for candidate in lower:
+        if not isinstance(candidate, Mapping) or not isinstance(candidate.get("dir"), str):
+            continue
+        if Path(candidate["dir"]).expanduser().absolute() == wanted:
+            out["watch"] = [{**candidate, **entry}]
+            break
+    return out
 
 
 def _merge(lower: Mapping[str, Any], higher: Mapping[str, Any]) -> dict[str, Any]:
