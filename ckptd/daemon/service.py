@@ -75,6 +75,8 @@ class WatchDirMissingError(CkptdError):
 
 # After SIGTERM: exit once nothing is pending, uploading or being written for this long.
 DRAIN_QUIET_SECONDS = 2.0
+# After a SIGTERM's flush, the retention pass its commits skipped gets at most this long.
+RETAIN_AT_STOP_SECONDS = 10.0
 # At shutdown, a cluster NOTICE write still in flight gets this long before the store closes.
 PUBLISH_DRAIN_SECONDS = 5.0
 
@@ -395,12 +397,25 @@ class Service:
                 quiet_since = quiet_since or self.clock.monotonic()
                 if self.clock.monotonic() - quiet_since >= DRAIN_QUIET_SECONDS:
                     self.log.info(flushed)
+                    await self._retain_before_exit(deadline)
                     return
             else:
                 quiet_since = None
             await asyncio.sleep(0.1)
         if not self.stop_event.is_set():
             self.log.warning(f"{why}_flush_timeout", seconds=self.shutdown_timeout)
+
+    async def _retain_before_exit(self, deadline: float) -> None:
+        """The retention pass the flush's commits skipped (a notice's seconds go to
+        commits, not deletes), so the store holds what the policy keeps when the daemon
+        is gone; within ``RETAIN_AT_STOP_SECONDS`` and what is left of the flush's time."""
+        left = min(RETAIN_AT_STOP_SECONDS, deadline - self.clock.monotonic())
+        if left <= 0:
+            return
+        try:
+            await asyncio.wait_for(self.tiers.retain(), timeout=left)
+        except TimeoutError:
+            self.log.warning("retention_at_stop_timeout", seconds=round(left, 1))
 
     # -- periodic work -----------------------------------------------------------------
 

@@ -107,6 +107,18 @@ class TierSet:
             ok = await t.pipeline.drain_once() and ok
         return ok
 
+    async def retain(self) -> None:
+        """A retention pass of every run on every tier, each by its own policy, the tiers
+        side by side; a tier whose pass fails is said and the others go on."""
+
+        async def one(t: Tier) -> None:
+            try:
+                await t.pipeline.retain()
+            except Exception as exc:  # noqa: BLE001 - a stop goes on whatever a pass met
+                t.pipeline.log.warning("retention_at_stop_failed", tier=t.name, error=str(exc))
+
+        await asyncio.gather(*(one(t) for t in self._tiers))
+
     def busy(self) -> bool:
         """Some tier still has work ``run --once`` waits for. A further tier that refuses
         this node (credentials, bucket) is not waited for: it holds the others back no

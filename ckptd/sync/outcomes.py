@@ -219,6 +219,29 @@ class Outcomes:
         if request.slot is not None and self.cluster.committer is None:
             await asyncio.to_thread(self._discard, state.run_id, name)
 
+    async def retain(self, state: RunState, log: Any) -> None:
+        """One retention pass of the run, remote then local (``after_commit``): after each
+        commit, and once more when a SIGTERM's flush is done (``SyncPipeline.retain``)."""
+        protected = (
+            set(self.queue.names(state.run_id))
+            | set(state.waiting)
+            | {n for r, n in self.early.ships if r == state.run_id}
+        )
+        removed = await after_commit(
+            self.repo,
+            self.settings.retention,
+            state.run_id,
+            state.dir,
+            protected=protected,
+            committed_here=self._locally_deletable(state.run_id),
+            log=log,
+            cluster_grace_seconds=None
+            if self.cluster.committer is None
+            else self.cluster.abandon_grace_seconds,
+            catalog=state.catalog,
+        )
+        state.seen.difference_update(removed)
+
     async def committed(
         self,
         state: RunState,
@@ -253,25 +276,7 @@ class Outcomes:
         if not result.commit.latest_moved and not result.already_committed:
             self._said_latest_stays(state, manifest, log)
         if self.emergency.since is None:  # never spend a preemption's seconds on deletes
-            protected = (
-                set(self.queue.names(state.run_id))
-                | set(state.waiting)
-                | {n for r, n in self.early.ships if r == state.run_id}
-            )
-            removed = await after_commit(
-                self.repo,
-                self.settings.retention,
-                state.run_id,
-                state.dir,
-                protected=protected,
-                committed_here=self._locally_deletable(state.run_id),
-                log=log,
-                cluster_grace_seconds=None
-                if self.cluster.committer is None
-                else self.cluster.abandon_grace_seconds,
-                catalog=state.catalog,
-            )
-            state.seen.difference_update(removed)
+            await self.retain(state, log)
         run = state.run_id
         self.metrics.upload_duration.labels(run=run).observe(
             max(0.0, self.clock.time() - pending.completed_at)

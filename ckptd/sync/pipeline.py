@@ -442,6 +442,12 @@ class SyncPipeline:
         # Failures left in backoff count as not done.
         return ok and not len(self.queue)
 
+    async def retain(self) -> None:
+        """One retention pass of every run (``Outcomes.retain``): what a SIGTERM's flush
+        left undone, since no pass runs while a notice's seconds are spent on commits."""
+        for state in self.runs.values():
+            await self.outcomes.retain(state, self.log.bind(run=state.run_id))
+
     def unshippable(self) -> dict[str, str]:
         """``run/name`` of each checkpoint that, as it is, never ships (``RunState
         .never_shipped``), with why: ``run --once`` fails on them."""
