@@ -116,7 +116,8 @@ Lowest priority first; each layer overrides the ones above it:
 
 Sections merge key by key: `CKPTD_DESTINATION__REGION` changes the region and leaves the
 file's `url`. Lists replace: `--watch DIR` or `CKPTD_WATCH` stands for every `[[watch]]`
-entry of the file. When no layer sets `cluster.node_rank` and `cluster.nodes` is above 1,
+entry of the file, but `--watch DIR` keeps the settings of the entry for that same
+directory (`run_id`, `layout`, ...; `--run` and `--layout` over them). When no layer sets `cluster.node_rank` and `cluster.nodes` is above 1,
 the rank comes from the first of these variables set in the environment (launchers set
 them): {_LAUNCHER_VARIABLES}.
 
