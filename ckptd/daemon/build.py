@@ -22,7 +22,7 @@ from typing import Any
 from ckptd.cadence.advisor import CadenceAdvisor
 from ckptd.config import Settings
 from ckptd.daemon.health import DestinationHealth, WatchedStorage
-from ckptd.daemon.peering import Peering
+from ckptd.daemon.peering import Peering, own_notice_to_peers
 from ckptd.daemon.tier_set import Tier, TierSet, committed_in_every_tier, tier_settings
 from ckptd.notices.cluster import ClusterNoticeSource, NoticePublisher
 from ckptd.notices.responder import Responder
@@ -133,7 +133,11 @@ def build_daemon(
             cluster = build_cluster_notices(
                 settings, opened[0].storage, first, metrics, clock, started_at
             )
-            wired.responder.publish_notice = cluster.publisher.publish
+            wired.responder.publish_notice = (
+                cluster.publisher.publish
+                if peering is None
+                else own_notice_to_peers(cluster.publisher.publish, peering)
+            )
         return DaemonParts(
             metrics=metrics,
             locks=locks,

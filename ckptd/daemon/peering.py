@@ -15,6 +15,11 @@
               first announcement; then the periodic work's task:
               announcements every ``announce_interval_seconds``, hand-offs every
               ``ckptd.sync.handoff.TICK_SECONDS``, idle transfers expired
+    notice    a notice of this node's own (``noticed``; the daemon's build hands it every
+              notice it publishes to the run's NOTICE): until its deadline this node
+              holds no other node's part (its peer port refuses offers, chunks and seals
+              with 503 ``notice``, its hello says ``"notice": true``) and its
+              announcement says so, written again at once (``notice_until``)
     stop      the periodic work cancelled, the port closed, pushes and hand-offs cancelled, the directory closed
 
 ``status`` is ``/v1/status``'s ``peers`` (docs/design.md, "Peer replication").
@@ -23,7 +28,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import socket
 from collections.abc import Awaitable, Callable
@@ -36,11 +40,14 @@ from ckptd.config import Settings
 from ckptd.config.base import parse_listen
 from ckptd.config.errors import ConfigError
 from ckptd.config.peers import read_peer_token
+from ckptd.notices.model import Notice
 from ckptd.notices.zone import failure_domain
 from ckptd.peers.client import PeerClient
 from ckptd.peers.discovery import Discovery, route_address
+from ckptd.peers.liveness import UNBOUNDED_NOTICE_SECONDS
 from ckptd.peers.model import PeerAnnouncement
 from ckptd.peers.own import OwnParts
+from ckptd.peers.placement import under_notice
 from ckptd.peers.replicas import ReplicaStore
 from ckptd.peers.server import PeerServer
 from ckptd.repository import Repository
@@ -82,13 +89,23 @@ class Peering:
         self.address = ""
         self.domain = peers.failure_domain
         self._periodic: asyncio.Task[None] | None = None  # from start to stop
+        self.started_at = clock.time()
+        self.notice_until: float | None = None  # Unix time: this node's own notice ends
+        self._announcing: set[asyncio.Task[None]] = set()
         token = read_peer_token(peers)
         state_dir = Path(settings.state.dir)
         self.store = ReplicaStore(peers.replica_dir(state_dir), peers.quota_bytes, self.log)
         self.own = OwnParts()
         self.client = PeerClient(token, clock)
         self.server = PeerServer(
-            self.store, self.own, token, metrics, clock, self.log, hello=self.hello
+            self.store,
+            self.own,
+            token,
+            metrics,
+            clock,
+            self.log,
+            hello=self.hello,
+            notice=self.under_notice,
         )
         repo = Repository(storage)
         runs = [w.effective_run_id for w in settings.watch]
@@ -146,7 +163,35 @@ class Peering:
             "node_rank": self.settings.cluster.rank,
             "host": self.host,
             "address": self.address,
+            "notice": self.under_notice(),
         }
+
+    def under_notice(self) -> bool:
+        """Whether this node has a notice of its own now (module doc, "notice")."""
+        return self.notice_until is not None and self.clock.time() < self.notice_until
+
+    def noticed(self, notice: Notice) -> None:
+        """A notice of this node's own: it holds no other node's part until the notice's
+        deadline (``UNBOUNDED_NOTICE_SECONDS`` without one), and says so in its
+        announcement at once (in the background: the caller never waits on the store)."""
+        now = self.clock.time()
+        until = (
+            notice.deadline.timestamp()
+            if notice.deadline is not None
+            else now + UNBOUNDED_NOTICE_SECONDS
+        )
+        self.notice_until = max(self.notice_until or 0.0, until)
+        self.log.warning(
+            "peer_holding_stopped",
+            why="this node has a notice",
+            source=notice.source,
+            seconds=round(until - now, 3),
+        )
+        if self._periodic is None:
+            return  # not started (run --once): nothing announced, nothing served
+        task = asyncio.get_running_loop().create_task(self.discovery.announce_now())
+        self._announcing.add(task)
+        task.add_done_callback(self._announcing.discard)
 
     def announcement(self, run: str) -> PeerAnnouncement:
         cluster = self.settings.cluster
@@ -162,6 +207,8 @@ class Peering:
             quota_bytes=self.store.quota_bytes,
             free_bytes=self.store.free_bytes() if self.store.is_open else 0,
             updated_at=self.clock.time(),
+            notice_until=self.notice_until if self.under_notice() else None,
+            started_at=self.started_at,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -246,10 +293,10 @@ class Peering:
 
     async def stop(self) -> None:
         self.replicator.active = False
-        if self._periodic is not None:
-            self._periodic.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._periodic
+        tasks = [*self._announcing, *([self._periodic] if self._periodic else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.server.stop()
         await self.replicator.close()
         await self.handoff.close()
@@ -268,6 +315,7 @@ class Peering:
         return {
             "address": self.address,
             "failure_domain": self.domain,
+            "notice": self.under_notice(),
             "known": [
                 {
                     "run": a.run_id,
@@ -276,6 +324,7 @@ class Peering:
                     "failure_domain": a.failure_domain,
                     "free_bytes": a.free_bytes,
                     "age_s": round(now - a.updated_at, 1),
+                    "notice": under_notice(a, self.discovery.notices(run), now),
                 }
                 for run in self.discovery.runs
                 for a in self.discovery.fresh(run, rank)
@@ -317,4 +366,24 @@ async def stop_peering(peering: Peering | None) -> None:
         await peering.stop()
 
 
-__all__ = ["HOUSEKEEPING_SECONDS", "Peering", "start_peering", "stop_peering"]
+def own_notice_to_peers(
+    publish: Callable[[Notice], asyncio.Task[bool]], peering: Peering
+) -> Callable[[Notice], asyncio.Task[bool]]:
+    """The responder's ``publish_notice`` (called for this node's own notices only, never
+    for one followed from another node), telling ``peering`` first: a node with a notice
+    holds no other node's part (module doc, "notice")."""
+
+    def both(notice: Notice) -> asyncio.Task[bool]:
+        peering.noticed(notice)
+        return publish(notice)
+
+    return both
+
+
+__all__ = [
+    "HOUSEKEEPING_SECONDS",
+    "Peering",
+    "own_notice_to_peers",
+    "start_peering",
+    "stop_peering",
+]

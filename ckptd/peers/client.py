@@ -16,7 +16,15 @@ A push (``push``) is an offer, the chunks, and a seal:
   the seal: a file the trainer rewrote meanwhile fails the push, never seals a mixture;
 - the seal sends the replica (each file's CRC-32C folded from its chunks', and digest);
   the push counts only if the answer names ``replica_id`` of exactly that replica with
-  a valid acknowledgement for this request (``ckptd.peers.auth.ack``).
+  a valid acknowledgement for this request (``ckptd.peers.auth.ack``);
+- the whole push is watched (``ckptd.peers.liveness``): the holder is asked
+  ``/v1/peer/hello`` every ``PROBE_SECONDS`` beside it, and a holder that answered
+  nothing for ``STALL_SECONDS``, took no chunk for that long while chunks were in flight,
+  or has a notice (its hello says so, or it refuses with 503 ``notice``), is
+  **abandoned** there and then (``PeerAbandonedError``): the push ends at once, whatever
+  request was hanging on it (a dead host's socket can block a write for minutes), and
+  the transfer is dropped on the holder in the background. The deadline still bounds
+  every retry.
 
 What goes wrong is a ``PeerError`` whose ``reason`` is the metric's label.
 """
@@ -38,6 +46,13 @@ from ckptd.core import checksum, digest
 from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import ManifestFile
 from ckptd.peers import auth
+from ckptd.peers.liveness import (
+    CONNECT_SECONDS,
+    PROBE_SECONDS,
+    STALL_SECONDS,
+    WATCH_TICK_SECONDS,
+    Liveness,
+)
 from ckptd.peers.model import Offer, Replica, SizedFile, chunk_spans, replica_id
 from ckptd.peers.own import Identity, identity_of
 from ckptd.peers.pacing import Pace
@@ -49,7 +64,6 @@ CONCURRENCY = 4
 #: Sends of one damaged (422) chunk before the push gives up: a link that damages every
 #: body is not one to keep a replica through.
 DAMAGED_SENDS = 5
-CONNECT_SECONDS = 3.0
 READ_SECONDS = 30.0
 
 
@@ -64,6 +78,16 @@ class PeerError(CkptdError):
 class PeerRestartedError(PeerError):
     def __init__(self, message: str) -> None:
         super().__init__(message, "restarted")
+
+
+class PeerAbandonedError(PeerError):
+    """The push was given up on its holder (module doc): ``why`` is "notice" (it has
+    one), "silent" (it answered nothing) or "stalled" (it took no chunk)."""
+
+    def __init__(self, message: str, why: str, after: float) -> None:
+        super().__init__(message, "abandoned")
+        self.why = why
+        self.after = after  # seconds into the push
 
 
 @dataclass(frozen=True)
@@ -100,6 +124,7 @@ class PeerClient:
         self.token = token
         self.clock = clock
         self._session: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task[None]] = set()
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -112,6 +137,9 @@ class PeerClient:
         return self._session
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -185,23 +213,89 @@ class PeerClient:
         digests: bool,
         on_bytes: Callable[[int], None] = lambda n: None,
         concurrency: int = CONCURRENCY,
+        stall: float = STALL_SECONDS,
     ) -> PushResult:
         """Send ``files`` as the part ``header`` describes (its ``files`` are filled in
-        here) to the holder at ``address``, by ``deadline`` (monotonic); module doc."""
+        here) to the holder at ``address``, by ``deadline`` (monotonic), abandoning a
+        holder that stops answering for ``stall`` seconds or has a notice; module doc."""
+        started = self.clock.monotonic()
+        watch = Liveness(started, stall)
+        work = asyncio.ensure_future(
+            self._push(
+                address, header, files, pace, deadline, digests, on_bytes, concurrency, watch
+            )
+        )
+        probe = asyncio.ensure_future(self._probe(address, watch))
+        try:
+            while True:
+                await asyncio.wait({work}, timeout=WATCH_TICK_SECONDS)
+                why = watch.stalled(self.clock.monotonic())
+                if work.done():
+                    exc = work.exception()
+                    if isinstance(exc, PeerError) and exc.reason == "notice":
+                        why = "notice"
+                    else:
+                        return work.result()
+                if why is not None:
+                    work.cancel()
+                    await asyncio.gather(work, return_exceptions=True)
+                    after = self.clock.monotonic() - started
+                    raise PeerAbandonedError(
+                        f"{address} abandoned after {after:.1f} s: "
+                        + {
+                            "notice": "it has a notice",
+                            "silent": f"it answered nothing for {stall:g} s",
+                            "stalled": f"it took no chunk for {stall:g} s",
+                        }[why],
+                        why,
+                        after,
+                    )
+        finally:
+            probe.cancel()
+            work.cancel()
+            await asyncio.gather(probe, work, return_exceptions=True)
+
+    async def _probe(self, address: str, watch: Liveness) -> None:
+        """``/v1/peer/hello`` every ``PROBE_SECONDS`` beside a push: whether the holder is
+        there, and whether it has a notice."""
+        while True:
+            try:
+                doc = await self.hello(address, timeout=CONNECT_SECONDS)
+            except PeerError:
+                pass
+            else:
+                watch.heard(self.clock.monotonic(), notice=doc.get("notice") is True)
+            await asyncio.sleep(PROBE_SECONDS)
+
+    async def _push(
+        self,
+        address: str,
+        header: Replica,
+        files: list[LocalFile],
+        pace: Pace,
+        deadline: float,
+        digests: bool,
+        on_bytes: Callable[[int], None],
+        concurrency: int,
+        watch: Liveness,
+    ) -> PushResult:
         started = self.clock.monotonic()
         tid = await self._offer(address, header, files, digests)
+        watch.heard(self.clock.monotonic())
         states = [_FileState(chunk_spans(f.size)) for f in files]
         try:
             sent = await self._send_all(
-                address, tid, files, states, pace, deadline, digests, on_bytes, concurrency
-            )
+                address, tid, files, states, pace, deadline, digests, on_bytes, concurrency,
+                watch,
+            )  # fmt: skip
             for f, state in zip(files, states, strict=True):
                 await asyncio.to_thread(_same_as_first_read, f, state)
             replica = _replica(header, files, states, digests)
             rid = replica_id(replica)
             status, doc, headers, nonce = await self._seal(address, tid, replica, deadline)
+            watch.heard(self.clock.monotonic())
         except BaseException:
-            await self._give_up(address, tid)
+            self._forget(address, tid)
             raise
         if status != 200 or not isinstance(doc, dict):
             raise PeerError(
@@ -249,6 +343,7 @@ class PeerClient:
         digests: bool,
         on_bytes: Callable[[int], None],
         concurrency: int,
+        watch: Liveness,
     ) -> int:
         """Every chunk of every file, ``concurrency`` at a time; the bytes sent."""
         jobs = [
@@ -265,7 +360,7 @@ class PeerClient:
                 index, offset, length = jobs.pop()
                 await self._send_chunk(
                     address, tid, index, offset, length, files[index], states[index],
-                    pace=pace, deadline=deadline, digests=digests,
+                    pace=pace, deadline=deadline, digests=digests, watch=watch,
                 )  # fmt: skip
                 sent += length
                 on_bytes(length)
@@ -301,10 +396,18 @@ class PeerClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
+    def _forget(self, address: str, tid: str) -> None:
+        """Tell the holder to drop the transfer, in the background (best effort: it
+        expires anyway): a push given up on never waits for a holder that is gone."""
+        task = asyncio.get_running_loop().create_task(self._give_up(address, tid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _give_up(self, address: str, tid: str) -> None:
-        """Tell the holder to drop the transfer (best effort: it expires anyway)."""
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-            await self._json("DELETE", address, f"/v1/peer/transfers/{tid}", timeout=3.0)
+            await self._json(
+                "DELETE", address, f"/v1/peer/transfers/{tid}", timeout=CONNECT_SECONDS + 1
+            )
 
     async def _send_chunk(
         self,
@@ -319,6 +422,7 @@ class PeerClient:
         pace: Pace,
         deadline: float,
         digests: bool,
+        watch: Liveness,
     ) -> None:
         delay, damaged = 0.2, 0
         target = f"/v1/peer/transfers/{tid}/files/{index}/{offset}"
@@ -334,6 +438,8 @@ class PeerClient:
             crc_hex = checksum.to_hex(crc)
             headers, _ = self._headers("PUT", target, auth.body_crc32c(crc_hex))
             headers[CRC_HEADER] = crc_hex
+            watch.chunk_sent(self.clock.monotonic())
+            status, doc = 0, None
             try:
                 async with self.session().put(
                     f"http://{address}{target}", data=data, headers=headers
@@ -342,12 +448,18 @@ class PeerClient:
                     doc = await _json_of(response)
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 status, doc = 0, {"error": repr(exc)}
+            finally:
+                watch.chunk_ended(self.clock.monotonic(), taken=status == 200)
+            if status:
+                watch.heard(self.clock.monotonic())
             if status == 200:
                 state.crcs[offset] = crc
                 state.blocks[offset] = blocks
                 return
             if status == 404:
                 raise PeerRestartedError(f"{address} no longer knows transfer {tid}")
+            if status == 503 and _reason(status, doc) == "notice":
+                raise PeerError(f"{address} has a notice: {_said(doc, status)}", "notice")
             if status == 422:
                 damaged += 1
                 if damaged >= DAMAGED_SENDS:
@@ -457,6 +569,7 @@ def _said(doc: Any, status: int) -> str:
 __all__ = [
     "CONCURRENCY",
     "LocalFile",
+    "PeerAbandonedError",
     "PeerClient",
     "PeerError",
     "PeerRestartedError",

@@ -9,7 +9,14 @@ replacement node, whatever its address or rank, is found from its first write. T
 announcements are hints: a holder is trusted with nothing because it announced itself
 (every request is signed with the cluster's token, every byte checked).
 
-Cost per interval and node: one PUT per run, one LIST and one GET per other node.
+Notices: a node with a notice of its own says so in its announcement (``notice_until``,
+written at once, ``announce``), and each read also reads the run's ``NOTICE``
+(``placement.notice_mark``): placement never gives a part to a node under notice. An
+emergency push reads both again first when they are older than ``FRESH_SECONDS``
+(``refresh``), so a notice seen by another node a moment ago is known to the push.
+
+Cost per interval and node: one PUT per run, one LIST, one GET per other node and one
+GET of the run's NOTICE; once more at each emergency push.
 """
 
 from __future__ import annotations
@@ -21,13 +28,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.peers.model import PeerAnnouncement, parse_peer_announcement
-from ckptd.peers.placement import stale_after
+from ckptd.peers.placement import NoticeMark, notice_mark, stale_after
 from ckptd.repository import Repository, peer_key
 from ckptd.runtime.clock import Clock
 from ckptd.storage.base import StorageError
 
 #: A peer announcement is a few hundred bytes; a larger object there is not one (unread).
 ANNOUNCEMENT_MAX_BYTES = 64 * 1024
+#: An emergency push reads the announcements and NOTICE again when older than this...
+FRESH_SECONDS = 1.0
+#: ...waiting this long at most for them (else it places by what it knew).
+REFRESH_WAIT_SECONDS = 2.0
 
 
 def write_announcement(repo: Repository, announcement: PeerAnnouncement) -> None:
@@ -76,7 +87,9 @@ class Discovery:
     clock: Clock
     log: Any
     _known: dict[str, list[PeerAnnouncement]] = field(default_factory=dict)
+    _notices: dict[str, dict[int, NoticeMark]] = field(default_factory=dict)
     _read_at: float | None = None
+    _reading: asyncio.Task[None] | None = None
 
     @property
     def stale_after(self) -> float:
@@ -88,10 +101,26 @@ class Discovery:
             write_announcement(self.repo, self.me(run))
 
     def read(self) -> None:
-        """Read every node's announcement under every run (blocking); one that does not
-        parse, or names another run, is left out."""
-        self._known = {run: read_announcements(self.repo, run) for run in self.runs}
+        """Read every node's announcement, and the NOTICE, under every run (blocking); an
+        announcement that does not parse, or names another run, is left out."""
+        known = {run: read_announcements(self.repo, run) for run in self.runs}
+        notices: dict[str, dict[int, NoticeMark]] = {}
+        for run in self.runs:
+            mark = notice_mark(self.repo.read_notice(run))
+            notices[run] = {mark.rank: mark} if mark is not None else {}
+        # Marks once seen stay until their deadline: NOTICE is one object, and a second
+        # node's notice overwrites the first's there.
+        now = self.clock.time()
+        for run, marks in self._notices.items():
+            for rank, mark in marks.items():
+                if mark.until > now:
+                    notices.setdefault(run, {}).setdefault(rank, mark)
+        self._known, self._notices = known, notices
         self._read_at = self.clock.monotonic()
+
+    def notices(self, run: str) -> dict[int, NoticeMark]:
+        """The nodes the run's NOTICE named, in force or not (placement judges)."""
+        return dict(self._notices.get(run, {}))
 
     def known(self, run: str) -> list[PeerAnnouncement]:
         """The announcements last read for ``run`` (stale ones included: placement drops
@@ -114,9 +143,33 @@ class Discovery:
         except StorageError as exc:
             self.log.warning("peer_announcement_failed", error=str(exc))
 
+    async def announce_now(self) -> None:
+        """Announce at once (this node's notice); a store error is logged."""
+        try:
+            await asyncio.to_thread(self.announce)
+        except StorageError as exc:
+            self.log.warning("peer_announcement_failed", error=str(exc))
+
+    async def refresh(self) -> None:
+        """Read again if the last read is older than ``FRESH_SECONDS``, waiting at most
+        ``REFRESH_WAIT_SECONDS`` (one read at a time; a slow one goes on behind)."""
+        if self._read_at is not None and self.clock.monotonic() - self._read_at < FRESH_SECONDS:
+            return
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.get_running_loop().create_task(self._read_logged())
+        await asyncio.wait({self._reading}, timeout=REFRESH_WAIT_SECONDS)
+
+    async def _read_logged(self) -> None:
+        try:
+            await asyncio.to_thread(self.read)
+        except StorageError as exc:
+            self.log.warning("peer_announcements_not_read", error=str(exc))
+
 
 __all__ = [
     "ANNOUNCEMENT_MAX_BYTES",
+    "FRESH_SECONDS",
+    "REFRESH_WAIT_SECONDS",
     "Discovery",
     "read_announcements",
     "route_address",

@@ -235,6 +235,10 @@ class PeerAnnouncement(_Model):
     quota_bytes: int = Field(ge=0)
     free_bytes: int = Field(ge=0)
     updated_at: float  # Unix time of this write
+    # Unix time until which this node has a notice of its own (a preemption, a drill):
+    # never given another's part meanwhile (``placement``); None: no notice.
+    notice_until: float | None = None
+    started_at: float | None = None  # Unix time this daemon started
 
     @field_validator("format")
     @classmethod

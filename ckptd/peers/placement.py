@@ -6,7 +6,10 @@ The order, best first (``candidates``):
 
 1. never this node itself (by rank or by peer id), nor an announcement older than
    ``stale_after`` (its daemon stopped refreshing it: gone, or cut off), nor a peer whose
-   whole quota is smaller than the part;
+   whole quota is smaller than the part, nor a node **under notice** (``under_notice``):
+   one whose announcement says so (``notice_until`` still ahead), or one the run's
+   ``NOTICE`` in the store names (``notice_mark``), until that notice's deadline. A node
+   about to go is never given another's part: the replica would go with it;
 2. a peer in another failure domain first, where this node knows its own and theirs: a
    zone's outage (a spot reclaim often takes a zone's capacity at once) must not take a
    part and its replica together;
@@ -25,8 +28,12 @@ new address or a new rank simply announces itself: nothing else needs to know.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
+from ckptd.peers.liveness import UNBOUNDED_NOTICE_SECONDS
 from ckptd.peers.model import PeerAnnouncement
 
 #: An announcement not refreshed for this many refresh intervals names a gone daemon...
@@ -41,6 +48,53 @@ def stale_after(interval: float) -> float:
     return max(STALE_INTERVALS * interval, STALE_MIN_SECONDS)
 
 
+@dataclass(frozen=True)
+class NoticeMark:
+    """The run's ``NOTICE`` read as "node ``rank`` has a notice": noticed at
+    ``noticed_at``, in force until ``until`` (Unix seconds)."""
+
+    rank: int
+    noticed_at: float
+    until: float
+
+
+def notice_mark(doc: Mapping[str, Any] | None) -> NoticeMark | None:
+    """What a ``NOTICE`` document (``ckptd.notices.cluster.notice_document``) says of its
+    node: in force until its deadline, or ``UNBOUNDED_NOTICE_SECONDS`` after it was
+    noticed when it has none; None when it is no notice of a node."""
+    if doc is None:
+        return None
+    try:
+        rank = doc["node_rank"]
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            return None
+        noticed = _unix(str(doc["noticed_at"]))
+        deadline = doc.get("deadline")
+        until = _unix(str(deadline)) if deadline else noticed + UNBOUNDED_NOTICE_SECONDS
+    except (KeyError, ValueError, TypeError):
+        return None
+    return NoticeMark(rank, noticed, until)
+
+
+def _unix(value: str) -> float:
+    parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    if parsed.tzinfo is None:
+        raise ValueError(f"{value!r} names no time zone")
+    return parsed.timestamp()
+
+
+def under_notice(a: PeerAnnouncement, marks: Mapping[int, NoticeMark], now: float) -> bool:
+    """Whether the node that announced ``a`` has a notice at ``now``: its announcement
+    says so, or a ``NOTICE`` names its rank, in force, and noticed after that daemon
+    started (a replacement that started after the notice, at the same rank, has none)."""
+    if a.notice_until is not None and a.notice_until > now:
+        return True
+    mark = marks.get(a.node_rank)
+    if mark is None or mark.until <= now:
+        return False
+    return a.started_at is None or a.started_at < mark.noticed_at
+
+
 def candidates(
     announcements: Iterable[PeerAnnouncement],
     *,
@@ -50,6 +104,7 @@ def candidates(
     part_bytes: int,
     now: float,
     stale_after: float,
+    notices: Mapping[int, NoticeMark] | None = None,
 ) -> list[PeerAnnouncement]:
     """The peers that may take a part of ``part_bytes`` from node ``rank``, best first
     (module doc)."""
@@ -62,6 +117,10 @@ def candidates(
         held = newest.get(a.node_rank)
         if held is None or a.updated_at > held.updated_at:
             newest[a.node_rank] = a
+    # A rank's newest announcement decides: a zombie's old notice does not exclude the
+    # replacement that announced after it.
+    marks = notices or {}
+    newest = {r: a for r, a in newest.items() if not under_notice(a, marks, now)}
 
     def key(a: PeerAnnouncement) -> tuple[int, int, int, str]:
         same_domain = bool(failure_domain) and a.failure_domain == failure_domain
@@ -74,4 +133,12 @@ def candidates(
     return sorted(newest.values(), key=key)
 
 
-__all__ = ["STALE_INTERVALS", "STALE_MIN_SECONDS", "candidates", "stale_after"]
+__all__ = [
+    "STALE_INTERVALS",
+    "STALE_MIN_SECONDS",
+    "NoticeMark",
+    "candidates",
+    "notice_mark",
+    "stale_after",
+    "under_notice",
+]

@@ -19,7 +19,10 @@ Refusals are JSON ``{"error", "reason"}`` with the status a client acts on: 400 
 request, 401 unauthorized, 404 no such transfer or holding (the holder restarted: begin
 again), 409 a file changed or damaged at rest (read it elsewhere), 422 bytes that do not
 match their checksum (never written, never acknowledged: send again), 507 no room within
-the quota. Blocking file work runs in threads; the event loop only moves bytes.
+the quota, 503 ``notice``: this node has a notice of its own and takes no part (an offer,
+a chunk, a seal) while it lasts, since the replica would go with the node; the origin
+moves to its next candidate. Blocking file work runs in threads; the event loop only
+moves bytes.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ _STATUS = {
     "unknown": 404,
     "changed": 409,
     "corrupt": 422,
+    "notice": 503,
     "quota": 507,
 }
 
@@ -83,6 +87,7 @@ class PeerServer:
         log: Any,
         *,
         hello: Callable[[], dict[str, Any]],
+        notice: Callable[[], bool] = lambda: False,
     ) -> None:
         self.store = store
         self.receiver = Receiver(store)
@@ -93,6 +98,7 @@ class PeerServer:
         self.clock = clock
         self.log = log
         self._hello = hello
+        self._notice = notice  # whether this node has a notice of its own now
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -151,6 +157,14 @@ class PeerServer:
         body = await request.read()
         return body, self._unauthorized(request, auth.body_sha256(body))
 
+    def _noticed(self, request: web.Request) -> web.Response | None:
+        """The 503 to answer while this node has a notice (module doc), else None."""
+        if not self._notice():
+            return None
+        self.metrics.peer_refused.labels(reason="notice").inc()
+        self.log.info("peer_part_refused", remote=request.remote, path=request.path, why="notice")
+        return _refuse("notice", "this node has a notice: it holds no part of another node")
+
     # -- routes ------------------------------------------------------------------------
 
     async def _get_hello(self, request: web.Request) -> web.Response:
@@ -162,6 +176,8 @@ class PeerServer:
         body, denied = await self._document(request)
         if denied is not None:
             return denied
+        if (noticed := self._noticed(request)) is not None:
+            return noticed
         try:
             offer = parse_offer(body)
             tid = await asyncio.to_thread(self.receiver.begin, offer, self.clock.time())
@@ -188,6 +204,15 @@ class PeerServer:
         crc = request.headers.get(CRC_HEADER, "")
         if (denied := self._unauthorized(request, auth.body_crc32c(crc))) is not None:
             return denied
+        if (noticed := self._noticed(request)) is not None:
+            # Read to its end (one chunk at most), so the refusal does not leave the
+            # connection lingering on an unread body for aiohttp's 10 s.
+            drained = 0
+            async for piece in request.content.iter_any():
+                drained += len(piece)
+                if drained > CHUNK_BYTES:
+                    break
+            return noticed
         try:
             index = int(request.match_info["i"])
             offset = int(request.match_info["offset"])
@@ -235,6 +260,8 @@ class PeerServer:
         body, denied = await self._document(request)
         if denied is not None:
             return denied
+        if (noticed := self._noticed(request)) is not None:
+            return noticed
         nonce = _nonce_of(request)  # the acknowledgement answers this request
         tid = request.match_info["t"]
         try:

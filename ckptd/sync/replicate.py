@@ -7,9 +7,11 @@ completed during a notice) is always pushed; a routine one when ``[peers] period
 The push runs beside the store upload:
 
 - the peers are chosen by ``ckptd.peers.placement`` from the announcements
-  ``ckptd.peers.discovery`` read (another failure domain first); the part goes to the
-  first ``copies`` that acknowledge it, the next in line taking over from one that
-  refuses or fails;
+  ``ckptd.peers.discovery`` read (another failure domain first; never a node under
+  notice: an emergency push reads the announcements and the run's NOTICE again first);
+  the part goes to the first ``copies`` that acknowledge it, the next in line taking
+  over from one that refuses, fails, stops answering or gets a notice
+  (``ckptd.peers.copies``, within ``ckptd.peers.liveness``'s bounds);
 - emergency pushes go at ``emergency_rate_mbit`` until the notice's deadline, routine
   ones at ``rate_mbit`` (``ckptd.peers.pacing``);
 - an emergency part goes to its peers first and to the store after (the store upload
@@ -22,6 +24,9 @@ The push runs beside the store upload:
   tells the responder (whichever of this and the store's commit comes first is what an
   emergency response reports), and the part is listed as one this node serves from its
   own files to a restore elsewhere (``ckptd.peers.own``);
+- until this node's part is in the store its holders are watched
+  (``ckptd.peers.copies``, ``keep``): one that gets a notice or stops answering is
+  dropped and the next candidate takes the part;
 - once this node's part is in the store (``stored``) its holders are told: a replica
   whose origin delivered is never handed off (``ckptd.sync.handoff``).
 
@@ -40,12 +45,13 @@ from ckptd.config import Settings
 from ckptd.core import digest
 from ckptd.core.manifest import utc_timestamp
 from ckptd.layouts.base import step_of
-from ckptd.peers.client import LocalFile, PeerClient, PeerError, PushResult
+from ckptd.peers.client import LocalFile, PeerClient
+from ckptd.peers.copies import Copies, Part
 from ckptd.peers.discovery import Discovery
 from ckptd.peers.model import PeerAnnouncement, Replica
 from ckptd.peers.own import OwnParts
 from ckptd.peers.pacing import Pace
-from ckptd.peers.placement import candidates
+from ckptd.peers.placement import candidates, under_notice
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.metrics import Metrics
 from ckptd.sync.request import ShipRequest, local_path
@@ -126,6 +132,17 @@ class Replicator:
         self.routine = Pace.of_mbit(self.peers.rate_mbit, clock.monotonic)
         self.emergency = Pace.of_mbit(self.peers.emergency_rate_mbit, clock.monotonic)
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._keepers: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.copies = Copies(
+            client,
+            targets=self._targets,
+            noticed=self._noticed,
+            digests=self.digests,
+            on_bytes=self._sent,
+            metrics=metrics,
+            clock=clock,
+            log=log,
+        )
         self._background: set[asyncio.Task[None]] = set()
         self._last: dict[str, Replication] = {}  # per run, the latest push
         self._held_by: dict[tuple[str, str], list[tuple[str, str]]] = {}  # (address, replica)
@@ -178,7 +195,10 @@ class Replicator:
 
     def stored(self, run: str, name: str) -> None:
         """This node's part of ``run/name`` is in the store: its holders need not hand it
-        off (told in the background, best effort)."""
+        off (told in the background, best effort), and are no longer watched."""
+        keeper = self._keepers.pop((run, name), None)
+        if keeper is not None:
+            keeper.cancel()
         for address, rid in self._held_by.pop((run, name), []):
             task = asyncio.get_running_loop().create_task(self._tell_delivered(address, rid))
             self._background.add(task)
@@ -228,7 +248,16 @@ class Replicator:
             part_bytes=part_bytes,
             now=self.clock.time(),
             stale_after=self.discovery.stale_after,
+            notices=self.discovery.notices(run),
         )
+
+    def _noticed(self, run: str, rank: int) -> bool:
+        """Whether node ``rank`` has a notice, by its newest announcement and the NOTICE."""
+        mine = [a for a in self.discovery.known(run) if a.node_rank == rank]
+        if not mine:
+            return False
+        newest = max(mine, key=lambda a: a.updated_at)
+        return under_notice(newest, self.discovery.notices(run), self.clock.time())
 
     async def _replicate(self, request: ShipRequest, emergency: bool, deadline: float) -> None:
         run, name = request.run, request.name
@@ -240,110 +269,84 @@ class Replicator:
         state = Replication(run, name, emergency, total, self.clock.monotonic(), self.clock.time())
         self._last[run] = state
         log = self.log.bind(run=run, checkpoint=name)
+        if emergency:
+            await self.discovery.refresh()  # a notice seen a moment ago elsewhere counts
         header = self._header(request, emergency)
-        targets = self._targets(run, total)
         pace = self.emergency if emergency else self.routine
-        acked = await self._push_to_copies(targets, header, files, pace, deadline, state, log)
-        if len(acked) < self.peers.copies:
+        part = Part(header, files, pace, deadline, self.peers.copies, state.peers)
+        keeper = self._keepers.pop((run, name), None)
+        if keeper is not None:
+            keeper.cancel()  # an earlier save's holders: this one replaces them
+        await self.copies.place(part)
+        if len(part.held) < self.peers.copies:
             state.outcome = "not_safe"
             log.error(
                 "checkpoint_not_safe_on_peers",
-                acknowledged=len(acked),
+                acknowledged=len(part.held),
                 copies=self.peers.copies,
                 peers_tried=len(state.peers),
-                peers_known=len(targets),
-                why="too few peers took the part: it is safe once the store commits it",
+                peers_known=len(self.discovery.known(run)),
+                peers_under_notice=sorted(
+                    a.node_rank
+                    for a in self.discovery.known(run)
+                    if self._noticed(run, a.node_rank)
+                ),
+                why="too few peers alive and without a notice took the part: it is safe "
+                "once the store has it",
             )
             return
         seconds = self.clock.monotonic() - state.started
         state.outcome, state.acknowledged_after_s = "safe", round(seconds, 3)
         self.metrics.peer_replication_seconds.labels(run=run).observe(seconds)
-        first = acked[0][1]
+        first = part.held[0].result
         self.own.register(first.replica, request.dir, first.identities, self.clock.time())
-        self._held_by[(run, name)] = [(t.address, r.replica_id) for t, r in acked]
+        self._held_by[(run, name)] = [(h.target.address, h.result.replica_id) for h in part.held]
         self._safe[(run, name)] = header.save
+        addresses = [h.target.address for h in part.held]
         log.info(
             "checkpoint_safe_on_peers",
-            peers=[t.address for t, _ in acked],
+            peers=addresses,
             bytes=total,
             seconds=round(seconds, 3),
             emergency=emergency,
         )
         self.on_safe(
-            run,
-            name,
-            "peer",
-            emergency,
-            {"peers": [t.address for t, _ in acked], "seconds": round(seconds, 3)},
+            run, name, "peer", emergency, {"peers": addresses, "seconds": round(seconds, 3)}
+        )
+        task = asyncio.get_running_loop().create_task(
+            self.copies.keep(part, lambda p: self._replaced(run, name, p, log)),
+            name=f"keep-{run}-{name}",
+        )
+        self._keepers[(run, name)] = task
+        task.add_done_callback(
+            lambda t: (
+                self._keepers.pop((run, name), None)
+                if self._keepers.get((run, name)) is t
+                else None
+            )
         )
 
-    async def _push_to_copies(
-        self,
-        targets: list[PeerAnnouncement],
-        header: Replica,
-        files: list[LocalFile],
-        pace: Pace,
-        deadline: float,
-        state: Replication,
-        log: Any,
-    ) -> list[tuple[PeerAnnouncement, PushResult]]:
-        """``copies`` pushes at once, the next candidate taking over from one that fails,
-        until ``copies`` acknowledged or the candidates or the time run out."""
-        waiting = list(targets)
-        running: dict[asyncio.Task[PushResult | None], PeerAnnouncement] = {}
-        acked: list[tuple[PeerAnnouncement, PushResult]] = []
-        try:
-            while True:
-                while waiting and len(running) + len(acked) < self.peers.copies:
-                    target = waiting.pop(0)
-                    push = self._push_one(target, header, files, pace, deadline, state, log)
-                    running[asyncio.ensure_future(push)] = target
-                if not running or len(acked) >= self.peers.copies:
-                    return acked
-                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    target = running.pop(task)
-                    if (result := task.result()) is not None:
-                        acked.append((target, result))
-                if self.clock.monotonic() >= deadline:
-                    return acked
-        finally:
-            for task in running:
-                task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
-
-    async def _push_one(
-        self,
-        target: PeerAnnouncement,
-        header: Replica,
-        files: list[LocalFile],
-        pace: Pace,
-        deadline: float,
-        state: Replication,
-        log: Any,
-    ) -> PushResult | None:
-        entry: dict[str, Any] = {"address": target.address, "node": target.node_rank}
-        state.peers.append(entry)
-        try:
-            result = await self.client.push(
-                target.address,
-                header,
-                files,
-                pace=pace,
-                deadline=deadline,
-                digests=self.digests,
-                on_bytes=self._sent,
-            )
-        except PeerError as exc:
-            entry["outcome"] = exc.reason
-            self.metrics.peer_pushes.labels(run=header.run_id, outcome=exc.reason).inc()
-            log.warning(
-                "peer_push_failed", peer=target.address, node=target.node_rank, error=str(exc)
-            )
-            return None
-        entry.update(outcome="acknowledged", replica=result.replica_id)
-        self.metrics.peer_pushes.labels(run=header.run_id, outcome="acknowledged").inc()
-        return result
+    def _replaced(self, run: str, name: str, part: Part, log: Any) -> None:
+        """A holder of ``run/name`` was dropped (``Copies.keep``); ``part.held`` is what
+        holds it now."""
+        state = self._last.get(run)
+        held = [(h.target.address, h.result.replica_id) for h in part.held]
+        if (run, name) in self._held_by:
+            self._held_by[(run, name)] = held
+        if len(part.held) >= part.copies:
+            log.info("checkpoint_safe_on_peers", peers=[a for a, _ in held], replaced=True)
+            if state is not None and state.checkpoint == name:
+                state.outcome = "safe"
+            return
+        log.error(
+            "checkpoint_not_safe_on_peers",
+            acknowledged=len(part.held),
+            copies=part.copies,
+            why="a holder was dropped and no other peer alive and without a notice took the "
+            "part: it is safe once the store has it",
+        )
+        if state is not None and state.checkpoint == name:
+            state.outcome = "not_safe"
 
     def _sent(self, n: int) -> None:
         self._progress += n
@@ -355,7 +358,7 @@ class Replicator:
         return {run: r.to_json() for run, r in self._last.items()}
 
     async def close(self) -> None:
-        tasks = [*self._tasks.values(), *self._background]
+        tasks = [*self._tasks.values(), *self._keepers.values(), *self._background]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -136,13 +136,16 @@ def test_an_emergency_part_safe_on_a_peer_in_the_window_is_handed_off_and_restor
         assert [h["outcome"] for h in handoffs] == ["committed"], handoffs
         assert n1.daemon.metric("ckptd_peer_handoffs_total", run=RUN_ID, outcome="committed") == 1
 
-        # A replacement with a new address (and rank 0 again) restores from its peer.
+        # A replacement with a new address (and rank 0 again) restores the dead node's
+        # part from its peer. (Node 1's part is on no peer: its one peer, node 0, was the
+        # node under notice, which never holds another's part; it comes from the store.)
         n2 = pr.add_node(0, nodes=2, shape=Shape(NODE_MBIT), name="node-0-new")
         assert n2.host.address != n0.host.address
         fresh = {0: tmp_path / "fresh-0", 1: tmp_path / "fresh-1"}
         restored = {0: n2.restore_cli(fresh[0]), 1: n1.restore_cli(fresh[1])}
+        dead_part = sum(len(b) for b in local_files(n0.run_dir, name).values())
         for rank, out in restored.items():
-            assert out["tier"] == "peers" and out["peer_bytes"] == out["total_bytes"], out
+            assert out["tier"] == "peers" and out["peer_bytes"] == dead_part, out
             assert local_files(fresh[rank], name) == held, f"node {rank}'s restore differs"
 
         resumed = dcp_trainer(

@@ -134,8 +134,9 @@ def test_three_nodes_place_parts_across_failure_domains_and_a_replacement_restor
     drill, written = emergency(nodes, "step-7", mib=8)
     assert drill["safe_via"] == "peer", drill
     wait_until(lambda: all(holder_of(n) for n in nodes), 60, "every part acknowledged")
-    # Zone a's parts go to zone b's one node; zone b's to the nearest of zone a.
-    assert {n.rank: holder_of(n) for n in nodes} == {0: [2], 1: [2], 2: [0]}
+    # Zone a's parts go to zone b's one node; zone b's to the nearest of zone a that has
+    # no notice: node 1, since node 0 (the ring's first) is the node under notice.
+    assert {n.rank: holder_of(n) for n in nodes} == {0: [2], 1: [2], 2: [1]}
     manifest = committed(pr, "step-7")
     assert manifest["nodes"] == 3
 
@@ -174,10 +175,12 @@ def test_a_peer_whose_quota_is_full_never_acknowledges_and_the_store_takes_the_p
     assert drill["safe_via"] != "peer", drill
     assert n0.daemon.metric("ckptd_peer_pushes_total", run=RUN_ID, outcome="acknowledged") == 0
     assert n1.daemon.metric("ckptd_peer_replicas_sealed_total") == 0
+    # Node 1's part went to no peer: its one peer, node 0, is under notice.
+    assert n1.status()["peers"]["replication"][RUN_ID]["peers"] == []
     committed(pr, "step-4")
     out = n1.restore_cli(tmp_path / "to")
-    # Node 1's own part from node 1 (its files, served), node 0's from the store.
-    assert out["peer_bytes"] == sum(len(b) for b in written[1].values()), out
+    # Neither part is on a peer: both from the store.
+    assert out["peer_bytes"] == 0, out
     assert restored(tmp_path / "to", "step-4") == flat(written)
 
 

@@ -43,6 +43,7 @@ class Holder:
     store: ReplicaStore | None = None
     server: PeerServer | None = None
     own: OwnParts = field(default_factory=OwnParts)
+    noticed: bool = False  # a notice of its own: it refuses parts (503) and says so
 
     @property
     def address(self) -> str:
@@ -59,7 +60,12 @@ class Holder:
             self.metrics,
             SYSTEM_CLOCK,
             log,
-            hello=lambda: {"peer": self.peer_id, "incarnation": secrets.token_hex(4)},
+            hello=lambda: {
+                "peer": self.peer_id,
+                "incarnation": secrets.token_hex(4),
+                "notice": self.noticed,
+            },
+            notice=lambda: self.noticed,
         )
         await self.server.start("127.0.0.1", self.port)
         return self

@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.doctor.findings",
             "ckptd.peers.model",
             "ckptd.peers.placement",
+            "ckptd.peers.liveness",
             "ckptd.peers.auth",
         ),
     ),
