@@ -26,6 +26,7 @@ __all__ = [
     "NOTICE",
     "RESTORED",
     "RESUMED",
+    "RESUMED_BY_CKPTD",
     "SAVES",
     "STEPS",
     "STEP_COUNTER",
@@ -54,6 +55,9 @@ STEPS = DIR / "steps.json"
 # at its start by the trainer helpers or, for its child, by ``ckptd exec``: the daemon
 # decides the trajectory of the trainer's saves from it (docs/design.md "Trajectories").
 RESUMED = DIR / "resumed.json"
+# ``resumed.json``'s ``by`` when ``ckptd exec`` wrote it for its child: ckptd's own choice
+# of resume point, never the trainer's rollback (``ckptd.sync.lineage``).
+RESUMED_BY_CKPTD = "ckptd"
 # The checkpoints ``ckptd restore`` wrote into this directory, with their files as written:
 # the daemon knows them committed (no quiet window, nothing shipped again).
 RESTORED = DIR / "restored.json"
@@ -74,11 +78,11 @@ TRAINER_VARIABLES = frozenset(
         "CKPTD_URL",
         "CKPTD_TOKEN",
         "CKPTD_STEP_REPORT_SECONDS",
+        "CKPTD_DRILL_RESUME_STEPS",
     }
 )
 
 
-        "CKPTD_DRILL_RESUME_STEPS",
 def replace_json(path: Path, document: dict[str, Any]) -> None:
     """Write ``document`` to ``path`` so that a reader sees the old file or the new one,
     never half of it: a temporary name in the same directory, then ``os.replace``.

@@ -3,8 +3,9 @@
     build      the daemon's own (``ckptd.daemon.build``), then the trainer's supervisor
     start-up   the daemon's own (SIGTERM, and here SIGINT too, are notices from now on)
     restore    the run's newest committed checkpoint (in any tier) into the watch dir,
-               unless a complete local one is as new (a rerun on the same node restores
-               nothing)
+               unless a complete local one on the live line is as new (a rerun on the
+               same node restores nothing), or this node's trainer reported a rollback
+               that LATEST does not follow yet (its line lives here)
     run        the trainer (``ckptd.supervision.supervisor``), the daemon's main loop beside it
     end        - the trainer finished by itself, or was given up on: ship what is
                  complete, exit with its code (``EXIT_GAVE_UP`` when given up on)
@@ -25,7 +26,7 @@ import contextlib
 import functools
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,11 @@ from typing import Any
 from ckptd.config import Settings
 from ckptd.config.control import read_token
 from ckptd.core.errors import EXIT_FLUSH_FAILED, CkptdError
-from ckptd.core.manifest import ManifestError, epoch_of_timestamp
+from ckptd.core.manifest import Manifest, ManifestError, epoch_of_timestamp
 from ckptd.daemon.service import DRAIN_QUIET_SECONDS, Service
 from ckptd.goodput.model import DAY_SECONDS
 from ckptd.goodput.recorder import GoodputRecorder
+from ckptd.layouts.base import CheckpointListing
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.sigterm import SigtermSource
 from ckptd.peers.source import with_peers
@@ -50,6 +52,7 @@ from ckptd.supervision import leftover
 from ckptd.supervision.restarts import RestartPolicy, cause_of
 from ckptd.supervision.supervisor import TrainerSupervisor
 from ckptd.sync.resume import find_resume_point
+from ckptd.sync.runs import RunState
 
 # After its emergency checkpoint is committed, the trainer gets this long to exit by
 # itself (it usually has already) before SIGTERM, then as long again before SIGKILL.
@@ -137,6 +140,9 @@ class SupervisedService(Service):
         self.restored: dict[str, Any] | None = None
         self._commit_seen: str | None = None  # the last commit marked in the run ledger
         self._drill_began: float | None = None  # the drill the trainer stopped for (wall)
+        # The live line's head is a rollback of this node's trainer that LATEST does not
+        # follow yet (set with each resume point).
+        self._ahead_of_latest = False
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -258,6 +264,15 @@ class SupervisedService(Service):
         local one is as new. ExecError when the store cannot say what it holds: starting
         the trainer from scratch would train over the run's history."""
         local_path, local_step = await self.newest_complete(self.run_id)
+        if self._ahead_of_latest:
+            # This node's trainer rolled back and LATEST does not follow it yet (its first
+            # save is not committed): restoring LATEST would hand it the line it left.
+            self.log.info(
+                "exec_restore_skipped",
+                local=None if local_path is None else local_path.name,
+                reason="the trainer's reported rollback is newer than LATEST",
+            )
+            return
         # Every tier, in order: the newest step in any, from the first holding it.
         stores = [
             TierStore(t.name, t.health.storage, c)
@@ -335,15 +350,17 @@ class SupervisedService(Service):
         self.log.info("exec_restored", **self.restored)
 
     async def newest_complete(self, run_id: str) -> tuple[Path | None, int | None]:
-        """Path and step of ``run_id``'s newest complete local checkpoint (None, None when
-        there is none): where the trainer resumes. A newer one complete but
-        for a quiet window is waited for, at most ``RESUME_SETTLE_MAX_SECONDS``."""
+        """Path and step of ``run_id``'s newest complete local checkpoint on the live line
+        (None, None when there is none): where the trainer resumes (``ckptd.sync.resume``),
+        never a higher step of a line a rollback abandoned. A newer one complete but for a
+        quiet window is waited for, at most ``RESUME_SETTLE_MAX_SECONDS``."""
         state = self.pipeline.runs[run_id]
+        on_line = await asyncio.to_thread(self._live_line, state)
         until = self.clock.monotonic() + RESUME_SETTLE_MAX_SECONDS
         while True:
             now_ns = int(self.clock.time() * 1e9)
             point = await asyncio.to_thread(
-                find_resume_point, state.dir, state.watch.layout, state.rules, now_ns
+                find_resume_point, state.dir, state.watch.layout, state.rules, now_ns, on_line
             )
             wait = point.recheck_after
             if wait is None or self.clock.monotonic() + wait > until:
@@ -351,6 +368,43 @@ class SupervisedService(Service):
             await asyncio.sleep(wait + 0.05)
         found = point.checkpoint
         return (None, None) if found is None else (found.path, found.step)
+
+    def _live_line(self, state: RunState) -> Callable[[CheckpointListing], bool] | None:
+        """Whether a local checkpoint is on the run's live line (``ckptd.sync.lineage``),
+        None when no line is known; sets ``_ahead_of_latest``. Blocking.
+
+        A report the last trainer wrote (a rollback) is decided first, before the next
+        start's report replaces it. LATEST is read now; when the store cannot be read, the
+        one this daemon last knew stands in (its own commits move it)."""
+        lineage = state.lineage
+        self._ahead_of_latest = False
+        if lineage is None:
+            return None
+        lineage.refresh()
+        live: Manifest | None
+        try:
+            latest = self.pipeline.repo.read_latest(state.run_id)
+            live = (
+                self.pipeline.repo.read_manifest(state.run_id, latest.checkpoint)
+                if latest is not None
+                else None
+            )
+        except (StorageError, ManifestError) as exc:
+            live = state.previous
+            self.log.warning(
+                "resume_point_from_known_latest",
+                run=state.run_id,
+                error=str(exc),
+                latest=None if live is None else live.checkpoint,
+            )
+        line = lineage.live_line(live)
+        if line is None:
+            return None
+        head = lineage.live_head(live)
+        self._ahead_of_latest = (
+            live is not None and head is not None and head.generation > live.lineage.generation
+        )
+        return lineage.on_line(line, live)
 
     # -- notices -------------------------------------------------------------------------
 

@@ -2,7 +2,10 @@
 
 Invariants:
 - At most one trainer runs at a time. Each start gets ``CKPTD_RESUME_FROM`` = the newest
-  complete local checkpoint (by the run's completion rule), or no such variable.
+  complete local checkpoint (by the run's completion rule) on the run's live line (never a
+  higher step of a line a rollback abandoned: ``ckptd.sync.resume``), or no such variable.
+  Its resume report says ``"by": "ckptd"``: ckptd's choice, which continues the line it
+  was taken from, never the trainer's rollback (``ckptd.sync.lineage``).
 - The trainer runs in its own session and process group (so a terminal's Ctrl-C reaches
   ckptd only, and ckptd decides what the trainer hears). Its end is seen at once: asyncio's
   child watcher waits on the PID, nothing polls. What is left of its process group then
@@ -307,7 +310,12 @@ class TrainerSupervisor:
         where = env.get("CKPTD_WATCH_DIR")
         if not where:
             return
-        document = {"checkpoint": self.resumed_from, "pid": 0, "at": self.clock.time()}
+        document = {
+            "checkpoint": self.resumed_from,
+            "pid": 0,
+            "at": self.clock.time(),
+            "by": handoff.RESUMED_BY_CKPTD,
+        }
         try:
             handoff.replace_json(Path(where) / handoff.RESUMED, document)
         except OSError as exc:

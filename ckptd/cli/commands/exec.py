@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
 EXEC_EPILOG = f"""\
 Restores the run's newest committed checkpoint into the watch dir (unless a complete local
-one is as new), then runs CMD with CKPTD_RESUME_FROM (the newest complete local checkpoint;
-unset when none), CKPTD_RUN and CKPTD_WATCH_DIR, ships its checkpoints, and starts it again
-from the newest complete checkpoint when it exits non-zero or dies by a signal.
+one is as new), then runs CMD with CKPTD_RESUME_FROM (the newest complete local checkpoint
+of the run's live line, never a higher step of a line a rollback abandoned; unset when
+none), CKPTD_RUN and CKPTD_WATCH_DIR, ships its checkpoints, and starts it again from the
+newest complete checkpoint of that line when it exits non-zero or dies by a signal.
 SIGTERM, SIGINT and cloud notices make CMD save (trainer.signal), then ckptd commits that
 checkpoint, stops CMD and exits. Inside a Slurm job the time limit, a preemption and
 slurm.signal are notices too, and the job is requeued after its emergency checkpoint is
