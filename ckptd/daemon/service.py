@@ -284,7 +284,8 @@ class Service:
         self.watcher.start(asyncio.get_running_loop())
         self.watching = self.watcher.refresh()
         for run_id in pipeline.runs:
-            await self.tiers.rescan(run_id)
+            # Committed names too: what was re-saved while no daemon ran sent no event.
+            await self.tiers.rescan(run_id, committed=True)
         stop = self.stop_event  # each task below is restarted whenever it fails
         sup = functools.partial(start_supervised, metrics=self.metrics, log=self.log)
         worker = sup("worker", lambda: pipeline.work(stop))

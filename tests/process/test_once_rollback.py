@@ -239,12 +239,15 @@ def test_a_daemon_started_after_a_rewrite_it_did_not_see_decides_it_at_start(
     with daemon:
         for step in (20, 40, 60):
             save(run, step, 0)
-        wait_until(
-            lambda: daemon.events_named("checkpoint_committed", checkpoint="checkpoint-60"),
-            60,
-            "checkpoint-60 committed",
-            details=daemon.log_text,
-        )
+        for step in (20, 40, 60):
+            wait_until(
+                lambda s=step: daemon.events_named(  # type: ignore[misc]
+                    "checkpoint_committed", checkpoint=f"checkpoint-{s}"
+                ),
+                60,
+                f"checkpoint-{step} committed",
+                details=daemon.log_text,
+            )
     save(run, 60, 1)  # while no daemon runs
     restarted = daemon  # the same node's daemon, started again
     with restarted:
