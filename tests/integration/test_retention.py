@@ -17,9 +17,9 @@ from ckptd.core.manifest import MANIFEST_NAME, Latest
 from ckptd.repository import (
     LEASE_DIR,
     Repository,
+    is_withdrawal,
     latest_key,
     lease_checkpoint,
-    is_withdrawal,
     lease_is_fresh,
     manifest_key,
 )
