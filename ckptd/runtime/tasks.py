@@ -31,11 +31,15 @@ def note_failure(metrics: Metrics, log: Any, task: str, exc: BaseException) -> N
     log.error("task_failed", task=task, error=repr(exc), exc_info=exc)
 
 
+def doubling(failures: int, first: float, most: float) -> float:
+    """A backoff after ``failures`` (>= 1) in a row: ``first``, doubled each time, at
+    most ``most`` seconds."""
+    return float(min(most, first * 2.0 ** min(failures - 1, 16)))
+
+
 def restart_delay(failures_in_a_row: int) -> float:
     """Seconds before the next start after ``failures_in_a_row`` (>= 1) quick failures."""
-    return float(
-        min(RESTART_MAX_SECONDS, RESTART_FIRST_SECONDS * 2 ** min(failures_in_a_row - 1, 16))
-    )
+    return doubling(failures_in_a_row, RESTART_FIRST_SECONDS, RESTART_MAX_SECONDS)
 
 
 async def supervise(

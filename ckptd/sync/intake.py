@@ -23,6 +23,7 @@ from ckptd.commit.assemble import ClusterShip
 from ckptd.layouts.base import CheckpointListing, Completion, step_of
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.metrics import Metrics
+from ckptd.runtime.tasks import doubling
 from ckptd.sync.coordination import ClusterCoordination
 from ckptd.sync.early import EarlyUploads
 from ckptd.sync.emergency import Emergency
@@ -288,7 +289,7 @@ class Intake:
         it: the ordinary ship sends whatever did not go early."""
         key = (run, name)
         failures = self._early_failures[key] = self._early_failures.get(key, 0) + 1
-        delay = min(EARLY_RETRY_MAX_SECONDS, EARLY_RETRY_SECONDS * 2.0 ** min(failures - 1, 8))
+        delay = doubling(failures, EARLY_RETRY_SECONDS, EARLY_RETRY_MAX_SECONDS)
         self.metrics.task_failures.labels(task="early").inc()
         self.log.warning(
             "early_ship_failed",

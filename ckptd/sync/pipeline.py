@@ -35,7 +35,7 @@ from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.environment import describe
 from ckptd.runtime.logs import get_logger
 from ckptd.runtime.metrics import Metrics
-from ckptd.runtime.tasks import retrieve
+from ckptd.runtime.tasks import doubling, retrieve
 from ckptd.storage.base import Storage, StorageError
 from ckptd.sync import cleanup
 from ckptd.sync.claims import Claims
@@ -371,7 +371,7 @@ class SyncPipeline:
         passes delays it by seconds."""
         key = (run_id, name)
         failures = self._look_failures[key] = self._look_failures.get(key, 0) + 1
-        delay = min(LOOK_RETRY_MAX_SECONDS, LOOK_RETRY_SECONDS * 2.0 ** min(failures - 1, 8))
+        delay = doubling(failures, LOOK_RETRY_SECONDS, LOOK_RETRY_MAX_SECONDS)
         self.tier_metrics.task_failures.labels(task="look").inc()
         self.log.error(
             "checkpoint_look_failed",
