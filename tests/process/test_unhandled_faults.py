@@ -4,8 +4,9 @@ The daemon runs as a real process with ``PYTHONASYNCIODEBUG=1`` and every warnin
 (ResourceWarning as an error), through real faults: its ``file://`` tier's mount turning
 read-only while a checkpoint is being saved, its state dir's goodput journal read-only
 for a while (a bind mount remounted ro: sqlite's open database keeps the kernel from
-remounting the whole state dir), its state dir full (a small tmpfs, filled), SeaweedFS
-killed and started again, and SIGTERM mid-upload. Each test fails on any "Task exception
+remounting the whole state dir), its state dir full (a small tmpfs, filled), a full
+``file://`` tier, files deleted and truncated mid-upload, SeaweedFS killed and started
+again, and SIGTERM mid-upload. Each test fails on any "Task exception
 was never retrieved", unraisable exception, unclosed resource or bare traceback in the
 daemon's output, and on any exit code but 0. Where the tier fails, ``ckptd_tier_up``
 drops within 5 s of the first failing request, early shipping's claim included, and
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -259,4 +261,73 @@ def test_store_killed_and_restarted_leaves_nothing_unhandled(
             assert daemon.stop(timeout=60) == 0
     finally:
         store.stop()
+    _assert_nothing_unhandled(daemon)
+
+
+def test_a_full_tier_and_files_deleted_or_truncated_mid_upload_leave_nothing_unhandled(
+    tmp_path: Path,
+) -> None:
+    """A ``file://`` tier on a 20 MiB tmpfs: a checkpoint larger than it fails (ENOSPC),
+    said and retried, never committed, and gone with its local copy; a file deleted
+    mid-upload leaves its checkpoint uncommitted; a file truncated mid-upload commits as
+    it is now, byte for byte. Nothing unhandled, exit 0."""
+    root = tmp_path / "run"
+    root.mkdir()
+    with tmpfs(tmp_path / "small", 20) as small:
+        daemon = Daemon.configured(
+            tmp_path,
+            watch=[{"dir": root, "run_id": RUN, "settle_seconds": 0.3}],
+            dest=f"file://{small}",
+            state_dir=tmp_path / "state",
+            part_size_mib=5,
+            max_upload_mib_per_s=8,
+        )
+        daemon.env.update(FAULT_ENV)
+        log = lambda: daemon.log_text()[-4000:]  # noqa: E731
+        with daemon:
+            too_big = _save_early(root, 100, model_bytes=32 * MiB)
+            _complete(too_big, 100)
+            wait_until(
+                lambda: daemon.events_named("checkpoint_failed", checkpoint="checkpoint-100"),
+                60,
+                "checkpoint-100 failing on the full tier",
+                details=log,
+            )
+            shutil.rmtree(too_big)  # the trainer's rotation: the daemon lets it go
+
+            deleted = _save_early(root, 200, model_bytes=6 * MiB)
+            wait_until(
+                lambda: daemon.events_named("early_upload_started", checkpoint="checkpoint-200"),
+                30,
+                "checkpoint-200 on its way",
+                details=log,
+            )
+            (deleted / "model.safetensors").unlink()
+            _complete(deleted, 200)
+
+            truncated = _save_early(root, 300, model_bytes=6 * MiB)
+            wait_until(
+                lambda: daemon.events_named("early_upload_started", checkpoint="checkpoint-300"),
+                30,
+                "checkpoint-300 on its way",
+                details=log,
+            )
+            with open(truncated / "model.safetensors", "r+b") as f:
+                f.truncate(1000)
+            _complete(truncated, 300)
+            _committed(daemon, 300, timeout=90)
+            assert daemon.stop(timeout=60) == 0
+        committed = {
+            p.parent.name
+            for p in small.glob(f"{RUN}/*/ckptd.manifest.json")
+            if json.loads(p.read_bytes()).get("format") == "ckptd.manifest/1"
+        }
+        assert "checkpoint-100" not in committed
+        # 200 commits only as what its files are now (no model), never with the old one.
+        if "checkpoint-200" in committed:
+            assert not (small / RUN / "checkpoint-200" / "model.safetensors").exists()
+        assert "checkpoint-300" in committed
+        for path in ("model.safetensors", "config.json", "trainer_state.json"):
+            stored = (small / RUN / "checkpoint-300" / path).read_bytes()
+            assert stored == (truncated / path).read_bytes(), path
     _assert_nothing_unhandled(daemon)
