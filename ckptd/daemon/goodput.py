@@ -44,6 +44,7 @@ class SidecarGoodput:
         *,
         emergency_committed: Callable[[], bool],
         last_committed: Callable[[str], dict[str, Any] | None],
+        drill_noticed: Callable[[], float | None] = lambda: None,
         metrics: Metrics,
         clock: Clock,
         log: Any,
@@ -63,6 +64,7 @@ class SidecarGoodput:
                     match=settings.trainer.match if one else "",
                     emergency_committed=emergency_committed,
                     last_committed=lambda run=run_id: last_committed(run),  # type: ignore[misc]
+                    drill_noticed=drill_noticed,
                 ),
                 clock=clock,
             )
@@ -202,6 +204,7 @@ def ledger_for(service: Any, *, once: bool) -> SidecarGoodput | NoLedger:
         advisor.host if cluster.nodes == 1 else f"{advisor.host}#{cluster.rank}",
         emergency_committed=emergency_committed,
         last_committed=lambda run_id: runs[run_id].last_committed,
+        drill_noticed=lambda: service.responder.drill_noticed,
         metrics=service.metrics,
         clock=service.clock,
         log=service.log,

@@ -23,7 +23,9 @@ same clock ticks /proc shows): a pid reused since, or another PID namespace's pr
 under the same number, is not the trainer.
 
 What it cannot know, where ``ckptd exec`` does: a trainer's exit code (an attempt that
-ends without a notice is marked ``interrupted``, detail ``trainer-gone``, when the next
+ends on a drill's notice is marked ``interrupted``, detail ``drill``, and its time until
+the next attempt is the drill's; one that ends without a notice is marked ``interrupted``,
+detail ``trainer-gone``, when the next
 one starts; one that is never followed is marked by the next writer, and a finished run is
 never marked ``finished``), a trainer that is not matched until it reports a step (one
 that dies before is not seen), a trainer in another PID namespace, and one that reports
@@ -114,6 +116,8 @@ class TrainerView:
     match: str = ""
     emergency_committed: Callable[[], bool] = lambda: False
     last_committed: Callable[[], dict[str, Any] | None] = lambda: None
+    # When the last drill's notice came (wall clock; None: no drill yet).
+    drill_noticed: Callable[[], float | None] = lambda: None
 
 
 class SidecarLedger:
@@ -136,6 +140,7 @@ class SidecarLedger:
         self.ended_at: float | None = None  # the last attempt's end
         self.undecided = False  # the last attempt ended without a notice, no successor yet
         self.noticed_at: float | None = None
+        self.drill_began: float | None = None  # the drill the last attempt ended on
         self.flushed = False
         self.first_start = True  # no attempt began (nor was adopted) yet
         self.restores_seen: int | None = None  # the restore record's mtime, when read
@@ -229,6 +234,11 @@ class SidecarLedger:
             if self.undecided:
                 self.rec.exit_was("trainer-gone", interrupted=True)
                 self.undecided = False
+            if self.drill_began is not None:
+                # From the drill's notice to the trainer started again: the drill's time.
+                self.rec.interval("drill", self.drill_began, start, "drill")
+                self.rec.mark_at = max(self.rec.mark_at, start)
+                self.drill_began = None
             self.rec.restarting("process-restart", at=max(start, self.rec.mark_at))
         self.first_start = False
         self.rec.trainer_started(at=start, basis="process-start")
@@ -281,8 +291,13 @@ class SidecarLedger:
             ended = max(ended, self.rec.samples[-1][0])
         self.rec.trainer_exited(at=ended, basis="process-start")
         self.current, self.ended_at = None, ended
+        drill = self.view.drill_noticed()
         if self.noticed_at is not None:
             self.rec.exit_was("notice", interrupted=True)
+        elif drill is not None and current.started_at <= drill <= ended:
+            # A drill's notice stopped it: the drill's cost, not a trainer gone.
+            self.rec.exit_was("drill", interrupted=True)
+            self.drill_began = drill
         else:
             self.undecided = True
 

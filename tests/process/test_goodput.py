@@ -405,6 +405,49 @@ def test_beside_ckptd_run_the_sidecar_counts_the_lost_steps_exactly(
     print(f"goodput: the sidecars' ledger {g.ratio:.3f}, the trainer's log {own:.3f}")
 
 
+@pytest.mark.slow
+def test_beside_ckptd_run_a_drill_is_the_drills_time_not_a_trainer_gone(
+    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+) -> None:
+    """Issue 45: a drill under ``ckptd run`` showed in the report as an interruption with
+    cause ``trainer-gone``. The trainer waits at step 40; ``ckptd drill`` signals it, it
+    saves and exits, and the pod starts it again: the ledger says ``drill``, and the time
+    from the drill's notice to that start is the drill's."""
+    env = Env(s3_dest, local_s3.endpoint_url)
+    node = SidecarNode(tmp_path / "node", env)
+    try:
+        daemon = node.start_daemon()
+        loop = node.start_trainer_loop("--pause-at", str(NOTICE_AT))
+        wait_until(
+            lambda: (node.progress_doc() or {}).get("step") == NOTICE_AT,
+            120,
+            f"the trainer waiting at step {NOTICE_AT}",
+            details=node.logs,
+        )
+        drilled = run_cli("drill", "--deadline", "90", config=node.config, timeout=150)
+        assert drilled.returncode == 0, drilled.stdout + drilled.stderr
+        assert loop.wait(timeout=90) == 0, node.logs()  # it saved on the drill, exit 0
+        loop = node.start_trainer_loop()  # the pod starts it again: it resumes and ends
+        assert loop.wait(timeout=180) == 0, node.logs()
+        watcher = node.daemon
+        assert watcher is not None
+        wait_until(
+            lambda: watcher.metric("ckptd_last_committed_step", run=RUN_ID) == SPEC.max_steps,
+            60,
+            "the last checkpoint committed",
+        )
+        daemon.send_signal(signal.SIGINT)
+        assert daemon.wait(timeout=60) == 0, node.logs()
+    finally:
+        node.close()
+    records = read_ledger(
+        Repository(open_storage(s3_dest, endpoint_url=local_s3.endpoint_url)), RUN_ID
+    )
+    g = goodput(records)
+    assert [i.cause for i in g.interruptions] == ["drill"], g.interruptions
+    assert g.seconds.get("drill", 0) > 0, g.to_json()
+
+
 # -- the HTML timeline in a real browser ----------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
