@@ -18,6 +18,9 @@ import boto3
 import crc32c as independent_crc
 
 MANIFEST = "ckptd.manifest.json"
+# docs/design.md "Deleting beside a writer": what stands at an uncommitted slot's manifest key
+# once housekeeping withdrew it (spelled here, not imported: the checker reads the contract).
+WITHDRAWN_FORMAT = "ckptd.withdrawn/1"
 
 
 def crc_hex(data: bytes) -> str:
@@ -82,13 +85,27 @@ class StoreChecker:
         return None if body is None else dict(json.loads(body))
 
     def committed_names(self, run: str) -> list[str]:
+        """The names with a manifest key holding something other than a withdrawal (what
+        retention and ``rm`` leave at an uncommitted slot: never a commit). A manifest
+        that does not parse counts, so that ``check_run`` reports it."""
         suffix = f"/{MANIFEST}"
         base = f"{self.prefix}/{run}/"
-        return sorted(
+        names = sorted(
             k[len(base) : -len(suffix)]
             for k in self.keys(f"{run}/")
             if k.endswith(suffix) and "/" not in k[len(base) : -len(suffix)]
         )
+        return [n for n in names if not self._withdrawn(f"{base}{n}{suffix}")]
+
+    def _withdrawn(self, key: str) -> bool:
+        body = self.get(key)
+        if body is None:
+            return True  # gone since the listing: not committed either
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return False
+        return isinstance(doc, dict) and doc.get("format") == WITHDRAWN_FORMAT
 
     def multipart_uploads(self) -> list[dict[str, Any]]:
         found = self.s3.list_multipart_uploads(Bucket=self.bucket, Prefix=f"{self.prefix}/")

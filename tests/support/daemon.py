@@ -65,12 +65,14 @@ def run_cli(
 
 
 def committed_manifest(s3: Any, prefix: str, run: str, name: str) -> dict[str, Any] | None:
-    """The manifest document of ``run/name`` under ``prefix`` in bucket ckpt, or None."""
+    """The manifest document of ``run/name`` under ``prefix`` in bucket ckpt, or None (no
+    manifest key, or a withdrawal there: the slot was never committed)."""
     try:
         body = s3.get_object(Bucket="ckpt", Key=f"{prefix}/{run}/{name}/ckptd.manifest.json")
     except s3.exceptions.NoSuchKey:
         return None
-    return dict(json.loads(body["Body"].read()))
+    doc = dict(json.loads(body["Body"].read()))
+    return None if doc.get("format") == "ckptd.withdrawn/1" else doc
 
 
 def write_config(
