@@ -15,6 +15,8 @@ loaded the machine is.
   keeps its local copy; LATEST and the committed checkpoints are untouched.
 - ``prune --yes`` with ``keep_last = 2`` keeps an uncommitted checkpoint below the kept
   window while its claim is live, and the daemon commits it whole.
+- The writer's side killed: the daemon ``kill -9``ed mid-upload, ``rm --force`` while it
+  is down, the daemon restarted: refused at its commit, never commits the name.
 
 Every verdict on the store is the test's own listing and reads (boto3, or the directory),
 byte for byte against what the test wrote.
@@ -346,3 +348,46 @@ def test_prune_keeps_an_old_checkpoint_being_uploaded_and_it_commits_whole(
     assert _latest(store)["checkpoint"] == "checkpoint-500"  # an older step never moves it
     for step in (250, 400, 500):  # and nothing local was touched
         assert local_files(root / f"checkpoint-{step}") == written[f"checkpoint-{step}"]
+
+
+def test_a_writer_killed_mid_upload_and_restarted_after_rm_force_never_commits_the_hole(
+    store: Store, tmp_path: Path
+) -> None:
+    """The writer's side killed: the daemon is ``kill -9``ed while checkpoint-600 uploads,
+    ``rm --force`` withdraws the name while it is down, and the daemon restarted finds its
+    claim in its journal and goes on; it is refused at the commit point, never commits."""
+    root = tmp_path / RUN
+    written: dict[str, dict[str, bytes]] = {}
+    slot = f"{RUN}/checkpoint-600/"
+    daemon = _daemon(tmp_path, store, root)
+    with daemon:
+        written["checkpoint-500"] = _save(root, 500, 256 * 1024)
+        _committed(daemon, 500)
+        written["checkpoint-600"] = _save(root, 600, BIG, complete=False)
+        wait_until(
+            lambda: daemon.events_named("early_upload_started", checkpoint="checkpoint-600"),
+            60,
+            "checkpoint-600's early upload started",
+            details=lambda: daemon.log_text()[-4000:],
+        )
+        assert daemon.proc is not None
+        daemon.proc.kill()  # kill -9, mid-upload
+        daemon.proc.wait()
+    forced = run_cli("rm", f"{RUN}/checkpoint-600", "--force", "--yes", config=daemon.config)
+    assert forced.returncode == 0, forced.stderr
+    written["checkpoint-600"].update(_finish(root, 600))
+    with daemon:  # restarted: its journal holds the claim and what it sent
+        wait_until(
+            lambda: daemon.events_named("checkpoint_slot_withdrawn", checkpoint="checkpoint-600"),
+            90,
+            "the restarted daemon refused at checkpoint-600's commit",
+            interval=0.1,
+            details=lambda: daemon.log_text()[-4000:],
+        )
+        code = daemon.stop()
+    assert code == 0, daemon.log_text()[-4000:]
+    assert not daemon.events_named("checkpoint_committed", checkpoint="checkpoint-600")
+    assert _assert_every_commit_whole(store, written) == {"checkpoint-500"}
+    doc = json.loads(store.objects(f"{slot}{MANIFEST}")[f"{slot}{MANIFEST}"])
+    assert doc["format"] == "ckptd.withdrawn/1"
+    assert local_files(root / "checkpoint-600") == written["checkpoint-600"]
