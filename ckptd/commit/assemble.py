@@ -180,16 +180,39 @@ def try_commit(
     announced trajectory) is a CONFLICT: that content is never this job's."""
     where = slot or name
     announcement = objects.read_announcement(repo, run, where)
-    if announcement is not None and not committer.owns(announcement):
-        announcement = None
-    if announcement is None:
-        existing = repo.read_manifest(run, name, follow=True)
-        if existing is not None and existing.local_name == name and existing.checkpoint == where:
-            move_latest(repo, existing)  # a crash between manifest and LATEST (commit.py)
-            return AssemblyResult(Assembly.COMMITTED, existing, already_committed=True)
-        return AssemblyResult(
-            Assembly.WAITING, missing=tuple(range(committer.nodes)), reason="no announcement"
-        )
+    if announcement is None or not committer.owns(announcement):
+        return _unannounced(repo, run, name, where, committer)
+    settled = _settled(repo, run, name, announcement, save)
+    if settled is not None:
+        return settled
+    verdict = _gather_parts(repo, run, announcement, committer, assemble=assemble)
+    if isinstance(verdict, AssemblyResult):
+        return verdict
+    return _commit_union(repo, run, name, announcement, verdict, committer, now=now, keys=keys)
+
+
+def _unannounced(
+    repo: Repository, run: str, name: str, where: str, committer: Committer
+) -> AssemblyResult:
+    """``try_commit`` with no announcement of this job in slot ``where``: COMMITTED when
+    the name's manifest is already this slot's (moving LATEST, should a crash have come
+    between the manifest and LATEST), else WAITING for every node."""
+    existing = repo.read_manifest(run, name, follow=True)
+    if existing is not None and existing.local_name == name and existing.checkpoint == where:
+        move_latest(repo, existing)  # a crash between manifest and LATEST (commit.py)
+        return AssemblyResult(Assembly.COMMITTED, existing, already_committed=True)
+    return AssemblyResult(
+        Assembly.WAITING, missing=tuple(range(committer.nodes)), reason="no announcement"
+    )
+
+
+def _settled(
+    repo: Repository, run: str, name: str, announcement: Announcement, save: str | None
+) -> AssemblyResult | None:
+    """The outcome decided before any part is looked at, or None to go on: COMMITTED when
+    the announced slot's commit point already holds this save's manifest, CONFLICT when it
+    holds another writer's manifest or a withdrawal, RESAVED when the announcement names
+    another save than this node's ``save``."""
     slot = announcement.slot_name
     found = committed_at(repo, run, announced_slot(announcement))
     if isinstance(found, Manifest) and found.checkpoint == slot:
@@ -214,6 +237,21 @@ def try_commit(
             reason=f"announced save {announcement.save} is not this node's {save}",
             announcement=announcement,
         )
+    return None
+
+
+def _gather_parts(
+    repo: Repository,
+    run: str,
+    announcement: Announcement,
+    committer: Committer,
+    *,
+    assemble: bool,
+) -> Merged | AssemblyResult:
+    """Every node's part of the announced save merged into one, or the result that stops
+    short of it: WAITING while a rank's part is unlisted (or, with ``assemble`` False,
+    once all are listed), or is of another save; CONFLICT when the parts disagree."""
+    slot = announcement.slot_name
     # One LIST first: while a rank has no part object at all, no part is read (a waiting
     # checkpoint costs three requests a poll, however many nodes).
     listed = repo.part_ranks(run, slot)
@@ -247,7 +285,7 @@ def try_commit(
         return AssemblyResult(
             Assembly.WAITING, missing=verdict.missing, reason=reason, announcement=announcement
         )
-    return _commit_union(repo, run, name, announcement, verdict, committer, now=now, keys=keys)
+    return verdict
 
 
 def _commit_union(

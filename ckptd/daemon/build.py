@@ -226,11 +226,7 @@ def build_pipelines(
     tier), each pipeline works through its tier's ``WatchedStorage``: a request of it
     that fails has the tier checked at once (``ckptd.daemon.health``)."""
     first = opened[0]
-    stores: list[Storage] = (
-        [o.storage for o in opened]
-        if healths is None
-        else [watched(o.storage, h) for o, h in zip(opened, healths, strict=True)]
-    )
+    stores = tier_stores(opened, healths)
     advisor = CadenceAdvisor(
         settings,
         Repository(first.storage),
@@ -241,25 +237,8 @@ def build_pipelines(
     pipelines: list[SyncPipeline] = []  # filled below, before anything runs
     deletable = partial(committed_in_every_tier, pipelines) if len(opened) > 1 else None
     # The responder switches the first pipeline's emergency mode and hears of its
-    # commits: these two hooks reach it once it is built, just below.
-    responder: Responder | None = None
-
-    async def on_commit(run: str, name: str, size: int, emergency: bool) -> None:
-        assert responder is not None
-        await responder.on_commit(run, name, size, emergency)
-
-    def on_emergency_complete(run: str, name: str) -> None:
-        assert responder is not None
-        responder.on_complete(run, name)
-
-    def on_stored(run: str, name: str, emergency: bool) -> None:
-        # This node's files are in the store: safe off the node that way, and the peers
-        # holding a replica of them need not hand it off.
-        assert responder is not None
-        responder.on_safe(run, name, "store", emergency, {})
-        if peering is not None:
-            peering.replicator.stored(run, name)
-
+    # commits: these hooks reach it once it is built, just below.
+    reach = ResponderHooks(peering)
     pipeline = SyncPipeline(
         settings,
         stores[0],
@@ -268,35 +247,82 @@ def build_pipelines(
         clock=clock,
         tier=first.name,
         hooks=PipelineHooks(
-            on_commit=on_commit,
-            on_emergency_complete=on_emergency_complete,
+            on_commit=reach.on_commit,
+            on_emergency_complete=reach.on_emergency_complete,
             on_cost=advisor.record_save,
             locally_deletable=deletable,
             on_claimed=peering.replicator.claimed if peering is not None else None,
-            on_stored=on_stored,
+            on_stored=reach.on_stored,
         ),
     )
     responder = Responder(settings, metrics, pipeline.emergency, clock=clock)
+    reach.responder = responder
     if peering is not None:
         peering.replicator.on_safe = responder.on_safe
     pipelines.append(pipeline)
     for tier, store in zip(opened[1:], stores[1:], strict=True):
-        pipelines.append(
-            SyncPipeline(
-                tier.settings,
-                store,
-                tier.journal,
-                tier.metrics,
-                clock=clock,
-                tier=tier.name,
-                tier_metrics=tier.tier_metrics,
-                hooks=PipelineHooks(
-                    locally_deletable=deletable,
-                    held=lambda: pipeline.emergency.since is not None,
-                ),
-            )
-        )
+        pipelines.append(further_pipeline(tier, store, clock, deletable, pipeline))
     return WiredPipelines(pipelines, responder, advisor)
+
+
+def tier_stores(opened: list[OpenedTier], healths: list[DestinationHealth] | None) -> list[Storage]:
+    """Each tier's store as its pipeline uses it: watched by its tier's health (one per
+    tier in ``healths``), or as opened when there are none."""
+    if healths is None:
+        return [o.storage for o in opened]
+    return [watched(o.storage, h) for o, h in zip(opened, healths, strict=True)]
+
+
+class ResponderHooks:
+    """The first pipeline's hooks that reach the responder. The responder is built from
+    that pipeline (its emergency mode), so ``responder`` is set once both exist, before
+    anything runs; a hook called before then is a wiring bug."""
+
+    def __init__(self, peering: Peering | None) -> None:
+        self.responder: Responder | None = None
+        self.peering = peering
+
+    async def on_commit(self, run: str, name: str, size: int, emergency: bool) -> None:
+        """A commit of the first tier: the responder hears of it."""
+        assert self.responder is not None
+        await self.responder.on_commit(run, name, size, emergency)
+
+    def on_emergency_complete(self, run: str, name: str) -> None:
+        """An emergency save shipped whole: the responder hears of it."""
+        assert self.responder is not None
+        self.responder.on_complete(run, name)
+
+    def on_stored(self, run: str, name: str, emergency: bool) -> None:
+        """This node's files are in the store: safe off the node that way, and the peers
+        holding a replica of them need not hand it off."""
+        assert self.responder is not None
+        self.responder.on_safe(run, name, "store", emergency, {})
+        if self.peering is not None:
+            self.peering.replicator.stored(run, name)
+
+
+def further_pipeline(
+    tier: OpenedTier,
+    store: Storage,
+    clock: Clock,
+    deletable: Callable[[str], set[str]] | None,
+    first: SyncPipeline,
+) -> SyncPipeline:
+    """A further tier's pipeline: it starts nothing while the ``first`` tier's is in
+    emergency mode, and deletes locally only what ``deletable`` allows."""
+    return SyncPipeline(
+        tier.settings,
+        store,
+        tier.journal,
+        tier.metrics,
+        clock=clock,
+        tier=tier.name,
+        tier_metrics=tier.tier_metrics,
+        hooks=PipelineHooks(
+            locally_deletable=deletable,
+            held=lambda: first.emergency.since is not None,
+        ),
+    )
 
 
 def health_of(tier: OpenedTier, log: Any) -> DestinationHealth:

@@ -97,29 +97,44 @@ class Peering:
         self.store = ReplicaStore(peers.replica_dir(state_dir), peers.quota_bytes, self.log)
         self.own = OwnParts()
         self.client = PeerClient(token, clock)
-        self.server = PeerServer(
-            self.store,
-            self.own,
-            token,
-            metrics,
-            clock,
-            self.log,
-            hello=self.hello,
-            notice=self.under_notice,
-        )
+        self.server = self._peer_server(token)
         repo = Repository(storage)
         runs = [w.effective_run_id for w in settings.watch]
         self.discovery = Discovery(
             repo, runs, self.announcement, peers.announce_interval_seconds, clock, self.log
         )
-        cluster = settings.cluster
-        self.replicator = Replicator(
-            settings,
+        self.replicator = self._replicator()
+        self.journal = Journal(state_dir / "peers" / "handoff")
+        self.transfers = self._transfers(storage)
+        self.handoff = self._handoff(repo)
+
+    def _peer_server(self, token: bytes) -> PeerServer:
+        """The peer port's server: it holds other nodes' parts in the replica directory,
+        serves this node's own, and refuses to hold any while this node is under notice."""
+        return PeerServer(
+            self.store,
+            self.own,
+            token,
+            self.metrics,
+            self.clock,
+            self.log,
+            hello=self.hello,
+            notice=self.under_notice,
+        )
+
+    def _replicator(self) -> Replicator:
+        """The replicator behind the pipeline's ``on_claimed`` and ``on_stored`` hooks: it
+        pushes this node's parts to the peers discovery finds, as this node (its job's
+        writer, rank and host; the address and failure domain read when used, as start
+        settles them)."""
+        cluster = self.settings.cluster
+        return Replicator(
+            self.settings,
             self.client,
             self.discovery,
             self.own,
             Identity(
-                peer=peer_id,
+                peer=self.peer_id,
                 writer=cluster_writer(cluster),
                 host=self.host,
                 rank=cluster.rank,
@@ -128,29 +143,39 @@ class Peering:
                 failure_domain=lambda: self.domain,
                 environment=describe(),
             ),
-            metrics,
-            clock,
+            self.metrics,
+            self.clock,
             self.log,
         )
-        self.journal = Journal(state_dir / "peers" / "handoff")
-        dest = settings.destination
-        self.transfers = Transfers(
+
+    def _transfers(self, storage: Storage) -> Transfers:
+        """The hand-off's uploads to ``storage``: parts and concurrency as the
+        destination's, recorded in the hand-off journal, each file's digests read too when
+        checkpoints are authenticated (a key ring is configured)."""
+        dest = self.settings.destination
+        return Transfers(
             storage,
             self.journal,
             part_size=dest.part_size_mib * 1024 * 1024,
             concurrency=dest.concurrency,
-            digests=settings.authentication.key_ring() is not None,
+            digests=self.settings.authentication.key_ring() is not None,
         )
-        self.handoff = HandOff(
+
+    def _handoff(self, repo: Repository) -> HandOff:
+        """The hand-off (``ckptd.sync.handoff``): a dead node's part, held here as a
+        replica, put in the store in that node's name and the global commit tried, as a
+        node of this job (its writer, rank and host)."""
+        cluster = self.settings.cluster
+        return HandOff(
             self.store,
             self.client,
             repo,
             self.transfers,
             Committer(cluster.nodes, cluster.rank, self.host, describe(), cluster_writer(cluster)),
-            after_seconds=peers.handoff_after_seconds,
-            keys=settings.authentication.key_ring(),
-            metrics=metrics,
-            clock=clock,
+            after_seconds=self.settings.peers.handoff_after_seconds,
+            keys=self.settings.authentication.key_ring(),
+            metrics=self.metrics,
+            clock=self.clock,
             log=self.log,
         )
 
