@@ -31,8 +31,10 @@ never a name listing returns) are never
 taken for a checkpoint (a name is one only with a manifest) nor for one of its files
 (only a manifest's entries are).
 
-A ``Repository`` wraps a ``Storage`` and is the only code that spells a key or parses
-what the store holds. Committing (``ckptd.commit.single``), retention, restore, verify and
+A ``Repository`` wraps a ``Storage`` and is, with ``ckptd.repository_bodies`` (the
+parsers of the small objects' bodies: redirects, withdrawals, leases, NOTICE; part of
+this module, and re-exported here), the only code that spells a key or parses what the
+store holds. Committing (``ckptd.commit.single``), retention, restore, verify and
 ``ckptd list`` all go through it; none of them builds a key by hand. Its reads never
 mistake garbage for a commit: a manifest that does not parse is not a committed
 checkpoint when listing, and is an error when asked for by name.
@@ -64,15 +66,19 @@ from ckptd.core.manifest import (
     parse_latest,
     parse_manifest,
 )
-from ckptd.core.names import (
-    ANNOUNCE_NAME,
-    CLAIM_NAME,
-    REDIRECT_FORMAT,
-    WITHDRAWN_FORMAT,
-    part_name,
-    rank_of_part,
-)
+from ckptd.core.names import ANNOUNCE_NAME, CLAIM_NAME, part_name, rank_of_part
 from ckptd.core.ranges import RangeCrc, chunk_ranges  # re-exported: every ranged read
+from ckptd.repository_bodies import (  # re-exported: the parsing half of this module
+    LEASE_TTL_SECONDS,
+    NOTICE_FORMAT,
+    NOTICE_MAX_BYTES,
+    is_withdrawal,
+    lease_checkpoint,
+    lease_is_fresh,
+    parse_notice_document,
+    redirect_target,
+    withdrawn_why,
+)
 from ckptd.storage.base import (
     ConditionalWrite,
     NotFoundError,
@@ -88,10 +94,6 @@ CADENCE_NAME = "CADENCE"
 LEDGER_NAME = "GOODPUT"
 DRILL_NAME = "DRILL"
 DRILL_CLAIM_NAME = "DRILL-PERIOD"
-NOTICE_FORMAT = "ckptd.notice/1"
-# A NOTICE is a few hundred bytes; anything much larger is not one (never parse it).
-NOTICE_MAX_BYTES = 64 * 1024
-LEASE_TTL_SECONDS = 3600.0
 # Ranged reads of one object: large enough that per-request cost vanishes, small
 # enough that a file's ranges spread over the pool.
 RANGE_BYTES = 16 * 1024 * 1024
@@ -169,83 +171,6 @@ def drill_record_key(run_id: str, drill_id: str) -> str:
 
 def drill_claim_key(run_id: str, period: str) -> str:
     return f"{run_id}/{DRILL_CLAIM_NAME}.{period}.json"
-
-
-# -- pure helpers ------------------------------------------------------------------------
-
-
-def lease_checkpoint(body: bytes, key_name: str) -> str | None:
-    """The checkpoint a lease protects: from its JSON body, else from ``<NAME>-<uuid>``."""
-    try:
-        doc = json.loads(body)
-        name = doc.get("checkpoint") if isinstance(doc, dict) else None
-        if isinstance(name, str) and name:
-            return name
-    except ValueError:
-        pass
-    head, sep, token = key_name.rpartition("-")
-    return head if sep and len(token) == 32 else None
-
-
-def parse_notice_document(body: bytes) -> dict[str, Any] | None:
-    """A NOTICE's JSON object when it is one of ours (``format`` ckptd.notice/1), else None;
-    never raises: garbage in the store is no notice."""
-    if len(body) > NOTICE_MAX_BYTES:
-        return None
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != NOTICE_FORMAT:
-        return None
-    return doc
-
-
-def redirect_target(body: bytes) -> str | None:
-    """The slot a redirect (``ckptd.commit.slots.Redirect``) names, or None when ``body``
-    is not one: what stands at a canonical slot's manifest key when another slot holds
-    the name's committed content."""
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != REDIRECT_FORMAT:
-        return None
-    target = doc.get("to")
-    return target if isinstance(target, str) and target and "/" not in target else None
-
-
-def is_withdrawal(body: bytes) -> bool:
-    """Whether ``body`` (what stands at a slot's manifest key) is a withdrawal
-    (``ckptd.commit.withdrawal``): the slot was taken out of the commit protocol, and
-    nothing of it is, or ever will be, committed."""
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(doc, dict) and doc.get("format") == WITHDRAWN_FORMAT
-
-
-def withdrawn_why(body: bytes) -> str | None:
-    """ "withdrawn by WHO on HOST at WHEN (REASON)" when ``body`` is a withdrawal."""
-    if not is_withdrawal(body):
-        return None
-    doc = json.loads(body)
-    return (
-        f"withdrawn by {doc.get('by', '?')} on {doc.get('host', '?')} at "
-        f"{doc.get('withdrawn_at', '?')} ({doc.get('reason', '')})"
-    )
-
-
-def lease_is_fresh(body: bytes, now: float, ttl: float = LEASE_TTL_SECONDS) -> bool:
-    """Whether a lease was taken less than ``ttl`` seconds before ``now``; a lease
-    whose time cannot be read counts as fresh (when unsure, keep)."""
-    try:
-        doc = json.loads(body)
-        taken = float(doc["taken_at"])
-    except (ValueError, KeyError, TypeError):
-        return True
-    return now - taken < ttl
 
 
 @dataclass(frozen=True)
@@ -594,6 +519,7 @@ __all__ = [
     "LEASE_DIR",
     "LEASE_TTL_SECONDS",
     "NOTICE_FORMAT",
+    "NOTICE_MAX_BYTES",
     "NOTICE_NAME",
     "RANGE_BYTES",
     "CommittedCheckpoint",

@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("ckptd.runtime", "ckptd.config", "ckptd.core.signing", "ckptd.core.saves"),
     ),
     ("storage", ("ckptd.storage",)),
-    ("repository", ("ckptd.repository",)),
+    ("repository", ("ckptd.repository", "ckptd.repository_bodies")),
     ("commit", ("ckptd.commit",)),
     ("read side", ("ckptd.store",)),
     ("peers", ("ckptd.peers",)),
