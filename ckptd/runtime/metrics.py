@@ -29,7 +29,83 @@ FAILURE_REASONS = (
 STORAGE_ERROR_KINDS = ("unusable", "verify", "transient", "permanent")
 
 
-class Metrics:
+class PeerMetrics:
+    """Peer replication's metrics (``ckptd.peers``; docs/peers.md): a family of
+    ``Metrics``, which registers them last, on its registry. Set on the instance like
+    the rest (``metrics.peer_pushes``), so a ``Metrics`` lists every metric it holds."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.peer_pushes = Counter(
+            "ckptd_peer_pushes",
+            "Parts pushed to a peer, by outcome (acknowledged, or why not: refused reasons,"
+            " unreachable, restarted, changed).",
+            ["run", "outcome"],
+            registry=r,
+        )
+        self.peer_sent_bytes = Counter(
+            "ckptd_peer_sent_bytes", "Bytes of checkpoint data sent to peers.", registry=r
+        )
+        self.peer_received_bytes = Counter(
+            "ckptd_peer_received_bytes",
+            "Bytes of other nodes' parts received and verified chunk by chunk.",
+            registry=r,
+        )
+        self.peer_served_bytes = Counter(
+            "ckptd_peer_served_bytes", "Bytes served to restores on other nodes.", registry=r
+        )
+        self.peer_refused = Counter(
+            "ckptd_peer_refused",
+            "Requests the peer port refused, by reason (unauthorized, corrupt, quota,"
+            " unknown, changed, bad_request).",
+            ["reason"],
+            registry=r,
+        )
+        self.peer_replicas_sealed = Counter(
+            "ckptd_peer_replicas_sealed",
+            "Other nodes' parts received whole, verified and fsynced (acknowledged).",
+            registry=r,
+        )
+        self.peer_replicas_held = Gauge(
+            "ckptd_peer_replicas_held", "Replicas of other nodes' parts held here.", registry=r
+        )
+        self.peer_replica_bytes = Gauge(
+            "ckptd_peer_replica_bytes", "Bytes of the replicas held here.", registry=r
+        )
+        self.peer_quota_bytes = Gauge(
+            "ckptd_peer_quota_bytes", "The replicas' disk quota (peers.quota_gib).", registry=r
+        )
+        self.peers_known = Gauge(
+            "ckptd_peers_known",
+            "Other nodes of the run whose peer announcement is fresh in the store.",
+            registry=r,
+        )
+        self.peer_replication_seconds = Histogram(
+            "ckptd_peer_replication_seconds",
+            "From a part complete to acknowledged by peers.copies peers.",
+            ["run"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.emergency_safe_seconds = Gauge(
+            "ckptd_emergency_safe_seconds",
+            "Seconds from the last notice to its emergency checkpoint safe off the node, by"
+            " the way it first was (peer: acknowledged by peers.copies peers; store:"
+            " committed); 0 until then.",
+            ["via"],
+            registry=r,
+        )
+        self.peer_handoffs = Counter(
+            "ckptd_peer_handoffs",
+            "Dead nodes' parts this node put in the store in their name, by outcome"
+            " (committed: part written; refused: a replica that failed its checks or a"
+            " save no longer announced; failed: the store).",
+            ["run", "outcome"],
+            registry=r,
+        )
+
+
+class Metrics(PeerMetrics):
     """The daemon's metrics on one registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -340,75 +416,8 @@ class Metrics:
             ["task"],
             registry=r,
         )
-
-        # -- peer replication (ckptd.peers; docs/peers.md) --------------------------------
-        self.peer_pushes = Counter(
-            "ckptd_peer_pushes",
-            "Parts pushed to a peer, by outcome (acknowledged, or why not: refused reasons,"
-            " unreachable, restarted, changed).",
-            ["run", "outcome"],
-            registry=r,
-        )
-        self.peer_sent_bytes = Counter(
-            "ckptd_peer_sent_bytes", "Bytes of checkpoint data sent to peers.", registry=r
-        )
-        self.peer_received_bytes = Counter(
-            "ckptd_peer_received_bytes",
-            "Bytes of other nodes' parts received and verified chunk by chunk.",
-            registry=r,
-        )
-        self.peer_served_bytes = Counter(
-            "ckptd_peer_served_bytes", "Bytes served to restores on other nodes.", registry=r
-        )
-        self.peer_refused = Counter(
-            "ckptd_peer_refused",
-            "Requests the peer port refused, by reason (unauthorized, corrupt, quota,"
-            " unknown, changed, bad_request).",
-            ["reason"],
-            registry=r,
-        )
-        self.peer_replicas_sealed = Counter(
-            "ckptd_peer_replicas_sealed",
-            "Other nodes' parts received whole, verified and fsynced (acknowledged).",
-            registry=r,
-        )
-        self.peer_replicas_held = Gauge(
-            "ckptd_peer_replicas_held", "Replicas of other nodes' parts held here.", registry=r
-        )
-        self.peer_replica_bytes = Gauge(
-            "ckptd_peer_replica_bytes", "Bytes of the replicas held here.", registry=r
-        )
-        self.peer_quota_bytes = Gauge(
-            "ckptd_peer_quota_bytes", "The replicas' disk quota (peers.quota_gib).", registry=r
-        )
-        self.peers_known = Gauge(
-            "ckptd_peers_known",
-            "Other nodes of the run whose peer announcement is fresh in the store.",
-            registry=r,
-        )
-        self.peer_replication_seconds = Histogram(
-            "ckptd_peer_replication_seconds",
-            "From a part complete to acknowledged by peers.copies peers.",
-            ["run"],
-            buckets=DURATION_BUCKETS,
-            registry=r,
-        )
-        self.emergency_safe_seconds = Gauge(
-            "ckptd_emergency_safe_seconds",
-            "Seconds from the last notice to its emergency checkpoint safe off the node, by"
-            " the way it first was (peer: acknowledged by peers.copies peers; store:"
-            " committed); 0 until then.",
-            ["via"],
-            registry=r,
-        )
-        self.peer_handoffs = Counter(
-            "ckptd_peer_handoffs",
-            "Dead nodes' parts this node put in the store in their name, by outcome"
-            " (committed: part written; refused: a replica that failed its checks or a"
-            " save no longer announced; failed: the store).",
-            ["run", "outcome"],
-            registry=r,
-        )
+        # -- peer replication (ckptd.peers; docs/peers.md): ``PeerMetrics``, last --------
+        super().__init__(r)
 
     def init_run(self, run: str) -> None:
         """Every series an alert watches, at 0, for a run this daemon ships."""
