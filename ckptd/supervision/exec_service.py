@@ -5,7 +5,8 @@
     restore    the run's newest committed checkpoint (in any tier) into the watch dir,
                unless a complete local one on the live line is as new (a rerun on the
                same node restores nothing), or this node's trainer reported a rollback
-               that LATEST does not follow yet (its line lives here)
+               that LATEST does not follow yet (its line lives here); its steps:
+               ``ckptd.supervision.exec_restore``
     run        the trainer (``ckptd.supervision.supervisor``), the daemon's main loop beside it
     end        - the trainer finished by itself, or was given up on: ship what is
                  complete, exit with its code (``EXIT_GAVE_UP`` when given up on)
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import signal
 from collections.abc import Callable, Sequence
@@ -33,7 +33,7 @@ from typing import Any
 
 from ckptd.config import Settings
 from ckptd.config.control import read_token
-from ckptd.core.errors import EXIT_FLUSH_FAILED, CkptdError
+from ckptd.core.errors import EXIT_FLUSH_FAILED
 from ckptd.core.manifest import Manifest, ManifestError, epoch_of_timestamp
 from ckptd.daemon.service import DRAIN_QUIET_SECONDS, Service
 from ckptd.goodput.model import DAY_SECONDS
@@ -41,14 +41,17 @@ from ckptd.goodput.recorder import GoodputRecorder
 from ckptd.layouts.base import CheckpointListing
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.sigterm import SigtermSource
-from ckptd.peers.source import with_peers
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.storage import StorageError
-from ckptd.storage.base import NotFoundError
-from ckptd.store.nearby import SHOWN, where_runs_are
-from ckptd.store.restore import RestoreError, RestoreRequest
-from ckptd.store.tiers import TierStore, newest_in_tiers, restore_from_tiers, tier_configs
+from ckptd.store.tiers import TierStore, tier_configs
 from ckptd.supervision import leftover
+from ckptd.supervision.exec_restore import ExecError as ExecError  # re-exported
+from ckptd.supervision.exec_restore import (
+    local_is_as_new,
+    newest_committed,
+    restore_into,
+    restored_status,
+)
 from ckptd.supervision.restarts import RestartPolicy, cause_of
 from ckptd.supervision.supervisor import TrainerSupervisor
 from ckptd.sync.resume import find_resume_point
@@ -65,10 +68,6 @@ DRILL_EXIT_SECONDS = 60.0
 # A newer checkpoint complete but for its quiet window (the trainer that wrote it is
 # gone) is waited for this long at most before the trainer starts again.
 RESUME_SETTLE_MAX_SECONDS = 15.0
-
-
-class ExecError(CkptdError):
-    """``ckptd exec`` cannot start the trainer safely (exit 1)."""
 
 
 class SupervisedService(Service):
@@ -261,8 +260,9 @@ class SupervisedService(Service):
 
     async def restore_newest(self) -> None:
         """Restore the newest committed checkpoint into the watch dir, unless a complete
-        local one is as new. ExecError when the store cannot say what it holds: starting
-        the trainer from scratch would train over the run's history."""
+        local one is as new (``ckptd.supervision.exec_restore``, its steps). ExecError when
+        the store cannot say what it holds: starting the trainer from scratch would train
+        over the run's history."""
         local_path, local_step = await self.newest_complete(self.run_id)
         if self._ahead_of_latest:
             # This node's trainer rolled back and LATEST does not follow it yet (its first
@@ -278,74 +278,21 @@ class SupervisedService(Service):
             TierStore(t.name, t.health.storage, c)
             for t, c in zip(self.tiers, tier_configs(self.settings), strict=True)
         ]
-        try:
-            manifest, _ = await asyncio.to_thread(newest_in_tiers, stores, self.run_id, self.log)
-        except NotFoundError:
-            # A new run starts from scratch; but a typo'd prefix or run id looks the same,
-            # so what the store holds instead is said, loudly (ckptd.store.nearby).
-            first = stores[0]
-            hint = await asyncio.to_thread(where_runs_are, first.storage, first.config, self.run_id)
-            if hint.message:
-                self.log.warning(
-                    "exec_nothing_to_restore",
-                    run=self.run_id,
-                    local=str(local_path),
-                    hint=hint.message,
-                    runs=list(hint.runs[:SHOWN]),
-                    beside=list(hint.beside),
-                    fix="check --dest and --run: the trainer starts from scratch",
-                )
-            else:
-                self.log.info("exec_nothing_to_restore", run=self.run_id, local=str(local_path))
+        manifest = await newest_committed(stores, self.run_id, local_path, self.log)
+        if manifest is None:
             return
-        except (StorageError, ManifestError) as exc:
-            raise ExecError(
-                f"cannot read run {self.run_id!r} from {self.storage.url}: {exc}; "
-                "fix the destination (or run the trainer without ckptd exec)"
-            ) from exc
-        if local_path is not None and (
-            local_path.name == manifest.local_name
-            or (
-                local_step is not None and manifest.step is not None and local_step >= manifest.step
-            )
-        ):
+        if local_path is not None and local_is_as_new(local_path, local_step, manifest):
             self.log.info(
                 "exec_restore_skipped", local=local_path.name, committed=manifest.checkpoint
             )
             self.restored = {"checkpoint": manifest.checkpoint, "skipped": True, "seconds": 0.0}
             return
         restore_start = self.clock.time()
-        stores = await asyncio.to_thread(with_peers, self.settings, stores, manifest, self.log)
-        try:
-            done = await asyncio.to_thread(
-                functools.partial(
-                    restore_from_tiers,
-                    stores,
-                    RestoreRequest(
-                        self.run_id,
-                        manifest.checkpoint,
-                        self.watch_dir,
-                        if_missing=True,
-                        concurrency=self.settings.destination.concurrency,
-                        progress=False,
-                        # Authenticated checkpoints: refused before the trainer loads a byte.
-                        keys=self.settings.authentication.key_ring(),
-                    ),
-                )
-            )
-        except (RestoreError, StorageError, ManifestError) as exc:
-            raise ExecError(
-                f"restore of {self.run_id}/{manifest.checkpoint} failed: {exc}"
-            ) from exc
-        result = done.result
-        self.restored = {
-            "checkpoint": result.checkpoint,
-            "skipped": result.skipped,
-            "seconds": round(result.seconds, 3),
-            "bytes": result.total_bytes,
-            "tier": done.tier,
-        }
-        self.advisor.record_restore(self.run_id, manifest.checkpoint, skipped=result.skipped)
+        done = await restore_into(
+            self.settings, stores, self.run_id, manifest, self.watch_dir, self.log
+        )
+        self.restored = restored_status(done)
+        self.advisor.record_restore(self.run_id, manifest.checkpoint, skipped=done.result.skipped)
         self.goodput.restored(restore_start, self.clock.time())
         self.log.info("exec_restored", **self.restored)
 

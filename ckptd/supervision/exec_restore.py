@@ -1,0 +1,111 @@
+"""``ckptd exec``'s restore before the trainer's first start, in steps: the newest
+committed checkpoint in any tier (``newest_committed``), whether a complete local one is
+as new (``local_is_as_new``), and the restore itself into the watch dir, from peers first
+when they hold it (``restore_into``). ``SupervisedService.restore_newest``
+(``ckptd.supervision.exec_service``) runs them in that order, once the live line says a
+restore may run at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptd.config import Settings
+from ckptd.core.errors import CkptdError
+from ckptd.core.manifest import Manifest, ManifestError
+from ckptd.peers.source import with_peers
+from ckptd.storage import StorageError
+from ckptd.storage.base import NotFoundError
+from ckptd.store.nearby import SHOWN, where_runs_are
+from ckptd.store.restore import RestoreError, RestoreRequest
+from ckptd.store.tiers import TierRestore, TierStore, newest_in_tiers, restore_from_tiers
+
+
+class ExecError(CkptdError):
+    """``ckptd exec`` cannot start the trainer safely (exit 1)."""
+
+
+async def newest_committed(
+    stores: Sequence[TierStore], run_id: str, local_path: Path | None, log: Any
+) -> Manifest | None:
+    """The newest committed checkpoint of ``run_id`` in any tier (from the first holding
+    it), or None when no tier holds one: a new run, or a typo'd prefix or run id, which
+    looks the same, so what the store holds instead is said, loudly (``ckptd.store.nearby``).
+    ExecError when the store cannot say what it holds: starting the trainer from scratch
+    would train over the run's history."""
+    try:
+        manifest, _ = await asyncio.to_thread(newest_in_tiers, stores, run_id, log)
+    except NotFoundError:
+        first = stores[0]
+        hint = await asyncio.to_thread(where_runs_are, first.storage, first.config, run_id)
+        if hint.message:
+            log.warning(
+                "exec_nothing_to_restore",
+                run=run_id,
+                local=str(local_path),
+                hint=hint.message,
+                runs=list(hint.runs[:SHOWN]),
+                beside=list(hint.beside),
+                fix="check --dest and --run: the trainer starts from scratch",
+            )
+        else:
+            log.info("exec_nothing_to_restore", run=run_id, local=str(local_path))
+        return None
+    except (StorageError, ManifestError) as exc:
+        raise ExecError(
+            f"cannot read run {run_id!r} from {stores[0].storage.url}: {exc}; "
+            "fix the destination (or run the trainer without ckptd exec)"
+        ) from exc
+    return manifest
+
+
+def local_is_as_new(local_path: Path, local_step: int | None, manifest: Manifest) -> bool:
+    """Whether the complete local checkpoint (``local_path`` at ``local_step``) is the
+    committed one, or of as high a step: then nothing is restored."""
+    return local_path.name == manifest.local_name or (
+        local_step is not None and manifest.step is not None and local_step >= manifest.step
+    )
+
+
+async def restore_into(
+    settings: Settings,
+    stores: Sequence[TierStore],
+    run_id: str,
+    manifest: Manifest,
+    watch_dir: Path,
+    log: Any,
+) -> TierRestore:
+    """Restore ``manifest``'s checkpoint of ``run_id`` into ``watch_dir`` (its files
+    missing there only), from peers first when they hold any of it, else from the first
+    tier whose copy verifies. ExecError when none does."""
+    stores = await asyncio.to_thread(with_peers, settings, stores, manifest, log)
+    try:
+        request = RestoreRequest(
+            run_id,
+            manifest.checkpoint,
+            watch_dir,
+            if_missing=True,
+            concurrency=settings.destination.concurrency,
+            progress=False,
+            # Authenticated checkpoints: refused before the trainer loads a byte.
+            keys=settings.authentication.key_ring(),
+        )
+        return await asyncio.to_thread(functools.partial(restore_from_tiers, stores, request))
+    except (RestoreError, StorageError, ManifestError) as exc:
+        raise ExecError(f"restore of {run_id}/{manifest.checkpoint} failed: {exc}") from exc
+
+
+def restored_status(done: TierRestore) -> dict[str, Any]:
+    """``/v1/status``'s ``trainer.restored`` (and the ``exec_restored`` event's fields)."""
+    result = done.result
+    return {
+        "checkpoint": result.checkpoint,
+        "skipped": result.skipped,
+        "seconds": round(result.seconds, 3),
+        "bytes": result.total_bytes,
+        "tier": done.tier,
+    }
