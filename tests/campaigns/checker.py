@@ -18,8 +18,9 @@ import boto3
 import crc32c as independent_crc
 
 MANIFEST = "ckptd.manifest.json"
-# docs/design.md "Deleting beside a writer": what stands at an uncommitted slot's manifest key
-# once housekeeping withdrew it (spelled here, not imported: the checker reads the contract).
+# What stands at an uncommitted slot's manifest key once housekeeping withdrew it (spelled
+# here, not imported: the checker reads the contract, docs/design.md "Deleting beside a
+# writer: withdrawals").
 WITHDRAWN_FORMAT = "ckptd.withdrawn/1"
 
 

@@ -253,7 +253,8 @@ def test_checkpoint_deleted_mid_upload_is_never_committed_and_the_next_one_is(
         assert daemon.alive()
     assert committed_manifest(s3_client, s3_prefix, "run", "checkpoint-1") is None
     # Nothing of it is left but, if retention got to the emptied slot first, the
-    # withdrawal it writes before collecting one (docs/design.md, "withdrawals").
+    # withdrawal it writes before collecting one (docs/design.md "Deleting beside a writer:
+    # withdrawals").
     left = _keys(s3_client, f"{s3_prefix}/run/checkpoint-1/")
     marker = f"{s3_prefix}/run/checkpoint-1/ckptd.manifest.json"
     assert left in ([], [marker]), left
