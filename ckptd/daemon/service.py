@@ -23,7 +23,7 @@
 
 As in uvicorn, a signal handler only sets a flag; the main loop acts on it. The first
 SIGTERM is a notice when the machine or pod is going away (``ckptd.notices.shutdown``:
-flush first, exit last), else a plain stop; SIGINT, or a second SIGTERM, stops after
+flush first, exit last: ``ckptd.daemon.drain``), else a plain stop; SIGINT, or a second SIGTERM, stops after
 the upload in flight.
 """
 
@@ -41,6 +41,8 @@ from ckptd.config import Settings
 from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import ManifestError
 from ckptd.daemon.build import build_daemon
+from ckptd.daemon.drain import DRAIN_QUIET_SECONDS as DRAIN_QUIET_SECONDS  # ckptd exec's
+from ckptd.daemon.drain import Drain
 from ckptd.daemon.goodput import ledger_for
 from ckptd.daemon.notice_loop import NoticeLoop, remove_stale_notice_files
 from ckptd.daemon.peering import start_peering, stop_peering
@@ -73,10 +75,6 @@ class WatchDirMissingError(CkptdError):
         )
 
 
-# After SIGTERM: exit once nothing is pending, uploading or being written for this long.
-DRAIN_QUIET_SECONDS = 2.0
-# After a SIGTERM's flush, the retention pass its commits skipped gets at most this long.
-RETAIN_AT_STOP_SECONDS = 10.0
 # At shutdown, a cluster NOTICE write still in flight gets this long before the store closes.
 PUBLISH_DRAIN_SECONDS = 5.0
 
@@ -148,6 +146,9 @@ class Service:
             scheduled=not once,
         )
         self.ledger = ledger_for(self, once=once)
+        self.drain = Drain(
+            self.tiers, self.stop_event, timeout=shutdown_timeout, clock=clock, log=self.log
+        )
         self.quiet = QuietRuns(clock.time())
         # What start-up and the main loop learn.
         self.http: Any = None  # ckptd.daemon.http.HttpServer, imported only when serving
@@ -377,46 +378,9 @@ class Service:
         self.notices.end_followed_drill(notice, source, response)
 
     async def _drain_after_sigterm(self, why: str = "sigterm") -> None:
-        """SIGTERM: keep shipping (the trainer may be saving its emergency checkpoint
-        right now), and return once all is committed and quiet, or when
-        ``shutdown_timeout`` runs out (the journal then keeps finished parts). ``why``
-        names the cause in the log (``ckptd exec``: "trainer_exit", its trainer ended)."""
-        flushed = "flushed_on_sigterm" if why == "sigterm" else f"flushed_after_{why}"
-        deadline = self.clock.monotonic() + self.shutdown_timeout
-        quiet_since: float | None = None
-        while self.clock.monotonic() < deadline and not self.stop_event.is_set():
-            if self.destination.refusal is not None:
-                # Nothing can be flushed to a destination that refuses us (credentials,
-                # no bucket); the journal keeps what was sent, and waiting out the grace
-                # period helps no one. A store that is merely unreachable may come back
-                # within it: that one is waited for.
-                self.log.error(f"{why}_flush_impossible", error=self.destination.error)
-                return
-            # With many nodes, this node's share of an emergency save is idle until the
-            # node with the commit record announces it: wait for that too.
-            if self.pipeline.idle() and not self.pipeline.awaiting_emergency():
-                quiet_since = quiet_since or self.clock.monotonic()
-                if self.clock.monotonic() - quiet_since >= DRAIN_QUIET_SECONDS:
-                    self.log.info(flushed)
-                    await self._retain_before_exit(deadline)
-                    return
-            else:
-                quiet_since = None
-            await asyncio.sleep(0.1)
-        if not self.stop_event.is_set():
-            self.log.warning(f"{why}_flush_timeout", seconds=self.shutdown_timeout)
-
-    async def _retain_before_exit(self, deadline: float) -> None:
-        """The retention pass the flush's commits skipped (a notice's seconds go to
-        commits, not deletes), so the store holds what the policy keeps when the daemon
-        is gone; within ``RETAIN_AT_STOP_SECONDS`` and what is left of the flush's time."""
-        left = min(RETAIN_AT_STOP_SECONDS, deadline - self.clock.monotonic())
-        if left <= 0:
-            return
-        try:
-            await asyncio.wait_for(self.tiers.retain(), timeout=left)
-        except TimeoutError:
-            self.log.warning("retention_at_stop_timeout", seconds=round(left, 1))
+        """SIGTERM (``ckptd exec``: also its trainer's end): ship what is complete, then
+        retention, within ``shutdown_timeout`` (``Drain.run``)."""
+        await self.drain.run(why)
 
     # -- periodic work -----------------------------------------------------------------
 
