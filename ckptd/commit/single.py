@@ -235,10 +235,17 @@ def committed_at(repo: Repository, run: str, slot: Slot) -> Found:
     redirect = parse_redirect(body)
     if redirect is None:
         return parse_manifest(body)
-    if redirect.to == slot.slot:  # ours, from before a restart
+    if redirect.to == slot.slot:  # ours, from before a restart: our slot's key, read once
         own = repo.read_manifest_bytes(run, slot.slot)
-        withdrawn = parse_withdrawal(own) if own is not None else None
-        return withdrawn or repo.read_manifest(run, slot.slot)
+        if own is None or parse_redirect(own) is not None:
+            return None
+        withdrawn = parse_withdrawal(own)
+        if withdrawn is not None:
+            return withdrawn
+        try:
+            return parse_manifest(own)
+        except ManifestError as exc:  # named as Repository.read_manifest names it
+            raise ManifestError(f"{exc} (in {manifest_key(run, slot.slot)})") from None
     return repo.read_manifest(run, redirect.to) or redirect
 
 
