@@ -25,6 +25,7 @@ from ckptd.peers.replicas import ReplicaError, ReplicaStore
 from ckptd.runtime.clock import SYSTEM_CLOCK
 from ckptd.runtime.logs import get_logger
 from tests.support.faultproxy import FaultProxy
+from tests.support.fakes import wait_until
 from tests.support.peers import TOKEN, Holder, header, push, write_part
 
 MiB = 1024 * 1024
@@ -145,7 +146,9 @@ async def test_a_link_that_damages_every_chunk_never_gets_a_part_acknowledged(
             await push(client, proxy.url.removeprefix("http://"), files)
     assert failed.value.reason == "corrupt"
     assert holder.store is not None and holder.store.held() == []
-    assert holder.incoming() == []  # given up: the reservation and the files are gone
+    # Given up: the client tells the holder in the background, and the holder then drops
+    # the reservation and the files; on a loaded machine that lands after push() returns.
+    await wait_until(lambda: holder.incoming() == [], 30.0, "the holder to drop the transfer")
 
 
 async def test_connections_cut_mid_chunk_resume_from_the_chunk_they_cut(
