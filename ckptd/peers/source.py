@@ -6,18 +6,25 @@ that manifest's size and CRC-32C (and digest) as it is written, exactly as bytes
 store are (``ckptd.store.restore``). So:
 
 1. the announcements in the store name the run's peers (``ckptd.peers.discovery``); every
-   one is asked at once what it holds (``GET /v1/peer/holdings``, signed), and the answers
-   that came within ``[peers] restore_wait_seconds`` (at most 30 s) are all there is:
-   a dead node or a cut link costs that wait once, then the store;
+   fresh one is asked at once what it holds (``GET /v1/peer/holdings``, signed), each from
+   a daemon thread of its own, and the restore starts without waiting for the answers;
 2. a file is routed to a peer only when a holding there names the same path, size and
    CRC-32C (and digest) as the manifest (``ckptd.peers.model.routes``): a replica of
    another save or an older step serves nothing;
-3. the restore runs through ``PeerFirstStorage`` as a tier of its own, named ``peers``,
+3. the routes fill in as the answers come (``PeerAnswers``): a ranged read of a file no
+   peer has named yet waits only while some peer is still to answer, and never past
+   ``HOLDINGS_GRACE_SECONDS`` after the asking began; then it goes to the store. An
+   answer that comes later (within ``[peers] restore_wait_seconds``) still routes every
+   range not started yet. So no peer answering costs at most the grace, whether the
+   peers' hosts are gone or their packets dropped, and a slow peer still serves the rest;
+4. the restore runs through ``PeerFirstStorage`` as a tier of its own, named ``peers``,
    ahead of the store's tiers (``ckptd.store.tiers.restore_from_tiers``): a ranged read
    of a routed object goes to its peer, and to the next holder, then the store, when that
    peer fails it (a peer that failed once is not asked again); every other request goes
-   to the store;
-4. a file that does not verify (a peer's bytes damaged, truncated, stale) fails the
+   to the store. It counts the bytes read from each; ``credited`` puts them in the
+   restore's result and names the tier by where the bytes came from (``peers`` only when
+   some did);
+5. a file that does not verify (a peer's bytes damaged, truncated, stale) fails the
    ``peers`` tier, and the store's tier restores it; what verified is kept in the staging
    dir and not fetched again. So a fault costs time, never a wrong byte.
 """
@@ -29,13 +36,12 @@ import json
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptd.config import Settings
 from ckptd.config.peers import read_peer_token
-from ckptd.core.manifest import Manifest, ManifestError
+from ckptd.core.manifest import Manifest, ManifestError, ManifestFile
 from ckptd.layouts.base import step_of
 from ckptd.peers import auth
 from ckptd.peers.discovery import read_announcements
@@ -45,11 +51,15 @@ from ckptd.repository import Repository, object_key
 from ckptd.storage.base import STREAM_PIECE, RangeSink, Storage, StorageError
 from ckptd.storage.wrapper import StorageWrapper
 from ckptd.store.restore.procedure import part_manifest
-from ckptd.store.tiers import TierStore
+from ckptd.store.tiers import TierRestore, TierStore
 
 PEERS_TIER = "peers"
-CONNECT_SECONDS = 3.0
 READ_SECONDS = 10.0
+#: How long after the asking began a range of a file no peer has named yet may wait for
+#: the peers still to answer, before it goes to the store (module doc, 3). A peer on the
+#: cluster network answers in milliseconds; one that has not in half a second is gone, cut
+#: off or slow, and a slow one still serves what has not been started by its answer.
+HOLDINGS_GRACE_SECONDS = 0.5
 
 
 class PeerReadError(Exception):
@@ -135,15 +145,115 @@ class PeerReader:
             raise
 
 
+class PeerAnswers:
+    """The routes the peers' answers gave so far, filled in as they come (module doc, 3).
+
+    Thread-safe: the asking threads add answers, the restore's threads read routes."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        keys: Mapping[str, str],
+        asked: Sequence[str],
+        log: Any,
+        *,
+        grace: float = HOLDINGS_GRACE_SECONDS,
+        wait_seconds: float,
+    ) -> None:
+        self.manifest = manifest
+        self._files: list[ManifestFile] = list(manifest.files)
+        self._keys = keys  # a file's path -> its object's key
+        self.asked = tuple(asked)
+        self.log = log
+        self.wait_seconds = wait_seconds
+        self.started = time.monotonic()
+        self._grace_ends = self.started + grace
+        self._pending = set(asked)
+        self._routes: dict[str, list[Route]] = {}
+        self.answered: list[str] = []
+        self._cond = threading.Condition()
+
+    def routes_for(self, key: str) -> list[Route]:
+        """The peers holding ``key``'s object, as answered by now; while it has none and a
+        peer is still to answer, waits for that, until the grace ends."""
+        with self._cond:
+            while key not in self._routes and self._pending:
+                left = self._grace_ends - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return list(self._routes.get(key, ()))
+
+    @property
+    def files_routed(self) -> int:
+        with self._cond:
+            return len(self._routes)
+
+    def settled(self) -> bool:
+        """Every peer asked has answered or failed."""
+        with self._cond:
+            return not self._pending
+
+    def answer(self, address: str, held: list[Holding]) -> None:
+        """``address`` answered ``held``: the files it holds are routed to it from now on
+        (an answer later than ``wait_seconds`` is not used)."""
+        seconds = time.monotonic() - self.started
+        if seconds > self.wait_seconds:
+            self.no_answer(address, f"answered after {seconds:.1f} s")
+            return
+        found = routes(self._files, {address: held})
+        with self._cond:
+            for path, via in found.items():
+                self._routes.setdefault(self._keys[path], []).extend(via)
+            self.answered.append(address)
+            self._pending.discard(address)
+            self._cond.notify_all()
+        self.log.info(
+            "restore_peer_answered",
+            peer=address,
+            checkpoint=self.manifest.checkpoint,
+            files=len(self._files),
+            files_on_peer=len(found),
+            seconds=round(seconds, 3),
+        )
+        newer = sorted(
+            {
+                h.name
+                for h in held
+                if h.kind == "replica" and (step_of(h.name) or -1) > (self.manifest.step or -1)
+            }
+        )
+        if newer:
+            # A node died after its newer part was safe on a peer: until the peer's
+            # hand-off commits it, the newest committed checkpoint is older (ckptd status
+            # on the holder shows the hand-off).
+            self.log.warning(
+                "restore_newer_on_peers",
+                committed=self.manifest.checkpoint,
+                on_peers=newer,
+                peer=address,
+                hint="a hand-off may be under way; restore again once it has committed",
+            )
+
+    def no_answer(self, address: str, error: str) -> None:
+        with self._cond:
+            self._pending.discard(address)
+            self._cond.notify_all()
+        self.log.warning(
+            "restore_peer_unanswered",
+            peer=address,
+            error=error,
+            seconds=round(time.monotonic() - self.started, 3),
+        )
+
+
 class PeerFirstStorage(StorageWrapper):
     """The store, but a routed object's ranged reads go to its peers first (module doc)."""
 
-    def __init__(
-        self, inner: Storage, routed: dict[str, list[Route]], reader: PeerReader, log: Any
-    ) -> None:
+    def __init__(self, inner: Storage, answers: PeerAnswers, reader: PeerReader, log: Any) -> None:
         super().__init__(inner)
         self.url = f"peers+{inner.url}"
-        self.routed = routed
+        self.answers = answers
         self.reader = reader
         self.log = log
         self.dead: set[str] = set()
@@ -152,7 +262,7 @@ class PeerFirstStorage(StorageWrapper):
         self._lock = threading.Lock()
 
     def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
-        for route in self.routed.get(key, []):
+        for route in self.answers.routes_for(key):
             if route[0] in self.dead:
                 continue
             try:
@@ -170,32 +280,35 @@ class PeerFirstStorage(StorageWrapper):
             self.from_store += length
 
 
-def ask_peers(
-    repo: Repository, reader: PeerReader, run: str, *, wait_seconds: float, stale_after: float
-) -> dict[str, list[Holding]]:
-    """What every announced peer of ``run`` holds, as answered within ``wait_seconds``."""
+def fresh_peers(repo: Repository, run: str, *, stale_after: float) -> list[str]:
+    """The addresses of ``run``'s peers whose announcements are fresh, sorted."""
     now = time.time()
-    addresses = sorted(
+    return sorted(
         {
             a.address
             for a in read_announcements(repo, run)
             if a.address and now - a.updated_at <= stale_after
         }
     )
-    if not addresses:
-        return {}
-    pool = ThreadPoolExecutor(max_workers=min(32, len(addresses)), thread_name_prefix="ckptd-ask")
-    futures = {
-        address: pool.submit(reader.holdings, address, run, min(wait_seconds, CONNECT_SECONDS * 3))
-        for address in addresses
-    }
-    wait(futures.values(), timeout=wait_seconds)
-    pool.shutdown(wait=False, cancel_futures=True)
-    found: dict[str, list[Holding]] = {}
-    for address, future in futures.items():
-        if future.done() and future.exception() is None:
-            found[address] = future.result()
-    return found
+
+
+def ask_peers(reader: PeerReader, run: str, answers: PeerAnswers) -> None:
+    """Ask every peer in ``answers.asked`` what it holds of ``run``, each from a daemon
+    thread of its own (a peer that never answers holds no process open), and return at
+    once: the answers fill ``answers`` in as they come."""
+
+    def ask(address: str) -> None:
+        try:
+            held = reader.holdings(address, run, answers.wait_seconds)
+        except PeerReadError as exc:
+            answers.no_answer(address, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is never the restore's
+            answers.no_answer(address, repr(exc))
+        else:
+            answers.answer(address, held)
+
+    for address in answers.asked:
+        threading.Thread(target=ask, args=(address,), name="ckptd-ask", daemon=True).start()
 
 
 @dataclass
@@ -204,8 +317,15 @@ class PeersTier:
 
     tier: TierStore
     storage: PeerFirstStorage
-    peers: int
-    files_routed: int
+    store_tier: str  # the name of the store's tier it reads the rest from
+
+    @property
+    def peers(self) -> int:
+        return len(self.storage.answers.asked)
+
+    @property
+    def files_routed(self) -> int:
+        return self.storage.answers.files_routed
 
 
 def peers_tier(
@@ -217,79 +337,77 @@ def peers_tier(
     log: Any,
 ) -> tuple[PeersTier | None, str | None]:
     """The ``peers`` tier for restoring ``run``'s ``checkpoint`` (None: the newest in the
-    first tier), and the slot it pins; ``(None, None)`` when no peer holds any of its
-    files (or the store cannot say what is committed: the tiers' own restore says why)."""
+    first tier), and the slot it pins, with its peers being asked (module doc);
+    ``(None, None)`` when no fresh peer is announced (or the store cannot say what is
+    committed: the tiers' own restore says why)."""
     if not settings.peers.enabled or not tiers:
         return None, None
     first = tiers[0]
     repo = Repository(first.storage)
-    started = time.monotonic()
     try:
+        addresses = fresh_peers(
+            repo, run, stale_after=stale_after(settings.peers.announce_interval_seconds)
+        )
+        if not addresses:
+            return None, None
         manifest: Manifest = repo.resolve(run, checkpoint)
         if part is not None:
             manifest = part_manifest(repo, manifest, part)
         reader = PeerReader(read_peer_token(settings.peers))
-        offers = ask_peers(
-            repo,
-            reader,
-            run,
-            wait_seconds=settings.peers.restore_wait_seconds,
-            stale_after=stale_after(settings.peers.announce_interval_seconds),
-        )
     except (StorageError, ManifestError) as exc:
         log.warning("restore_peers_skipped", error=str(exc))
         return None, None
-    newer = sorted(
-        {
-            h.name
-            for held in offers.values()
-            for h in held
-            if h.kind == "replica" and (step_of(h.name) or -1) > (manifest.step or -1)
-        }
+    keys = {f.path: object_key(run, manifest.checkpoint, f.path) for f in manifest.files}
+    answers = PeerAnswers(
+        manifest, keys, addresses, log, wait_seconds=settings.peers.restore_wait_seconds
     )
-    if newer:
-        # A node died after its newer part was safe on a peer: until the peer's hand-off
-        # commits it, the newest committed checkpoint is older (ckptd status on the
-        # holder shows the hand-off).
-        log.warning(
-            "restore_newer_on_peers",
-            committed=manifest.checkpoint,
-            on_peers=newer,
-            hint="a hand-off may be under way; restore again once it has committed",
-        )
-    found = routes(manifest.files, offers)
-    routed = {object_key(run, manifest.checkpoint, p): r for p, r in found.items()}
+    ask_peers(reader, run, answers)
     log.info(
         "restore_peers_asked",
         checkpoint=manifest.checkpoint,
-        peers_answered=len(offers),
+        peers=len(addresses),
         files=len(manifest.files),
-        files_on_peers=len(routed),
-        seconds=round(time.monotonic() - started, 3),
     )
-    if not routed:
-        return None, manifest.checkpoint
-    storage = PeerFirstStorage(first.storage, routed, reader, log)
+    storage = PeerFirstStorage(first.storage, answers, reader, log)
     tier = TierStore(PEERS_TIER, storage, first.config)
-    return PeersTier(tier, storage, len(offers), len(routed)), manifest.checkpoint
+    return PeersTier(tier, storage, first.name), manifest.checkpoint
+
+
+def credited(done: TierRestore, peers: PeersTier | None) -> TierRestore:
+    """``done`` with its bytes by source (``peer_bytes``; ``store_bytes``: what the
+    ``peers`` tier read from the store, and what a later tier downloaded), and named by
+    where they came from: a ``peers`` tier that read nothing from a peer is the store's."""
+    if peers is None:
+        return done
+    storage = peers.storage
+    later = 0 if done.tier == PEERS_TIER else done.result.downloaded_bytes
+    tier = peers.store_tier if done.tier == PEERS_TIER and not storage.from_peers else done.tier
+    return replace(
+        done, tier=tier, peer_bytes=storage.from_peers, store_bytes=storage.from_store + later
+    )
 
 
 def with_peers(
     settings: Settings, tiers: Sequence[TierStore], manifest: Manifest, log: Any
-) -> list[TierStore]:
+) -> tuple[list[TierStore], PeersTier | None]:
     """``tiers`` with the ``peers`` tier first for restoring ``manifest``'s checkpoint (its
-    slot), when peers hold any of it (``ckptd exec``'s restore); else ``tiers``."""
+    slot), when any fresh peer is announced (``ckptd exec``'s restore), and that tier
+    (for ``credited``); else ``tiers`` and None."""
     peers, _ = peers_tier(settings, tiers, manifest.run_id, manifest.checkpoint, None, log)
-    return [peers.tier, *tiers] if peers is not None else list(tiers)
+    return ([peers.tier, *tiers], peers) if peers is not None else (list(tiers), None)
 
 
 __all__ = [
+    "HOLDINGS_GRACE_SECONDS",
     "PEERS_TIER",
+    "PeerAnswers",
     "PeerFirstStorage",
     "PeerReadError",
     "PeerReader",
     "PeersTier",
     "ask_peers",
+    "credited",
+    "fresh_peers",
     "peers_tier",
     "with_peers",
 ]

@@ -258,6 +258,10 @@ class TierRestore:
     result: RestoreResult
     tier: str
     skipped_tiers: tuple[str, ...] = ()
+    # Bytes by source: read from peers, and read from the store (the store's egress);
+    # a restore from peers first has them counted by ``ckptd.peers.source.credited``.
+    peer_bytes: int = 0
+    store_bytes: int = 0
 
 
 def newest_in_tiers(
@@ -332,7 +336,9 @@ def restore_from_tiers(tiers: Sequence[TierStore], request: RestoreRequest) -> T
             result = restore(
                 tier.storage, replace(request, checkpoint=name), manifest=read.get(tier.name)
             )
-            return TierRestore(result, tier.name, tuple(skipped))
+            return TierRestore(
+                result, tier.name, tuple(skipped), store_bytes=result.downloaded_bytes
+            )
         except RestoreError as exc:
             if not exc.problems or os.path.lexists(request.target_dir / (local or name)):
                 raise  # not the tier's fault: the target, a local I/O error

@@ -17,7 +17,7 @@ from typing import Any
 from ckptd.config import Settings
 from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import Manifest, ManifestError
-from ckptd.peers.source import with_peers
+from ckptd.peers.source import credited, with_peers
 from ckptd.storage import StorageError
 from ckptd.storage.base import NotFoundError
 from ckptd.store.nearby import SHOWN, where_runs_are
@@ -82,7 +82,7 @@ async def restore_into(
     """Restore ``manifest``'s checkpoint of ``run_id`` into ``watch_dir`` (its files
     missing there only), from peers first when they hold any of it, else from the first
     tier whose copy verifies. ExecError when none does."""
-    stores = await asyncio.to_thread(with_peers, settings, stores, manifest, log)
+    stores, peers = await asyncio.to_thread(with_peers, settings, stores, manifest, log)
     try:
         request = RestoreRequest(
             run_id,
@@ -94,7 +94,8 @@ async def restore_into(
             # Authenticated checkpoints: refused before the trainer loads a byte.
             keys=settings.authentication.key_ring(),
         )
-        return await asyncio.to_thread(functools.partial(restore_from_tiers, stores, request))
+        done = await asyncio.to_thread(functools.partial(restore_from_tiers, stores, request))
+        return credited(done, peers)
     except (RestoreError, StorageError, ManifestError) as exc:
         raise ExecError(f"restore of {run_id}/{manifest.checkpoint} failed: {exc}") from exc
 
@@ -108,4 +109,6 @@ def restored_status(done: TierRestore) -> dict[str, Any]:
         "seconds": round(result.seconds, 3),
         "bytes": result.total_bytes,
         "tier": done.tier,
+        "peer_bytes": done.peer_bytes,
+        "store_bytes": done.store_bytes,
     }

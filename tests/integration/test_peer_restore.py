@@ -27,7 +27,7 @@ from ckptd.core.manifest import build_manifest
 from ckptd.peers.client import PeerClient
 from ckptd.peers.discovery import write_announcement
 from ckptd.peers.model import PeerAnnouncement
-from ckptd.peers.source import PEERS_TIER, peers_tier
+from ckptd.peers.source import PEERS_TIER, credited, peers_tier
 from ckptd.repository import Repository, object_key
 from ckptd.runtime.clock import SYSTEM_CLOCK
 from ckptd.runtime.logs import get_logger
@@ -103,8 +103,8 @@ def restore_with_peers(settings: Settings, to: Path) -> tuple[Any, int]:
     if peers is not None:
         tiers = [peers.tier, *tiers]
         request = replace(request, checkpoint=slot)
-    done = restore_from_tiers(tiers, request)
-    return done, peers.storage.from_peers if peers is not None else 0
+    done = credited(restore_from_tiers(tiers, request), peers)
+    return done, done.peer_bytes
 
 
 @pytest.fixture

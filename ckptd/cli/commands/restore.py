@@ -110,6 +110,10 @@ def handle(args: argparse.Namespace) -> int:
             request = replace(request, checkpoint=slot)
     try:
         done = restore_from_tiers(tiers, request)
+        if peers is not None:
+            from ckptd.peers.source import credited
+
+            done = credited(done, peers)
     except NotFoundError as exc:
         # A typo'd --run or --dest reads as nothing committed: say what is there instead.
         hint = where_runs_are(tiers[0].storage, tiers[0].config, args.run_id).message
@@ -132,7 +136,7 @@ def handle(args: argparse.Namespace) -> int:
         now=time.time(),
     )
     if args.json:
-        print_json(_document(done, peers.storage.from_peers if peers is not None else 0))
+        print_json(_document(done))
     elif result.skipped:
         print(f"present  {result.path} already holds {result.run_id}/{result.checkpoint}")
     else:
@@ -140,6 +144,7 @@ def handle(args: argparse.Namespace) -> int:
             f"restored {result.run_id}/{result.checkpoint} -> {result.path}: {result.files} files, "
             f"{human_bytes(result.total_bytes)} in {result.seconds:.1f}s"
             + (f" from tier {done.tier}" if len(tiers) > 1 else "")
+            + (f" ({human_bytes(done.peer_bytes)} from peers)" if done.peer_bytes else "")
         )
     return EXIT_OK
 
@@ -163,7 +168,7 @@ def into_watch_dir(settings: Settings, run_id: str, to: Path) -> bool:
     )
 
 
-def _document(done: TierRestore, peer_bytes: int = 0) -> dict[str, Any]:
+def _document(done: TierRestore) -> dict[str, Any]:
     result = done.result
     return {
         "run": result.run_id,
@@ -179,5 +184,6 @@ def _document(done: TierRestore, peer_bytes: int = 0) -> dict[str, Any]:
         "tier": done.tier,
         "skipped_tiers": list(done.skipped_tiers),
         "environment_differences": {k: list(v) for k, v in result.environment_differences.items()},
-        "peer_bytes": peer_bytes,
+        "peer_bytes": done.peer_bytes,
+        "store_bytes": done.store_bytes,
     }
