@@ -36,7 +36,7 @@ from ckptd.storage.base import Storage
 from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
-from ckptd.sync.watcher import Watcher
+from ckptd.sync.watcher import COMMIT_RECORDS, Watcher
 
 
 @dataclass
@@ -146,7 +146,12 @@ def build_daemon(
             tiers=tiers,
             responder=wired.responder,
             advisor=wired.advisor,
-            watcher=Watcher({r: s.dir for r, s in first.runs.items()}, tiers.hint),
+            watcher=Watcher(
+                {r: s.dir for r, s in first.runs.items()},
+                tiers.hint,
+                tiers.record_seen,
+                {r: COMMIT_RECORDS | {s.rules.marker} for r, s in first.runs.items()},
+            ),
             # SIGTERM's deadline is our own grace period: what we may spend flushing.
             sigterm_source=SigtermSource(grace=shutdown_timeout, on_repeat=on_repeated_sigterm),
             started_at=started_at,

@@ -94,6 +94,11 @@ class TierSet:
             else:
                 t.pipeline.hint(run_id, name, delay)
 
+    def record_seen(self, run_id: str, name: str | None) -> None:
+        """A commit record appeared, to every tier's pipeline (looked at now)."""
+        for t in self._tiers:
+            t.pipeline.record_seen(run_id, name)
+
     async def rescan(self, run_id: str, *, committed: bool = False) -> None:
         """Look at every checkpoint of ``run_id`` again, for every tier (``committed``:
         the names committed already too, ``SyncPipeline.rescan``)."""

@@ -4,6 +4,12 @@ A hint (a file event, a rescan, a part of the pipeline that wants another look) 
 timer per checkpoint; when it fires the checkpoint is looked at (``Intake.look``: the
 completion rule's verdict, and what follows from it). This module decides only when,
 and how many at once; what a look finds is the intake's.
+
+A save's file events are a burst (``EVENT_DEBOUNCE_SECONDS`` coalesces it into one look,
+``LOOK_SPACING`` keeps looks at a large checkpoint from taking a core); its commit record
+(DCP's ``.metadata``, a marker, a tracker, a save report: ``ckptd.sync.watcher``) is one
+event, the last, and is looked at with no delay at all (``record_seen``): one look per
+save, so nothing to coalesce, and during a notice the push starts that much sooner.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from ckptd.runtime.tasks import doubling, retrieve
 from ckptd.sync.runs import RunState
 from ckptd.sync.scanner import list_candidates
 
-# Coalesces the burst of events one save produces into one look at the checkpoint.
+# Coalesces the burst of events one save produces into one look at the checkpoint (its
+# commit record is looked at with none: ``Looks.record_seen``).
 EVENT_DEBOUNCE_SECONDS = 0.2
 # ...but a burst that goes on (a save writing GiBs) is looked at at least this often, or
 # the files it closed meanwhile would wait for its end to go early.
@@ -41,7 +48,8 @@ class Looks:
     Invariants: at most one look at a checkpoint runs at a time (an ask meanwhile gets
     that look's verdict, and one more look follows it); the hints to one checkpoint
     share one timer, which fires within ``EVENT_MAX_DELAY_SECONDS`` of the first but
-    never sooner than ``LOOK_SPACING`` times the last look's length after it ended; a
+    never sooner than ``LOOK_SPACING`` times the last look's length after it ended,
+    except for a commit record, looked at once (after the look running, if one is); a
     look that raised is asked for again after a doubling backoff; and ``busy()`` holds
     from a hint until its verdict is queued, with no gap between timer and look.
     """
@@ -61,6 +69,8 @@ class Looks:
         self._last_look: dict[tuple[str, str], tuple[float, float]] = {}
         self._looking: dict[tuple[str, str], asyncio.Task[Completion | None]] = {}
         self._look_after: set[tuple[str, str]] = set()
+        # ...of which a commit record was seen meanwhile: the next look follows at once.
+        self._record_after: set[tuple[str, str]] = set()
         # Looks that raised in a row, per checkpoint (``_look_failed``'s backoff).
         self._look_failures: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -96,6 +106,33 @@ class Looks:
             self._spawn(self.evaluate(run_id, name))
 
         self._timers[key] = loop.call_later(delay, fire)
+
+    def record_seen(self, run_id: str, name: str | None) -> None:
+        """A commit record appeared for ``name`` (None: a tracker or a save report, which
+        may complete any checkpoint of the run): look at it now, unspaced and with no
+        debounce; if a look at it runs, the next one follows that at once. Must be
+        called on the event loop thread."""
+        state = self.runs.get(run_id)
+        if state is None:
+            return
+        if name is None:
+            for candidate in state.seen - state.committed:
+                self.record_seen(run_id, candidate)
+            self._spawn(self.rescan(run_id))
+            return
+        key = (run_id, name)
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        self._first_hint.pop(key, None)
+        if key in self._looking:
+            self._look_after.add(key)
+            self._record_after.add(key)
+            return
+        # A timer of no delay rather than a task at once: busy() holds from here on.
+        self._timers[key] = asyncio.get_running_loop().call_later(
+            0.0, lambda: self._spawn(self.evaluate(run_id, name))
+        )
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """A look or a rescan beside the caller; a failure of it is logged and counted
@@ -157,7 +194,11 @@ class Looks:
             self._last_look[key] = (ended, ended - started)
             if len(self._last_look) > 4096:  # a long run's old names: nothing to space
                 self._last_look = {k: v for k, v in self._last_look.items() if v[0] > ended - 600}
-            if key in self._look_after:
+            if key in self._record_after:
+                self._record_after.discard(key)
+                self._look_after.discard(key)
+                self.record_seen(run_id, name)
+            elif key in self._look_after:
                 self._look_after.discard(key)
                 self.hint(run_id, name)  # spaced by LOOK_SPACING
 

@@ -1,7 +1,7 @@
 """The sync pipeline: from "a checkpoint may have changed" to "it is committed".
 
 Inputs are hints (file events, rescans, start-up): each makes the pipeline look at one
-checkpoint again, after a short debounce (``Intake``, ``ckptd.sync.intake``: the
+checkpoint again, after a short debounce (none for a commit record) (``Intake``, ``ckptd.sync.intake``: the
 completion rule's verdict, early shipping, what a vanished checkpoint leaves). A
 complete checkpoint goes into the ``ShipQueue`` (``ckptd.sync.queue``: the order, the
 backoff, the emergency rules); one worker takes the next one and hands it to
@@ -243,6 +243,12 @@ class SyncPipeline:
         look again after ``delay`` (``Looks.hint``). Must be called on the event loop
         thread."""
         self.looks.hint(run_id, name, delay)
+
+    def record_seen(self, run_id: str, name: str | None) -> None:
+        """A commit record appeared (``ckptd.sync.watcher``): look at ``name`` (None:
+        every checkpoint of the run) now, with no debounce (``Looks.record_seen``). Must be
+        called on the event loop thread."""
+        self.looks.record_seen(run_id, name)
 
     async def rescan(self, run_id: str, *, committed: bool = False) -> None:
         """Look at every checkpoint of a run (start-up, periodic, lost events). A name
