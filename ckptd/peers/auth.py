@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
 from collections import OrderedDict
 
 SCHEME = "ckptd-peer"
@@ -78,12 +79,14 @@ def sign(token: bytes, method: str, target: str, now: float, body: str = "") -> 
 
 
 class RequestChecker:
-    """The holder's side: checks each request's signature, remembering nonces."""
+    """The holder's side: checks each request's signature, remembering nonces. Thread-safe
+    (HTTP requests on the event loop and stream frames in threads share one)."""
 
     def __init__(self, token: bytes, window: float = WINDOW_SECONDS) -> None:
         self.token = token
         self.window = window
         self._nonces: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
 
     def check(
         self, header: str | None, method: str, target: str, now: float, body: str = ""
@@ -105,10 +108,11 @@ class RequestChecker:
             return "a wrong signature (another token, or the request was altered)", ""
         if abs(now - seconds) > self.window:
             return f"signed {now - seconds:+.0f} s from this node's clock", ""
-        self._forget(now)
-        if nonce in self._nonces:
-            return "a replayed request", ""
-        self._nonces[nonce] = now
+        with self._lock:
+            self._forget(now)
+            if nonce in self._nonces:
+                return "a replayed request", ""
+            self._nonces[nonce] = now
         return None, nonce
 
     def _forget(self, now: float) -> None:

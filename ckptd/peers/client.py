@@ -36,16 +36,15 @@ import contextlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from ckptd.core import checksum, digest
-from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import ManifestFile
 from ckptd.peers import auth
+from ckptd.peers.frames import STREAM_VERSION
 from ckptd.peers.liveness import (
     CONNECT_SECONDS,
     PROBE_SECONDS,
@@ -56,48 +55,25 @@ from ckptd.peers.liveness import (
 from ckptd.peers.model import Offer, Replica, SizedFile, chunk_spans, replica_id
 from ckptd.peers.own import Identity, identity_of
 from ckptd.peers.pacing import Pace
+from ckptd.peers.sending import (
+    DAMAGED_SENDS,
+    FileState,
+    LocalFile,
+    PeerAbandonedError,
+    PeerError,
+    PeerRestartedError,
+    chunk_refusal,
+    read_chunk,
+    reason_of,
+    said,
+)
 from ckptd.peers.server import ACK_HEADER, CRC_HEADER
+from ckptd.peers.stream_client import STREAMS, StreamSender
 from ckptd.runtime.clock import Clock
 
 #: Chunks in flight per push.
 CONCURRENCY = 4
-#: Sends of one damaged (422) chunk before the push gives up: a link that damages every
-#: body is not one to keep a replica through.
-DAMAGED_SENDS = 5
 READ_SECONDS = 30.0
-
-
-class PeerError(CkptdError):
-    """A push or a question a peer did not answer as it must; ``reason`` says how."""
-
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class PeerRestartedError(PeerError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "restarted")
-
-
-class PeerAbandonedError(PeerError):
-    """The push was given up on its holder (module doc): ``why`` is "notice" (it has
-    one), "silent" (it answered nothing) or "stalled" (it took no chunk)."""
-
-    def __init__(self, message: str, why: str, after: float) -> None:
-        super().__init__(message, "abandoned")
-        self.why = why
-        self.after = after  # seconds into the push
-
-
-@dataclass(frozen=True)
-class LocalFile:
-    """One file of the part: its path in the checkpoint, where it is, as listed."""
-
-    path: str
-    local: Path
-    size: int
-    mtime_ns: int
 
 
 @dataclass
@@ -109,20 +85,13 @@ class PushResult:
     bytes_sent: int
 
 
-@dataclass
-class _FileState:
-    spans: list[tuple[int, int]]
-    crcs: dict[int, int] = field(default_factory=dict)
-    blocks: dict[int, list[bytes]] = field(default_factory=dict)
-    identity: Identity | None = None
-
-
 class PeerClient:
     """Speaks to peers with the cluster's token; one aiohttp session, made on first use."""
 
-    def __init__(self, token: bytes, clock: Clock) -> None:
+    def __init__(self, token: bytes, clock: Clock, streams: int = STREAMS) -> None:
         self.token = token
         self.clock = clock
+        self.streams = streams  # connections per push over streams; 0: HTTP PUTs only
         self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -193,7 +162,7 @@ class PeerClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise PeerError(f"{address} does not answer: {exc!r}", "unreachable") from exc
         if status != 200 or not isinstance(doc, dict):
-            raise PeerError(f"{address} answered {status}", _reason(status, doc))
+            raise PeerError(f"{address} answered {status}", reason_of(status, doc))
         return doc
 
     async def delivered(self, address: str, rid: str) -> None:
@@ -280,14 +249,22 @@ class PeerClient:
         watch: Liveness,
     ) -> PushResult:
         started = self.clock.monotonic()
-        tid = await self._offer(address, header, files, digests)
+        tid, streamed = await self._offer(address, header, files, digests)
         watch.heard(self.clock.monotonic())
-        states = [_FileState(chunk_spans(f.size)) for f in files]
+        states = [FileState(chunk_spans(f.size)) for f in files]
         try:
-            sent = await self._send_all(
-                address, tid, files, states, pace, deadline, digests, on_bytes, concurrency,
-                watch,
-            )  # fmt: skip
+            sent: int | None = None
+            if streamed and self.streams:
+                sent = await StreamSender(
+                    self.token, self.clock, address, tid, files, states, pace=pace,
+                    deadline=deadline, digests=digests, on_bytes=on_bytes, watch=watch,
+                    streams=self.streams,
+                ).run()  # fmt: skip
+            if sent is None:  # the holder, or what is between, does not speak streams
+                sent = await self._send_all(
+                    address, tid, files, states, pace, deadline, digests, on_bytes,
+                    concurrency, watch,
+                )  # fmt: skip
             for f, state in zip(files, states, strict=True):
                 await asyncio.to_thread(_same_as_first_read, f, state)
             replica = _replica(header, files, states, digests)
@@ -299,7 +276,7 @@ class PeerClient:
             raise
         if status != 200 or not isinstance(doc, dict):
             raise PeerError(
-                f"{address} refused the seal: {_said(doc, status)}", _reason(status, doc)
+                f"{address} refused the seal: {said(doc, status)}", reason_of(status, doc)
             )
         if doc.get("replica") != rid:
             raise PeerError(f"{address} acknowledged {doc.get('replica')!r}, not {rid}", "stale")
@@ -310,8 +287,9 @@ class PeerClient:
 
     async def _offer(
         self, address: str, header: Replica, files: list[LocalFile], digests: bool
-    ) -> str:
-        """The offer: every file's path and size; the transfer's id."""
+    ) -> tuple[str, bool]:
+        """The offer: every file's path and size; the transfer's id, and whether the
+        holder takes its chunks over streams (``ckptd.peers.frames``)."""
         offer = Offer.model_validate(
             {
                 **header.model_dump(mode="json", exclude={"files", "environment"}),
@@ -328,16 +306,16 @@ class PeerClient:
             raise PeerError(f"{address} does not answer: {exc!r}", "unreachable") from exc
         if status != 201 or not isinstance(doc, dict) or not isinstance(doc.get("transfer"), str):
             raise PeerError(
-                f"{address} refused the offer: {_said(doc, status)}", _reason(status, doc)
+                f"{address} refused the offer: {said(doc, status)}", reason_of(status, doc)
             )
-        return str(doc["transfer"])
+        return str(doc["transfer"]), doc.get("stream") == STREAM_VERSION
 
     async def _send_all(
         self,
         address: str,
         tid: str,
         files: list[LocalFile],
-        states: list[_FileState],
+        states: list[FileState],
         pace: Pace,
         deadline: float,
         digests: bool,
@@ -417,7 +395,7 @@ class PeerClient:
         offset: int,
         length: int,
         local: LocalFile,
-        state: _FileState,
+        state: FileState,
         *,
         pace: Pace,
         deadline: float,
@@ -428,7 +406,7 @@ class PeerClient:
         target = f"/v1/peer/transfers/{tid}/files/{index}/{offset}"
         while True:
             data, crc, blocks, ident = await asyncio.to_thread(
-                _read_chunk, local, offset, length, digests
+                read_chunk, local, offset, length, digests
             )
             if state.identity is None:
                 state.identity = ident
@@ -456,60 +434,20 @@ class PeerClient:
                 state.crcs[offset] = crc
                 state.blocks[offset] = blocks
                 return
-            if status == 404:
-                raise PeerRestartedError(f"{address} no longer knows transfer {tid}")
-            if status == 503 and _reason(status, doc) == "notice":
-                raise PeerError(f"{address} has a notice: {_said(doc, status)}", "notice")
-            if status == 422:
-                damaged += 1
-                if damaged >= DAMAGED_SENDS:
-                    raise PeerError(
-                        f"{address}: {local.path} at {offset} arrived damaged {damaged} times",
-                        "corrupt",
-                    )
-            elif status and status < 500:
-                raise PeerError(
-                    f"{address} refused a chunk: {_said(doc, status)}", _reason(status, doc)
-                )
+            damaged += status == 422
+            if (refusal := chunk_refusal(address, local, offset, status, doc, damaged)) is not None:
+                raise refusal
             if self.clock.monotonic() + delay > deadline:
                 raise PeerError(
                     f"{address}: {local.path} at {offset} not taken by the deadline: "
-                    f"{_said(doc, status)}",
+                    f"{said(doc, status)}",
                     "unreachable",
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
 
-def _read_chunk(
-    local: LocalFile, offset: int, length: int, digests: bool
-) -> tuple[bytes, int, list[bytes], Identity]:
-    """One chunk of ``local``, its CRC-32C and block digests, and the file's identity;
-    PeerError when the file is no longer the one listed."""
-    try:
-        # Followed like the store upload follows it: a symlink to a file is that file.
-        fd = os.open(local.local, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise PeerError(f"{local.path} cannot be read: {exc}", "changed") from exc
-    try:
-        st = os.fstat(fd)
-        if st.st_size != local.size or st.st_mtime_ns != local.mtime_ns:
-            raise PeerError(f"{local.path} changed since it was listed", "changed")
-        data = os.pread(fd, length, offset)
-    finally:
-        os.close(fd)
-    if len(data) != length:
-        raise PeerError(f"{local.path} is shorter than listed", "changed")
-    view = memoryview(data)
-    blocks = (
-        [digest.block_digest(view[i : i + digest.BLOCK]) for i in range(0, length, digest.BLOCK)]
-        if digests
-        else []
-    )
-    return data, checksum.crc32c(data), blocks, identity_of(st)
-
-
-def _same_as_first_read(local: LocalFile, state: _FileState) -> None:
+def _same_as_first_read(local: LocalFile, state: FileState) -> None:
     """An empty file was never read: take its identity now; any other must be as first read."""
     try:
         st = os.stat(local.local)
@@ -524,7 +462,7 @@ def _same_as_first_read(local: LocalFile, state: _FileState) -> None:
 
 
 def _replica(
-    header: Replica, files: list[LocalFile], states: list[_FileState], digests: bool
+    header: Replica, files: list[LocalFile], states: list[FileState], digests: bool
 ) -> Replica:
     entries = []
     for f, state in zip(files, states, strict=True):
@@ -554,20 +492,9 @@ async def _json_of(response: aiohttp.ClientResponse) -> Any:
         return None
 
 
-def _reason(status: int, doc: Any) -> str:
-    if isinstance(doc, dict) and isinstance(doc.get("reason"), str):
-        return str(doc["reason"])
-    return {401: "unauthorized", 404: "unknown", 507: "quota"}.get(status, "failed")
-
-
-def _said(doc: Any, status: int) -> str:
-    if isinstance(doc, dict) and doc.get("error"):
-        return f"{status} {doc['error']}"
-    return str(status)
-
-
 __all__ = [
     "CONCURRENCY",
+    "DAMAGED_SENDS",
     "LocalFile",
     "PeerAbandonedError",
     "PeerClient",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckptd.core import checksum, digest
@@ -94,13 +95,13 @@ class Receiver:
         tid: str,
         index: int,
         offset: int,
-        data: bytes | list[bytes],
+        data: bytes | memoryview | list[bytes] | list[memoryview],
         crc_hex: str,
         now: float,
     ) -> None:
         """Write one chunk (``data``: its bytes, or the pieces they arrived in), if its
         bytes are the ones ``crc_hex`` names (CorruptError)."""
-        pieces = [data] if isinstance(data, bytes) else data
+        pieces: Sequence[bytes | memoryview] = data if isinstance(data, list) else [data]
         length = sum(len(p) for p in pieces)
         with self._lock:
             transfer = self._transfer(tid)
@@ -141,7 +142,9 @@ class Receiver:
             with self._lock:
                 transfer.writing -= 1
 
-    def _write(self, tid: str, path: str, offset: int, pieces: list[bytes]) -> None:
+    def _write(
+        self, tid: str, path: str, offset: int, pieces: Sequence[bytes | memoryview]
+    ) -> None:
         """``pieces`` from ``offset`` of the transfer's file, opened without following a
         link."""
         parts = (INCOMING, tid, DATA, *path.split("/"))

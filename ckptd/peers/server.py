@@ -23,6 +23,12 @@ the quota, 503 ``notice``: this node has a notice of its own and takes no part (
 a chunk, a seal) while it lasts, since the replica would go with the node; the origin
 moves to its next candidate. Blocking file work runs in threads; the event loop only
 moves bytes.
+
+The same port also speaks streams (``ckptd.peers.frames``, ``ckptd.peers.listener``):
+a connection that begins with the stream preamble carries chunks and reads as frames,
+each signed like its HTTP request, in a thread with one reused buffer
+(``ckptd.peers.stream_holder``). An offer's answer says so (``"stream": 1``); the HTTP
+chunk and file routes stay for clients that do not speak streams.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from aiohttp import web
 
 from ckptd.core.manifest import ManifestError
 from ckptd.peers import auth
+from ckptd.peers.frames import REFUSAL_STATUS, STREAM_VERSION
+from ckptd.peers.listener import PeerListener
 from ckptd.peers.model import (
     CHUNK_BYTES,
     MAX_DOCUMENT_BYTES,
@@ -51,6 +59,7 @@ from ckptd.peers.replicas import (
     ReplicaError,
     ReplicaStore,
 )
+from ckptd.peers.stream_holder import StreamHolder
 from ckptd.runtime.clock import Clock
 from ckptd.runtime.metrics import Metrics
 
@@ -59,15 +68,7 @@ CRC_HEADER = "X-Ckptd-Crc32c"
 ACK_HEADER = "X-Ckptd-Ack"
 _RANGE = re.compile(r"^bytes=(\d+)-(\d+)$")
 _PIECE = 4 * 1024 * 1024  # bytes per read while serving a range
-_STATUS = {
-    "bad_request": 400,
-    "unauthorized": 401,
-    "unknown": 404,
-    "changed": 409,
-    "corrupt": 422,
-    "notice": 503,
-    "quota": 507,
-}
+_STATUS = REFUSAL_STATUS
 
 
 def _refuse(reason: str, error: str) -> web.Response:
@@ -88,6 +89,7 @@ class PeerServer:
         *,
         hello: Callable[[], dict[str, Any]],
         notice: Callable[[], bool] = lambda: False,
+        streams: bool = True,
     ) -> None:
         self.store = store
         self.receiver = Receiver(store)
@@ -99,7 +101,19 @@ class PeerServer:
         self.log = log
         self._hello = hello
         self._notice = notice  # whether this node has a notice of its own now
+        self.streams = streams  # whether offers' answers say this port speaks streams
+        self.stream_holder = StreamHolder(
+            self.receiver,
+            store.open_file,
+            own.open_file,
+            self.checker,
+            metrics,
+            clock,
+            log,
+            notice,
+        )
         self._runner: web.AppRunner | None = None
+        self._listener: PeerListener | None = None
         self.port = 0
 
     def app(self) -> web.Application:
@@ -120,13 +134,16 @@ class PeerServer:
     async def start(self, host: str, port: int) -> int:
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
-        await site.start()
-        sockets = getattr(site._server, "sockets", None) or []
-        self.port = int(sockets[0].getsockname()[1]) if sockets else port
+        server = self._runner.server
+        assert server is not None  # made by setup()
+        self._listener = PeerListener(lambda: server(), self.stream_holder.serve)
+        self.port = await self._listener.start(host, port)
         return self.port
 
     async def stop(self) -> None:
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -198,7 +215,10 @@ class PeerServer:
             files=len(offer.files),
             emergency=offer.emergency,
         )
-        return web.json_response({"transfer": tid}, status=201)
+        answer: dict[str, Any] = {"transfer": tid}
+        if self.streams:
+            answer["stream"] = STREAM_VERSION
+        return web.json_response(answer, status=201)
 
     async def _put_chunk(self, request: web.Request) -> web.Response:
         crc = request.headers.get(CRC_HEADER, "")
