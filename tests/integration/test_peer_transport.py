@@ -24,8 +24,8 @@ from ckptd.peers.receiving import Receiver
 from ckptd.peers.replicas import ReplicaError, ReplicaStore
 from ckptd.runtime.clock import SYSTEM_CLOCK
 from ckptd.runtime.logs import get_logger
-from tests.support.faultproxy import FaultProxy
 from tests.support.fakes import wait_until
+from tests.support.faultproxy import FaultProxy
 from tests.support.peers import TOKEN, Holder, header, push, write_part
 
 MiB = 1024 * 1024
