@@ -11,8 +11,10 @@ checkpoint and the holder's peer announcement.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
+import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,15 +26,18 @@ from ckptd.commit.single import commit
 from ckptd.config import Settings
 from ckptd.core import checksum
 from ckptd.core.manifest import build_manifest
+from ckptd.peers import source
 from ckptd.peers.client import PeerClient
 from ckptd.peers.discovery import write_announcement
 from ckptd.peers.model import PeerAnnouncement
-from ckptd.peers.source import PEERS_TIER, credited, peers_tier
+from ckptd.peers.source import HOLDINGS_GRACE_SECONDS, PEERS_TIER, credited, peers_tier
 from ckptd.repository import Repository, object_key
 from ckptd.runtime.clock import SYSTEM_CLOCK
 from ckptd.runtime.logs import get_logger
+from ckptd.storage.base import RangeSink
+from ckptd.storage.wrapper import StorageWrapper
 from ckptd.store.restore import RestoreRequest
-from ckptd.store.tiers import open_tiers, restore_from_tiers
+from ckptd.store.tiers import TierStore, open_tiers, restore_from_tiers
 from tests.support.peers import TOKEN, Holder, push, write_part
 
 MiB = 1024 * 1024
@@ -78,7 +83,9 @@ def commit_files(settings: Settings, files: dict[str, bytes], name: str = NAME) 
     commit(tier.storage, manifest)
 
 
-def announce(settings: Settings, holder: Holder, rank: int = 1) -> None:
+def announce(
+    settings: Settings, holder: Holder | None, rank: int = 1, address: str | None = None
+) -> None:
     repo = Repository(open_tiers(settings)[0].storage)
     doc = PeerAnnouncement(
         run_id="run",
@@ -87,7 +94,7 @@ def announce(settings: Settings, holder: Holder, rank: int = 1) -> None:
         peer=f"peer-{rank}",
         incarnation="i",
         host=f"node-{rank}",
-        address=holder.address,
+        address=address or (holder.address if holder is not None else ""),
         quota_bytes=1 << 30,
         free_bytes=1 << 30,
         updated_at=SYSTEM_CLOCK.time(),
@@ -95,11 +102,32 @@ def announce(settings: Settings, holder: Holder, rank: int = 1) -> None:
     write_announcement(repo, doc)
 
 
-def restore_with_peers(settings: Settings, to: Path) -> tuple[Any, int]:
-    """``ckptd restore --latest`` as the CLI runs it with peers: (TierRestore, peer bytes)."""
+class SlowReads(StorageWrapper):
+    """The store, each ranged read of a file ``seconds`` late (a slow link's worth)."""
+
+    seconds = 0.0
+
+    def stream_range(self, key: str, start: int, length: int, sink: RangeSink) -> None:
+        time.sleep(self.seconds)
+        self.inner.stream_range(key, start, length, sink)
+
+
+def restore_with_peers(
+    settings: Settings, to: Path, *, store_read_seconds: float = 0.0, seen: list[Any] | None = None
+) -> tuple[Any, int]:
+    """``ckptd restore --latest`` as the CLI runs it with peers: (TierRestore, peer bytes).
+    ``store_read_seconds``: each ranged read of the store that late, 1 MiB ranges one at a
+    time; ``seen``: gets the peers tier, if any."""
     tiers = open_tiers(settings)
     request = RestoreRequest("run", None, to, progress=False, take_lease=False)
+    if store_read_seconds:
+        slow = SlowReads(tiers[0].storage)
+        slow.seconds = store_read_seconds
+        tiers = [TierStore(tiers[0].name, slow, tiers[0].config)]
+        request = replace(request, concurrency=1, chunk_bytes=MiB)
     peers, slot = peers_tier(settings, tiers, "run", None, None, get_logger())
+    if seen is not None:
+        seen.append(peers)
     if peers is not None:
         tiers = [peers.tier, *tiers]
         request = replace(request, checkpoint=slot)
@@ -135,6 +163,57 @@ async def test_a_replacement_restores_every_byte_from_its_peer_verified(
     done, from_peers = await asyncio.to_thread(restore_with_peers, settings, tmp_path / "to")
     assert done.tier == PEERS_TIER
     assert from_peers == sum(len(b) for b in data.values())
+    assert done.store_bytes == 0
+    assert restored(tmp_path / "to") == data
+
+
+async def test_a_peer_answering_late_still_serves_what_the_store_has_not_started(
+    tmp_path: Path, scene: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The peer's holdings come 0.8 s after it is asked (past the grace): the store starts
+    # meanwhile, each 1 MiB range 1.0 s late; the ranges not started by the answer come
+    # from the peer.
+    settings, _holder, data, _ = scene
+    late = HOLDINGS_GRACE_SECONDS + 0.3
+    holdings = source.PeerReader.holdings
+
+    def slow_holdings(self: Any, address: str, run: str, timeout: float) -> Any:
+        time.sleep(late)
+        return holdings(self, address, run, timeout)
+
+    monkeypatch.setattr(source.PeerReader, "holdings", slow_holdings)
+    done, from_peers = await asyncio.to_thread(
+        functools.partial(restore_with_peers, store_read_seconds=1.0),
+        settings,
+        tmp_path / "to",
+    )
+    total = sum(len(b) for b in data.values())
+    assert restored(tmp_path / "to") == data
+    assert done.tier == PEERS_TIER
+    assert 0 < from_peers < total and done.store_bytes == total - from_peers, done
+
+
+async def test_a_silent_peer_is_not_waited_for(tmp_path: Path, scene: Any) -> None:
+    # A peer whose port takes connections and never answers (its process hung, or its
+    # answers dropped): the store restores everything while that peer is still asked.
+    settings, holder, data, _ = scene
+    await holder.stop()
+    silent = socket.create_server(("127.0.0.1", 0), backlog=8)  # never accepts
+    try:
+        announce(settings, None, address=f"127.0.0.1:{silent.getsockname()[1]}")
+        slow = settings.model_copy(
+            update={"peers": settings.peers.model_copy(update={"restore_wait_seconds": 30})}
+        )
+        seen: list[Any] = []
+        done, from_peers = await asyncio.to_thread(
+            functools.partial(restore_with_peers, seen=seen), slow, tmp_path / "to"
+        )
+        asked = seen[0].storage.answers
+        assert not asked.settled()  # done without its answer
+    finally:
+        silent.close()
+    assert (done.tier, from_peers) == ("primary", 0)
+    assert done.store_bytes == sum(len(b) for b in data.values())
     assert restored(tmp_path / "to") == data
 
 
