@@ -266,6 +266,27 @@ class Rig:
         if done.returncode != 0:
             raise RuntimeError(f"nft in {host.ns}: {done.stderr.strip()}")
 
+    def silence(self, host: Host) -> None:
+        """Drop every packet ``host`` sends or receives, silently (nftables): its link
+        stays up, so a connect to it waits for its own timeout, where a host whose link is
+        down is refused after ~3 s (no ARP answer). ``reshape`` lifts it."""
+        rules = (
+            "table inet ckloss {\n"
+            "  chain in { type filter hook input priority 0; policy drop; }\n"
+            "  chain out { type filter hook output priority 0; policy drop; }\n"
+            "}\n"
+        )
+        subprocess.run(
+            host.argv(["nft", "delete", "table", "inet", "ckloss"]),
+            capture_output=True,
+            timeout=30,
+        )
+        done = subprocess.run(
+            host.argv(["nft", "-f", "-"]), input=rules, capture_output=True, text=True, timeout=30
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"nft in {host.ns}: {done.stderr.strip()}")
+
     def link(self, host: Host, up: bool) -> None:
         """Set ``host``'s link down (it vanishes: no FIN, no RST) or up again."""
         state = "up" if up else "down"
