@@ -3,16 +3,19 @@
 Ranged GETs of ``chunk_bytes`` run in a pool of ``concurrency`` threads, each streamed
 in 1 MiB pieces (memory stays near concurrency x piece) and written with ``pwrite``,
 CRC-32C'd as written (and digested, with keys, from the same buffers), its writeback
-started at once (``ckptd.runtime.writeback``) so the final fsync does not write the whole
-checkpoint while the caller waits. The chunk values fold into the file's
+started at once (``ckptd.runtime.writeback``) so the sync that follows does not write the
+whole checkpoint while the caller waits. The chunk values fold into the file's
 (``checksum.combine_parts``); a file whose size, CRC-32C or digest differs from the
-manifest is deleted, never kept. Only a file that verified and was fsynced is recorded in
-the state log. The workers report to a queue that the calling thread drains: it alone
-touches the tree, the state log and the progress bar.
+manifest is deleted, never kept. Only a file that verified is handed to ``Durability``,
+which records it in the state log once it is durable (``ckptd.store.restore.durability``:
+after a ``syncfs``, or its own ``fsync`` where that is not to be trusted). The workers
+report to a queue that the calling thread drains: it alone touches the tree, the state
+log and the progress bar.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sys
@@ -27,10 +30,11 @@ from ckptd.core.manifest import Manifest, ManifestFile
 from ckptd.repository import FileProblem, RangeCrc, chunk_ranges, object_key
 from ckptd.runtime import writeback
 from ckptd.storage.base import Storage, StorageError
+from ckptd.store.restore.durability import Durability
 from ckptd.store.restore.progress import RestoreProgress
 from ckptd.store.restore.request import RestoreError, RestoreRequest
 from ckptd.store.restore.small import SmallDownloads
-from ckptd.store.restore.staging import STAGING_PREFIX, StagingTree, StateLog, staged_parts
+from ckptd.store.restore.staging import STAGING_PREFIX, StagingTree, staged_parts
 
 
 @dataclass
@@ -57,8 +61,9 @@ class _Downloader:
     """Ranged GETs in a thread pool; workers write with ``pwrite`` and report to a queue
     the main thread drains (progress, state records, new files)."""
 
-    def __init__(self, storage: Storage, concurrency: int) -> None:
+    def __init__(self, storage: Storage, concurrency: int, *, fsync_each: bool) -> None:
         self.storage = storage
+        self.fsync_each = fsync_each
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ckptd-restore")
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.stop = threading.Event()
@@ -106,7 +111,7 @@ class _Downloader:
             self.finish(job)
 
     def finish(self, job: _Job) -> None:
-        """Check the folded CRC-32C, fsync and close; report the file as done."""
+        """Check the folded CRC-32C, fsync (``fsync_each``) and close; report the file."""
         try:
             if job.error is None:
                 crc = checksum.to_hex(checksum.combine_parts(job.crcs))
@@ -121,7 +126,7 @@ class _Downloader:
                     job.error = RestoreError(
                         "digest differs from the signed manifest's: the object was replaced"
                     )
-                else:
+                elif self.fsync_each:
                     os.fsync(job.fd)
         except OSError as exc:
             job.error = exc
@@ -144,14 +149,14 @@ class _FileDownloads:
         manifest: Manifest,
         todo: list[ManifestFile],
         tree: StagingTree,
-        state: StateLog,
+        durable: Durability,
         request: RestoreRequest,
         log: Any,
         downloader: _Downloader,
     ) -> None:
         self.manifest = manifest
         self.tree = tree
-        self.state = state
+        self.durable = durable
         self.request = request
         self.log = log
         self.downloader = downloader
@@ -171,6 +176,7 @@ class _FileDownloads:
             try:
                 kind, value = self.downloader.events.get(timeout=1.0)
             except queue.Empty:
+                self.durable.tick(idle=True)  # a stalled GET holds no record back
                 bar.tick()
                 continue
             if kind == "bytes":
@@ -179,6 +185,7 @@ class _FileDownloads:
                 bar.tick()
                 continue
             self._file_done(value)
+            self.durable.tick(idle=False)
 
     def _open_files(self) -> None:
         while self.pending and self.open_jobs < self.max_open and self.fatal is None:
@@ -201,9 +208,7 @@ class _FileDownloads:
     def _file_done(self, done: _Job) -> None:
         self.open_jobs -= 1
         if done.error is None:
-            self.state.verified(done.entry)
-            if self.request.on_file is not None:
-                self.request.on_file(done.entry.path)
+            self.durable.verified([done.entry])
             return
         self.tree.unlink(done.parts)  # never keep bytes that did not verify
         if isinstance(done.error, RestoreError | StorageError):
@@ -221,16 +226,18 @@ def download(
     manifest: Manifest,
     todo: list[ManifestFile],
     tree: StagingTree,
-    state: StateLog,
+    durable: Durability,
     request: RestoreRequest,
     *,
     reused: int,
     fresh: bool = False,
     log: Any,
 ) -> int:
-    """Fetch and verify ``todo``; returns the bytes downloaded. Raises RestoreError naming
-    every file that failed, or the first local error (ENOSPC, EIO) as it is. ``fresh``:
-    the staging dir was made just now (no stale file to remove first)."""
+    """Fetch and verify ``todo``, handing each file that verified to ``durable``; returns
+    the bytes downloaded. Raises RestoreError naming every file that failed, or the first
+    local error (ENOSPC, EIO) as it is, once what verified is recorded (a rerun reuses
+    it). ``fresh``: the staging dir was made just now (no stale file to remove first).
+    What verified may still wait for its sync when this returns (``durable.seal``)."""
     bar = RestoreProgress(
         log,
         manifest.total_bytes,
@@ -244,7 +251,7 @@ def download(
         storage,
         manifest,
         tree,
-        state,
+        durable,
         request,
         log,
         lanes=lanes_for(request.concurrency),
@@ -254,10 +261,10 @@ def download(
         manifest,
         [f for f in todo if f.size > SMALL_FILE_MAX],
         tree,
-        state,
+        durable,
         request,
         log,
-        _Downloader(storage, request.concurrency),
+        _Downloader(storage, request.concurrency, fsync_each=durable.per_file),
     )
     try:
         small.run([f for f in todo if f.size <= SMALL_FILE_MAX], bar)
@@ -268,9 +275,12 @@ def download(
         bar.close()
     fatal = small.fatal or files.fatal
     if fatal is not None:
+        with contextlib.suppress(OSError):  # the sync may fail as the writes did
+            durable.flush()
         raise fatal
     failed = small.failed + files.failed
     if failed:
+        durable.flush()
         raise RestoreError(
             f"{manifest.run_id}/{manifest.checkpoint}: {len(failed)} file(s) failed; "
             f"verified files are kept in {STAGING_PREFIX}{manifest.checkpoint} for a rerun",

@@ -11,8 +11,10 @@ The order, and why:
    (``ckptd.store.restore.staging``): ranged GETs in parallel, each file held to the
    manifest's size and CRC-32C as it is written (``ckptd.store.restore.download``); a
    file that differs is deleted, never kept;
-4. fsync every file and directory, then rename ``staging/data`` to ``DIR/NAME`` (one
-   ``rename(2)`` inside ``DIR``) and fsync ``DIR``.
+4. make every file, inode and directory durable (one ``syncfs`` of the staging
+   filesystem, or an ``fsync`` of each where that is not to be trusted:
+   ``ckptd.store.restore.durability``), then rename ``staging/data`` to ``DIR/NAME``
+   (one ``rename(2)`` inside ``DIR``) and fsync ``DIR``.
 
 ``DIR`` is made if need be before step 2, and found writable before step 3; one that
 cannot be a writable directory is refused in one line naming it and the fix, with
@@ -64,6 +66,7 @@ from ckptd.core.manifest import Manifest, ManifestError, check_relative_path
 from ckptd.repository import FileProblem, Repository, redirect_target
 from ckptd.storage.base import Storage, StorageError
 from ckptd.store.restore.download import download
+from ckptd.store.restore.durability import Durability
 from ckptd.store.restore.in_place import local_problems
 from ckptd.store.restore.record import record_restore
 from ckptd.store.restore.request import RestoreError, RestoreRequest, RestoreResult
@@ -227,6 +230,7 @@ def _restore_into(
     try:
         state = StateLog(staging_fd, identity, fresh=records is None)
         try:
+            durable = Durability(staging_fd, state, request.on_file)
             todo, reused = still_to_fetch(manifest, tree, records)
             if reused:
                 log.info(
@@ -239,15 +243,15 @@ def _restore_into(
                 manifest,
                 todo,
                 tree,
-                state,
+                durable,
                 request,
                 reused=reused,
                 fresh=records is None,
                 log=log,
             )
+            mtime_ns = finalise(manifest, tree, target_fd, name, durable.seal)
         finally:
             state.close()
-        mtime_ns = finalise(manifest, tree, target_fd, name)
     finally:
         tree.close()
     # The checkpoint is in place; the staging dir holds only state.jsonl now.

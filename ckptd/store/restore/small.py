@@ -1,5 +1,5 @@
-"""The small files of a restore in few hand-offs: lanes that each fetch, verify and fsync
-one file after another.
+"""The small files of a restore in few hand-offs: lanes that each fetch and verify one file
+after another.
 
 A file of at most ``SMALL_FILE_MAX`` bytes is one GET. Fetched as a pool task with a
 queue event or two each (``ckptd.store.restore.download``, the way of large files), a
@@ -8,12 +8,14 @@ its requests. Here ``lanes`` threads (``ckptd.core.concurrency``: 32 at the defa
 concurrency of 8) each take the next file, create it in its staging directory (opened
 by the calling thread beforehand, ``O_NOFOLLOW`` at every level, as ``StagingTree``
 does), write what the GET streams with ``pwrite``, CRC-32C it (and digest it, with
-keys) from the same buffers, and fsync and close it. The calling thread alone touches
-the state log, the progress bar and the caller's callbacks, in batches.
+keys) from the same buffers, and close it (fsyncing it first only where the staging
+filesystem cannot be trusted to one ``syncfs``: ``ckptd.store.restore.durability``). The
+calling thread alone hands what the lanes verified to ``Durability`` (which records it
+once it is durable) and touches the progress bar, in batches.
 
 Invariant, as for large files: only a file whose size and CRC-32C (and digest) are the
-manifest's, and that was fsynced, is recorded in the state log; a file that differs
-is deleted, never kept; a local error (ENOSPC, EIO) stops every lane and is raised.
+manifest's is handed on to be recorded; a file that differs is deleted, never kept; a
+local error (ENOSPC, EIO) stops every lane and is raised.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from ckptd.core import checksum, digest
 from ckptd.core.manifest import Manifest, ManifestFile
 from ckptd.repository import FileProblem, RangeCrc, object_key
 from ckptd.storage.base import Storage, StorageError
+from ckptd.store.restore.durability import Durability
 from ckptd.store.restore.progress import RestoreProgress
 from ckptd.store.restore.request import RestoreError, RestoreRequest
-from ckptd.store.restore.staging import StagingTree, StateLog, staged_parts
+from ckptd.store.restore.staging import StagingTree, staged_parts
 
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # How long the calling thread waits for news before it ticks the progress bar.
@@ -56,7 +59,7 @@ class SmallDownloads:
         storage: Storage,
         manifest: Manifest,
         tree: StagingTree,
-        state: StateLog,
+        durable: Durability,
         request: RestoreRequest,
         log: Any,
         *,
@@ -66,7 +69,8 @@ class SmallDownloads:
         self.storage = storage
         self.manifest = manifest
         self.tree = tree
-        self.state = state
+        self.durable = durable
+        self.fsync_each = durable.per_file
         self.request = request
         self.log = log
         self.lanes = lanes
@@ -94,7 +98,7 @@ class SmallDownloads:
             pending = set(lanes)
             while pending:
                 _, pending = wait(pending, timeout=_POLL_SECONDS, return_when=FIRST_EXCEPTION)
-                self._drain(bar)
+                self.durable.tick(idle=not self._drain(bar))
                 bar.tick()
             for lane in lanes:
                 error = lane.exception()
@@ -156,7 +160,8 @@ class SmallDownloads:
                 raise RestoreError(
                     "digest differs from the signed manifest's: the object was replaced"
                 )
-            os.fsync(fd)
+            if self.fsync_each:
+                os.fsync(fd)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -164,9 +169,11 @@ class SmallDownloads:
             raise
         os.close(fd)
 
-    def _drain(self, bar: RestoreProgress) -> None:
-        """Record what the lanes finished since the last call (this thread only)."""
+    def _drain(self, bar: RestoreProgress) -> bool:
+        """Hand on what the lanes finished since the last call (this thread only); whether
+        there was any."""
         verified: list[ManifestFile] = []
+        news = bool(self._news)
         while self._news:
             f, error = self._news.popleft()
             if error is None:
@@ -174,15 +181,12 @@ class SmallDownloads:
             elif isinstance(error, RestoreError | StorageError):
                 self.failed.append(FileProblem(f.entry.path, str(error)))
                 self.log.info("restore_file_failed", path=f.entry.path, error=str(error))
-        if not verified:
-            return
-        self.state.verified_many(verified)
-        done = sum(f.size for f in verified)
-        self.downloaded += done
-        bar.advance(done)
-        if self.request.on_file is not None:
-            for entry in verified:
-                self.request.on_file(entry.path)
+        if verified:
+            done = sum(f.size for f in verified)
+            self.downloaded += done
+            bar.advance(done)
+            self.durable.verified(verified)
+        return news
 
 
 __all__ = ["SmallDownloads"]

@@ -2,11 +2,15 @@
 what a rerun may trust in it, and the one rename that puts it in place.
 
 A failed or interrupted restore leaves nothing at ``DIR/NAME``, only the hidden staging
-dir, holding nothing but verified files and ``state.jsonl``: one line per file recorded
-*after* that file was fsynced (path, size, crc32c). A rerun reuses a staged file only if
-the record matches the manifest and the file's size still matches (no re-hash: the
-record is only written once the bytes are durable). A staging dir made for another
-manifest, or holding anything but plain files and directories, is discarded whole.
+dir, holding nothing but verified files and ``state.jsonl``: one line per file (path,
+size, crc32c) recorded only *after* that file's bytes were made durable, by a
+``syncfs`` of the staging filesystem that began after the file was closed, or by the
+file's own ``fsync`` (``ckptd.store.restore.durability`` says which, and when). A
+verified file not yet synced has no line. A rerun reuses a staged file only if the
+record matches the manifest and the file's size still matches (no re-hash: the record
+is only written once the bytes are durable); a file without a line is fetched again. A
+staging dir made for another manifest, or holding anything but plain files and
+directories, is discarded whole.
 
 Nothing is written outside ``DIR``: every file is created relative to an open
 directory descriptor, each level opened with ``O_NOFOLLOW`` and the file with
@@ -28,7 +32,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptd.core import checksum
@@ -218,9 +222,10 @@ def _read_state(staging_fd: int, identity: str) -> Records | None:
 class StateLog:
     """Appends one line per verified file to ``state.jsonl``.
 
-    Each line is written only after its file was fsynced, so a line that survives a
-    crash always speaks of durable bytes. The log itself needs no fsync: a line lost
-    with the page cache only means that file is downloaded again.
+    The caller writes a line only once its file is durable (``Durability``: after a
+    ``syncfs`` that covered it, or its ``fsync``), so a line that survives a crash always
+    speaks of durable bytes. The log itself needs no fsync: a line lost with the page
+    cache only means that file is downloaded again.
     """
 
     def __init__(self, staging_fd: int, identity: str, *, fresh: bool) -> None:
@@ -242,7 +247,7 @@ class StateLog:
         self._append({"path": entry.path, "size": entry.size, "crc32c": entry.crc32c})
 
     def verified_many(self, entries: Sequence[ManifestFile]) -> None:
-        """``verified`` for many files (each fsynced already), in one write."""
+        """``verified`` for many files (each durable already), in one write."""
         lines = "".join(
             json.dumps({"path": e.path, "size": e.size, "crc32c": e.crc32c}) + "\n" for e in entries
         )
@@ -317,9 +322,16 @@ def staged_bytes(staging: str) -> int:
     return total
 
 
-def finalise(manifest: Manifest, tree: StagingTree, target_fd: int, name: str) -> int:
-    """Drop strays, fsync, check containment, rename ``data`` to ``NAME``; returns the one
-    mtime (ns) every restored file was given."""
+def finalise(
+    manifest: Manifest,
+    tree: StagingTree,
+    target_fd: int,
+    name: str,
+    seal: Callable[[StagingTree], None],
+) -> int:
+    """Drop strays, give every file one mtime, ``seal`` (every file, inode and directory
+    durable: ``Durability.seal``), rename ``data`` to ``NAME`` and fsync ``DIR``; returns
+    the one mtime (ns) every restored file was given."""
     files = {staged_parts(manifest, f.path) for f in manifest.files}
     dirs = {p[:i] for p in files for i in range(1, len(p))}
     if is_single_file(manifest):
@@ -346,7 +358,7 @@ def finalise(manifest: Manifest, tree: StagingTree, target_fd: int, name: str) -
             dir_fd=tree.dir(parts[:-1], create=False),
             follow_symlinks=False,
         )
-    tree.fsync_dirs()
+    seal(tree)
     try:
         os.stat(name, dir_fd=target_fd, follow_symlinks=False)
     except FileNotFoundError:
