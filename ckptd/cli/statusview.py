@@ -152,6 +152,28 @@ def notice_sources_text(doc: Mapping[str, Any]) -> list[Text]:
     return lines
 
 
+def health_text(health: Mapping[str, Any] | None) -> Text | None:
+    """The node's health ([health] enabled): healthy, or UNHEALTHY with the last event;
+    the sources that cannot be read; None with [health] off."""
+    if health is None:
+        return None
+    text = Text.assemble(("health: ", "bold"))
+    if health.get("healthy"):
+        text.append("healthy", style="green")
+    else:
+        text.append("UNHEALTHY", style="bold red")
+    last = health.get("last_event")
+    if last:
+        text.append(f"  last {last.get('source')}/{last.get('kind')} ({last.get('severity')})")
+        text.append(f" {_ago(float(last.get('at') or 0))}: {last.get('message', '')}", style="dim")
+    if health.get("saving"):
+        text.append("  saving for it", style="yellow")
+    down = {n: why for n, why in (health.get("sources") or {}).items() if why != "ok"}
+    for name, why in sorted(down.items()):
+        text.append(f"\n  health source {name} not read: {why}", style="red")
+    return text
+
+
 def quiet_runs_text(doc: Mapping[str, Any]) -> list[Text]:
     """A run with no commit for over an hour: its watch dir and what was seen there."""
     lines = []
@@ -326,6 +348,9 @@ def render_status(doc: Mapping[str, Any], console: Console) -> None:
     console.print(notice_text(doc.get("preemption")))
     for line in [*notice_sources_text(doc), *quiet_runs_text(doc)]:
         console.print(line)
+    health = health_text(doc.get("health"))
+    if health is not None:
+        console.print(health)
     for line in advice_text(doc):
         console.print(line)
     for line in drills_text(doc):
@@ -375,6 +400,7 @@ __all__ = [
     "failed_count",
     "failures_text",
     "goodput_text",
+    "health_text",
     "progress_text",
     "render_status",
     "status_table",

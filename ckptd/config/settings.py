@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from ckptd.config.drill import DrillConfig
 from ckptd.config.errors import keyed_error
+from ckptd.config.health import HealthConfig
 from ckptd.config.node import (
     CadenceConfig,
     ClusterConfig,
@@ -67,6 +68,7 @@ class Settings(BaseSettings):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     drill: DrillConfig = Field(default_factory=DrillConfig)
     peers: PeersConfig = Field(default_factory=PeersConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
     tiers: list[TierConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")

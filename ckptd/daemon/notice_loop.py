@@ -180,9 +180,11 @@ class NoticeLoop:
     def end_followed_drill(
         self, notice: Notice, source: NoticeSource, response: Response | None
     ) -> None:
-        """Another node's drill, responded to here: leave emergency mode as ``ckptd drill``
-        does on its own node (in the background; see ``_end_drill``)."""
-        if source is self.cluster_source and notice.kind == "drill" and response is not None:
+        """Another node's drill, or health save (``ckptd.daemon.health_loop``), responded
+        to here: leave emergency mode as ``ckptd drill`` does on its own node (in the
+        background; see ``_end_drill``)."""
+        ends_by_itself = notice.kind in ("drill", "health-save")
+        if source is self.cluster_source and ends_by_itself and response is not None:
             task = asyncio.create_task(self._end_drill(response))
             self._followed_drills.add(task)
             task.add_done_callback(self._followed_drills.discard)

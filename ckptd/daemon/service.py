@@ -44,6 +44,7 @@ from ckptd.daemon.build import build_daemon
 from ckptd.daemon.drain import DRAIN_QUIET_SECONDS as DRAIN_QUIET_SECONDS  # ckptd exec's
 from ckptd.daemon.drain import Drain
 from ckptd.daemon.goodput import ledger_for
+from ckptd.daemon.health_loop import build_health
 from ckptd.daemon.notice_loop import NoticeLoop, remove_stale_notice_files
 from ckptd.daemon.peering import start_peering, stop_peering
 from ckptd.daemon.quiet import QuietRuns, sight
@@ -146,6 +147,10 @@ class Service:
             scheduled=not once,
         )
         self.ledger = ledger_for(self, once=once)
+        # [health]: the monitor, and the notice source of its save-and-stop events.
+        built = build_health(self)
+        self.health = built[0] if built is not None else None
+        self.health_source = built[1] if built is not None else None
         self.drain = Drain(
             self.tiers, self.stop_event, timeout=shutdown_timeout, clock=clock, log=self.log
         )
@@ -304,6 +309,8 @@ class Service:
         ]
         if self.drill_schedule is not None:
             background.append(sup("drill-schedule", self.drill_schedule.run))
+        if self.health is not None:
+            background.append(sup("health", self.health.run))
         self.ledger.begin()
         self.log.info("ckptd_ready", watching=self.watching)
         self.sd.ready(summarize(self.status()))
@@ -363,7 +370,8 @@ class Service:
         """SIGTERM's, and with many nodes the other nodes' NOTICE (the cloud's is found
         by the notice loop)."""
         cluster = [self.cluster_source] if self.cluster_source is not None else []
-        return [self.sigterm_source, *cluster]
+        health = [self.health_source] if self.health_source is not None else []
+        return [self.sigterm_source, *cluster, *health]
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
         """What a notice means for the daemon: a SIGTERM that is a plain stop stops it;
@@ -443,6 +451,7 @@ class Service:
             "watching": self.watching,
             "runs": runs,
             "notice_sources_down": deaf,
+            "node_healthy": None if self.health is None else self.health.healthy,
         }
 
     def status(self) -> dict[str, Any]:
@@ -456,6 +465,7 @@ class Service:
         if self.drill_schedule is not None:
             body["drill_schedule"] = self.drill_schedule.status()
         body.update({"peers": self.peering.status()} if self.peering is not None else {})
+        body.update({"health": self.health.status()} if self.health is not None else {})
         self.quiet.annotate(body["runs"], self.clock.time(), self.metrics)
         self.ledger.annotate(body)
         return body

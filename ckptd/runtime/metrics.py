@@ -416,6 +416,40 @@ class Metrics(PeerMetrics):
             ["task"],
             registry=r,
         )
+        # Health sources (ckptd.health; docs/health.md).
+        self.health_events = Counter(
+            "ckptd_health_events",
+            "Health events heard (an Xid, an OOM kill, an I/O error, memory pressure, a disk"
+            " too full for the next save, the store lost), by source, kind and severity.",
+            ["source", "kind", "severity"],
+            registry=r,
+        )
+        self.health_actions = Counter(
+            "ckptd_health_actions",
+            "What health events did: save, save-and-stop, report (a save held back by the"
+            " rate limit or a save in progress included), ignore.",
+            ["action"],
+            registry=r,
+        )
+        self.node_healthy = Gauge(
+            "ckptd_node_healthy",
+            "0 while a degrading or fatal health condition lasts, or after a degrading or"
+            " fatal fault until the daemon restarts; 1 otherwise (always, with [health] off).",
+            registry=r,
+        )
+        self.node_healthy.set(1)
+        self.health_source_up = Gauge(
+            "ckptd_health_source_up",
+            "1 when the health source (kmsg, psi, cgroup) was read at its last poll.",
+            ["source"],
+            registry=r,
+        )
+        self.health_fs_free_bytes = Gauge(
+            "ckptd_health_fs_free_bytes",
+            "Free bytes on the filesystem of the run's watch dir, as the health source read it.",
+            ["run"],
+            registry=r,
+        )
         # -- peer replication (ckptd.peers; docs/peers.md): ``PeerMetrics``, last --------
         super().__init__(r)
 

@@ -40,6 +40,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.peers.placement",
             "ckptd.peers.liveness",
             "ckptd.peers.auth",
+            "ckptd.health.model",
+            "ckptd.health.xid",
+            "ckptd.health.kmsg",
+            "ckptd.health.memory",
+            "ckptd.health.disk",
+            "ckptd.health.store",
+            "ckptd.health.decide",
         ),
     ),
     (
@@ -56,6 +63,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "daemon",
         (
             "ckptd.notices",
+            "ckptd.health",
             "ckptd.cadence",
             "ckptd.goodput",
             "ckptd.drill",

@@ -1,0 +1,307 @@
+"""The health monitor: every ``[health] poll_interval_seconds`` it reads each source
+(``ckptd.health.readers``, in a thread), turns what it read into events (the pure source
+modules), decides on each (``ckptd.health.decide``) and hands saves and stops to the
+daemon (``Actions``), which knows how to make the trainer save.
+
+A condition that lasts (memory pressure, a cgroup near its limit, a disk too full for
+the next save, a store lost) is one event when it begins, not one per poll; it ends
+when a reading no longer shows it. Invariant: the node is unhealthy while a degrading
+or fatal condition lasts, and from a degrading or fatal fault (an Xid, an OOM kill, an
+I/O error) until the daemon restarts: a GPU that faulted once needs someone to look.
+A source that cannot be read is said so (``sources``), never an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ckptd.config.health import HealthConfig
+from ckptd.health import disk, kmsg, memory
+from ckptd.health.condition import condition_body, write_condition
+from ckptd.health.decide import Decision, Policy, SaveLimit
+from ckptd.health.model import HealthEvent
+from ckptd.health.readers import KmsgReader, free_bytes, read_small
+from ckptd.health.store import Reachability
+from ckptd.runtime.metrics import Metrics
+
+# The last events kept for /v1/status and the condition file.
+RECENT = 10
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What the disk source needs of one watched run."""
+
+    dir: Path
+    last_save_bytes: int | None
+
+
+class Actions(Protocol):
+    """What the monitor asks of the daemon (``ckptd.daemon.health_loop``)."""
+
+    def saving(self) -> bool:
+        """A save in progress: a notice acted on, or a checkpoint not yet committed."""
+        ...
+
+    def trainer_pids(self) -> list[int]: ...
+
+    def store(self) -> tuple[bool, str]:
+        """Whether the store answered its last check, and its error if not."""
+        ...
+
+    def runs(self) -> dict[str, RunView]: ...
+
+    async def save(self, event: HealthEvent) -> bool:
+        """The trainer saves and trains on; True once that checkpoint committed."""
+        ...
+
+    async def stop(self, event: HealthEvent) -> None:
+        """As a notice: save, ship, stop."""
+        ...
+
+
+class HealthMonitor:
+    """Reads the sources, decides, acts; its state for status, metrics and the condition
+    file."""
+
+    def __init__(
+        self,
+        config: HealthConfig,
+        condition_path: Path,
+        actions: Actions,
+        metrics: Metrics,
+        *,
+        wall: Callable[[], float],
+        log: Any,
+    ) -> None:
+        self.config, self.actions, self.metrics, self.wall, self.log = (
+            config,
+            actions,
+            metrics,
+            wall,
+            log,
+        )
+        self.condition_path = condition_path
+        self.policy = Policy(
+            {
+                "degrading": config.on_degrading,
+                "fatal": config.on_fatal,
+                "warning": config.on_warning,
+            },
+            config.save_interval_seconds,
+        )
+        self.limit = SaveLimit()
+        self.kmsg = KmsgReader(config.kmsg) if config.kmsg else None
+        self.reach = Reachability(config.unreachable_seconds)
+        self.cgroup_events: dict[str, int] | None = None
+        self.active: dict[str, HealthEvent] = {}  # lasting conditions, by key
+        self.faults: list[HealthEvent] = []  # degrading or fatal faults since start
+        self.recent: deque[HealthEvent] = deque(maxlen=RECENT)
+        self.sources: dict[str, str] = {}  # source -> "ok" or why it cannot be read
+        self.save_task: asyncio.Task[bool] | None = None
+        self.save_pending: HealthEvent | None = None  # drain waits for its commit
+        self._written: dict[str, Any] | None = None
+        metrics.node_healthy.set(1)
+
+    # -- reading (in a thread) -------------------------------------------------------
+
+    def read(
+        self, trainer_pids: list[int], runs: dict[str, RunView]
+    ) -> list[tuple[str, HealthEvent]]:
+        """(key, event) for every fault and lasting condition read now; the key of a
+        lasting condition is stable while it lasts, a fault's is empty."""
+        at = self.wall()
+        found: list[tuple[str, HealthEvent]] = []
+        if self.kmsg is not None:
+            for line in self.kmsg.lines():
+                event = kmsg.parse_line(line, at, trainer_pids)
+                if event is not None:
+                    found.append(("", event))
+            self.sources["kmsg"] = self.kmsg.unreadable or "ok"
+        c = self.config
+        if c.psi:
+            text = read_small(Path(c.psi))
+            self.sources["psi"] = "ok" if text is not None else f"cannot read {c.psi}"
+            event = memory.pressure_event(c.psi, text or "", c.memory_full_avg10_percent, at)
+            if event is not None:
+                found.append(("psi:node", event))
+        if c.cgroup:
+            found += self._read_cgroup(Path(c.cgroup), at)
+        for run, view in runs.items():
+            free = free_bytes(view.dir)
+            if free is None:
+                continue
+            self.metrics.health_fs_free_bytes.labels(run=run).set(free)
+            event = disk.space_event(
+                run, str(view.dir), free, view.last_save_bytes, c.disk_free_factor, at
+            )
+            if event is not None:
+                found.append((f"disk:{run}", event))
+        return found
+
+    def _read_cgroup(self, root: Path, at: float) -> list[tuple[str, HealthEvent]]:
+        c, found = self.config, []
+        pressure = read_small(root / "memory.pressure")
+        events = read_small(root / "memory.events")
+        self.sources["cgroup"] = "ok" if events is not None else f"cannot read {root}/memory.events"
+        if pressure is not None:
+            event = memory.pressure_event(str(root), pressure, c.memory_full_avg10_percent, at)
+            if event is not None:
+                found.append(("psi:cgroup", event))
+        if events is not None:
+            self.cgroup_events, event = memory.oom_kill_events(self.cgroup_events, events, at)
+            if event is not None:
+                found.append(("", event))
+        current, limit = read_small(root / "memory.current"), read_small(root / "memory.max")
+        if current is not None and limit is not None:
+            event = memory.limit_event(current, limit, c.memory_use_ratio, at)
+            if event is not None:
+                found.append(("limit:cgroup", event))
+        return found
+
+    # -- the loop --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Poll until cancelled; the kernel log is closed at the end."""
+        try:
+            self.write_condition()
+            while True:
+                await self.poll()
+                await asyncio.sleep(self.config.poll_interval_seconds)
+        finally:
+            if self.kmsg is not None:
+                self.kmsg.close()
+
+    async def poll(self) -> None:
+        """One round: read, then handle each new event."""
+        read = await asyncio.to_thread(self.read, self.actions.trainer_pids(), self.actions.runs())
+        reachable, error = self.actions.store()
+        lost = self.reach.reading(reachable, error, self.wall())
+        if lost is not None:
+            read.append(("store", lost))
+        keys = {key for key, _ in read if key}
+        if self.reach.lost and "store" in self.active:
+            keys.add("store")  # an outage lasts until the store answers
+        for key in [k for k in self.active if k not in keys]:
+            ended = self.active.pop(key)
+            self.log.info("health_condition_ended", source=ended.source, kind=ended.kind)
+        for key, event in read:
+            if key and key in self.active:
+                continue  # a lasting condition, already heard
+            if key:
+                self.active[key] = event
+            await self.handle(event)
+        self.export()
+
+    async def handle(self, event: HealthEvent) -> Decision:
+        """Count, log and act on one event."""
+        self.metrics.health_events.labels(
+            source=event.source, kind=event.kind, severity=event.severity
+        ).inc()
+        if event.severity in ("degrading", "fatal") and not self._lasting(event):
+            self.faults.append(event)
+        self.recent.append(event)
+        decision = self.limit.decide(event, self.policy, now=event.at, saving=self.saving())
+        self.metrics.health_actions.labels(action=decision.outcome).inc()
+        log = self.log.info if event.severity == "ignore" else self.log.warning
+        log(
+            "health_event",
+            source=event.source,
+            kind=event.kind,
+            severity=event.severity,
+            action=decision.outcome,
+            why=decision.why,
+            message=event.message,
+        )
+        if decision.outcome == "save":
+            self.save_pending = event
+            self.save_task = asyncio.create_task(self._save(event), name="health-save")
+        elif decision.outcome == "save-and-stop":
+            self.save_pending = event
+            await self.actions.stop(event)
+        self.export()
+        return decision
+
+    def _lasting(self, event: HealthEvent) -> bool:
+        return any(e is event for e in self.active.values())
+
+    async def _save(self, event: HealthEvent) -> bool:
+        committed = False
+        try:
+            committed = await self.actions.save(event)
+        finally:
+            if self.save_pending is event:
+                self.save_pending = None
+            self.log.warning(
+                "health_save_done" if committed else "health_save_not_committed",
+                kind=event.kind,
+                source=event.source,
+            )
+            self.export()
+        return committed
+
+    def saving(self) -> bool:
+        own = self.save_task is not None and not self.save_task.done()
+        return own or self.actions.saving()
+
+    # -- what others see -------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        lasting = any(e.severity in ("degrading", "fatal") for e in self.active.values())
+        return not lasting and not self.faults
+
+    def export(self) -> None:
+        """The gauges, and the condition file when what it says changed."""
+        self.metrics.node_healthy.set(1 if self.healthy else 0)
+        for name, state in self.sources.items():
+            self.metrics.health_source_up.labels(source=name).set(1 if state == "ok" else 0)
+        self.write_condition()
+
+    def write_condition(self) -> None:
+        seen = self.faults or list(self.active.values())
+        worst = seen[-1] if seen else None
+        healthy = self.healthy
+        body = condition_body(
+            healthy,
+            # Drain once the save for the fault is off the node, not before.
+            drain=not healthy and self.save_pending is None,
+            reason="Healthy" if worst is None or healthy else f"{worst.source}:{worst.kind}",
+            message="" if worst is None or healthy else worst.message,
+            events=[e.to_json() for e in self.recent],
+        )
+        if body == self._written:
+            return
+        try:
+            write_condition(self.condition_path, body, self.wall())
+        except OSError as exc:
+            self.log.warning(
+                "health_condition_not_written", path=str(self.condition_path), error=str(exc)
+            )
+            return
+        self._written = body
+
+    def status(self) -> dict[str, Any]:
+        """``/v1/status``'s ``health``."""
+        last = self.recent[-1].to_json() if self.recent else None
+        return {
+            "healthy": self.healthy,
+            "sources": dict(self.sources),
+            "saving": self.save_pending is not None,
+            "conditions": [e.to_json() for e in self.active.values()],
+            "faults": len(self.faults),
+            "last_event": last,
+            "condition_file": str(self.condition_path),
+        }
+
+    async def close(self) -> None:
+        if self.save_task is not None:
+            self.save_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.save_task
