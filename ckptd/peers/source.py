@@ -41,7 +41,7 @@ from typing import Any
 
 from ckptd.config import Settings
 from ckptd.config.peers import read_peer_token
-from ckptd.core.manifest import Manifest, ManifestError, ManifestFile
+from ckptd.core.manifest import Manifest, ManifestError
 from ckptd.layouts.base import step_of
 from ckptd.peers import auth
 from ckptd.peers.discovery import read_announcements
@@ -148,30 +148,39 @@ class PeerReader:
 class PeerAnswers:
     """The routes the peers' answers gave so far, filled in as they come (module doc, 3).
 
-    Thread-safe: the asking threads add answers, the restore's threads read routes."""
+    The peers are asked before the store's manifest is read (the grace runs meanwhile);
+    answers that come before it is (``expect``) are routed then. Thread-safe: the
+    asking threads add answers, the restore's threads read routes."""
 
     def __init__(
         self,
-        manifest: Manifest,
-        keys: Mapping[str, str],
         asked: Sequence[str],
         log: Any,
         *,
-        grace: float = HOLDINGS_GRACE_SECONDS,
         wait_seconds: float,
+        grace: float = HOLDINGS_GRACE_SECONDS,
     ) -> None:
-        self.manifest = manifest
-        self._files: list[ManifestFile] = list(manifest.files)
-        self._keys = keys  # a file's path -> its object's key
         self.asked = tuple(asked)
         self.log = log
         self.wait_seconds = wait_seconds
         self.started = time.monotonic()
         self._grace_ends = self.started + grace
         self._pending = set(asked)
+        self._early: list[tuple[str, list[Holding], float]] = []  # before ``expect``
+        self.manifest: Manifest | None = None
+        self._keys: Mapping[str, str] = {}  # a file's path -> its object's key
         self._routes: dict[str, list[Route]] = {}
         self.answered: list[str] = []
         self._cond = threading.Condition()
+
+    def expect(self, manifest: Manifest, keys: Mapping[str, str]) -> None:
+        """The restore is of ``manifest`` (``keys``: each file's object): the answers so
+        far are routed, and each one from now on as it comes."""
+        with self._cond:
+            self.manifest, self._keys = manifest, keys
+            early, self._early = self._early, []
+        for address, held, seconds in early:
+            self._route(address, held, seconds)
 
     def routes_for(self, key: str) -> list[Route]:
         """The peers holding ``key``'s object, as answered by now; while it has none and a
@@ -201,7 +210,16 @@ class PeerAnswers:
         if seconds > self.wait_seconds:
             self.no_answer(address, f"answered after {seconds:.1f} s")
             return
-        found = routes(self._files, {address: held})
+        with self._cond:
+            if self.manifest is None:
+                self._early.append((address, held, seconds))
+                return
+        self._route(address, held, seconds)
+
+    def _route(self, address: str, held: list[Holding], seconds: float) -> None:
+        manifest = self.manifest
+        assert manifest is not None
+        found = routes(manifest.files, {address: held})
         with self._cond:
             for path, via in found.items():
                 self._routes.setdefault(self._keys[path], []).extend(via)
@@ -211,8 +229,8 @@ class PeerAnswers:
         self.log.info(
             "restore_peer_answered",
             peer=address,
-            checkpoint=self.manifest.checkpoint,
-            files=len(self._files),
+            checkpoint=manifest.checkpoint,
+            files=len(manifest.files),
             files_on_peer=len(found),
             seconds=round(seconds, 3),
         )
@@ -220,7 +238,7 @@ class PeerAnswers:
             {
                 h.name
                 for h in held
-                if h.kind == "replica" and (step_of(h.name) or -1) > (self.manifest.step or -1)
+                if h.kind == "replica" and (step_of(h.name) or -1) > (manifest.step or -1)
             }
         )
         if newer:
@@ -229,7 +247,7 @@ class PeerAnswers:
             # on the holder shows the hand-off).
             self.log.warning(
                 "restore_newer_on_peers",
-                committed=self.manifest.checkpoint,
+                committed=manifest.checkpoint,
                 on_peers=newer,
                 peer=address,
                 hint="a hand-off may be under way; restore again once it has committed",
@@ -350,23 +368,24 @@ def peers_tier(
         )
         if not addresses:
             return None, None
+        reader = PeerReader(read_peer_token(settings.peers))
+        # Asked first: the store's manifest is read while they answer.
+        answers = PeerAnswers(addresses, log, wait_seconds=settings.peers.restore_wait_seconds)
+        ask_peers(reader, run, answers)
         manifest: Manifest = repo.resolve(run, checkpoint)
         if part is not None:
             manifest = part_manifest(repo, manifest, part)
-        reader = PeerReader(read_peer_token(settings.peers))
     except (StorageError, ManifestError) as exc:
         log.warning("restore_peers_skipped", error=str(exc))
         return None, None
-    keys = {f.path: object_key(run, manifest.checkpoint, f.path) for f in manifest.files}
-    answers = PeerAnswers(
-        manifest, keys, addresses, log, wait_seconds=settings.peers.restore_wait_seconds
-    )
-    ask_peers(reader, run, answers)
     log.info(
         "restore_peers_asked",
         checkpoint=manifest.checkpoint,
         peers=len(addresses),
         files=len(manifest.files),
+    )
+    answers.expect(
+        manifest, {f.path: object_key(run, manifest.checkpoint, f.path) for f in manifest.files}
     )
     storage = PeerFirstStorage(first.storage, answers, reader, log)
     tier = TierStore(PEERS_TIER, storage, first.config)
