@@ -31,6 +31,8 @@ from ckptd.notices.model import Notice, format_time
 from ckptd.notices.responder import find_trainer_pids
 
 SOURCE = "health"
+# The store is probed at least this often with [health] on (at most every second).
+PROBE_SECONDS = 10.0
 
 
 def health_notice(event: HealthEvent, kind: str, now: datetime, seconds: float) -> Notice:
@@ -72,7 +74,12 @@ class DaemonActions:
     def __init__(self, service: Any, source: HealthNoticeSource) -> None:
         self.service = service
         self.source = source
-        self.timeout = service.settings.health.save_timeout_seconds
+        health = service.settings.health
+        self.timeout = health.save_timeout_seconds
+        # The store is asked this often at least, so that an idle daemon (no request to
+        # fail) learns of an outage well within ``unreachable_seconds``.
+        self.probe_every = min(PROBE_SECONDS, health.unreachable_seconds / 3)
+        self.asked = service.clock.monotonic()
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.service.clock.time(), UTC)
@@ -88,6 +95,12 @@ class DaemonActions:
 
     def store(self) -> tuple[bool, str]:
         destination = self.service.destination
+        now = self.service.clock.monotonic()
+        if now - self.asked >= self.probe_every:
+            self.asked = now
+            # The tier set's rechecks probe a suspected store at their next round
+            # (``ckptd.daemon.tier_set``): no second way to ask it.
+            destination.suspected.set()
         return bool(destination.ok), str(destination.error or "")
 
     def runs(self) -> dict[str, RunView]:

@@ -7,6 +7,8 @@ own line shapes (tests/support/kernel_lines.py cites each).
   notice file goes and the trainer trains on;
 - a fatal Xid: recorded (metrics, condition file), no signal;
 - a flood of one kind: one save, the rest reported;
+- the OOM killer in the trainer's cgroup, and its memory pressure (one event while it
+  lasts): a save each;
 - a filesystem with less room than the last save: a warning before the next save, and
   no signal.
 """
@@ -42,8 +44,12 @@ class Rig:
         self.record, self.pidfile = tmp_path / "signals.txt", tmp_path / "trainer.pid"
         self.kmsg = tmp_path / "kmsg"
         self.kmsg.write_text("")
-        psi = tmp_path / "psi"
-        psi.write_text(PSI_CALM)  # the machine's own PSI would make this test its load's
+        self.psi = tmp_path / "psi"
+        self.psi.write_text(PSI_CALM)  # the machine's own PSI would make this test its load's
+        # The trainer's cgroup v2 directory, its files as cgroup-v2.rst documents them.
+        self.cgroup = tmp_path / "cgroup"
+        self.cgroup.mkdir()
+        self.cgroup_files(oom_kill=0, current=1 << 30)
         self.trainer = subprocess.Popen(
             [
                 *(sys.executable, "-m", "tests.support.trainers.save_on_signal"),
@@ -65,10 +71,26 @@ class Rig:
             self.daemon.config.read_text()
             + f'[trainer]\npidfile = "{self.pidfile}"\n'
             + "[health]\nenabled = true\npoll_interval_seconds = 0.2\n"
-            + f'kmsg = "{self.kmsg}"\npsi = "{psi}"\nsave_interval_seconds = 60\n'
+            + f'kmsg = "{self.kmsg}"\npsi = "{self.psi}"\nsave_interval_seconds = 60\n'
+            + f'cgroup = "{self.cgroup}"\n'
             + f'condition_file = "{self.condition}"\n'
         )
         self.seq = 0
+
+    def cgroup_files(self, *, oom_kill: int, current: int, full_avg10: float = 0.0) -> None:
+        """The cgroup's ``memory.events``, ``memory.current``, ``memory.max`` (8 GiB) and
+        ``memory.pressure``, each replaced by rename as the kernel's are read whole."""
+        files = {
+            "memory.events": f"low 0\nhigh 0\nmax 0\noom {oom_kill}\noom_kill {oom_kill}\n"
+            "oom_group_kill 0\n",
+            "memory.current": f"{current}\n",
+            "memory.max": f"{8 << 30}\n",
+            "memory.pressure": PSI_CALM.replace("full avg10=0.00", f"full avg10={full_avg10:.2f}"),
+        }
+        for name, text in files.items():
+            tmp = self.cgroup / f".{name}"
+            tmp.write_text(text)
+            tmp.replace(self.cgroup / name)
 
     def kernel(self, *texts: str) -> None:
         """Append ``texts`` to the kernel log as ``/dev/kmsg`` records."""
@@ -184,23 +206,36 @@ def test_a_degrading_xid_saves_and_the_trainer_trains_on_a_fatal_one_only_record
         assert "health: UNHEALTHY" in status.stdout, status.stdout + status.stderr
 
 
-def test_a_filesystem_with_less_room_than_the_last_save_warns_before_the_next(
+def test_cgroup_oom_and_pressure_save_and_a_too_full_filesystem_warns_before_the_next(
     tmp_path: Path, local_s3: LocalS3, s3_dest: str
 ) -> None:
-    with tmpfs(tmp_path / "run", 24) as root:
+    with tmpfs(tmp_path / "run", 20) as root:
         made = Rig(tmp_path, root, s3_dest, local_s3, mib=4)
         try:
             with made.daemon as daemon:
                 wait_until(lambda: daemon.events_named("ckptd_ready"), 30, "the daemon ready")
-                made.kernel(k.IO_ERROR)
-                (event,) = made.heard("io-error")
-                assert event["action"] == "save"
+                # The OOM killer in the trainer's cgroup (memory.events oom_kill grew).
+                made.cgroup_files(oom_kill=1, current=1 << 30)
+                (event,) = made.heard("oom-kill")
+                assert (event["source"], event["action"]) == ("memory", "save")
                 made.committed("checkpoint-101")
+                # Memory pressure that lasts is one event, not one per poll; it ends.
+                made.cgroup_files(oom_kill=1, current=1 << 30, full_avg10=42.0)
+                (pressure,) = made.heard("memory-pressure")
+                assert pressure["action"] == "save"
+                made.committed("checkpoint-102")
+                made.cgroup_files(oom_kill=1, current=1 << 30)
+                wait_until(
+                    lambda: daemon.events_named("health_condition_ended", kind="memory-pressure"),
+                    30,
+                    "the pressure's end",
+                )
+                assert len(daemon.events_named("health_event", kind="memory-pressure")) == 1
                 assert not daemon.events_named("health_event", kind="disk-space")
                 fill(root)  # less room than the 4 MiB just saved
                 (warning,) = made.heard("disk-space")
                 assert (warning["severity"], warning["action"]) == ("warning", "report")
-                assert made.signals() == 1  # warned, not saved into a full disk
+                assert made.signals() == 2  # warned, not saved into a full disk
                 assert daemon.metric("ckptd_health_fs_free_bytes", run="run") < 4 << 20
         finally:
             made.stop()

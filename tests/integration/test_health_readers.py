@@ -1,0 +1,58 @@
+"""The health sources' readers over the real interfaces' stand-ins: the kernel log as a
+FIFO and as a file fed with ``/dev/kmsg`` records (tests/support/kernel_lines.py), from
+its end; a source that cannot be opened is said so, never raised."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ckptd.health import kmsg
+from ckptd.health.readers import KmsgReader, free_bytes, read_small
+from tests.support import kernel_lines as k
+
+
+def test_a_fifo_is_followed_line_by_line_across_partial_writes(tmp_path: Path) -> None:
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    reader = KmsgReader(str(fifo))
+    try:
+        assert reader.lines() == []  # open, no writer yet: nothing, no block
+        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            record = k.kmsg_record(1, k.XID_79)
+            os.write(writer, record[:20].encode())
+            assert reader.lines() == []  # half a record is kept, not parsed
+            os.write(writer, (record[20:] + "\n" + k.kmsg_record(2, k.XID_63) + "\n").encode())
+            got = reader.lines()
+        finally:
+            os.close(writer)
+        kinds = [e.kind for e in (kmsg.parse_line(line, 0.0) for line in got) if e]
+        assert kinds == ["xid-79", "xid-63"]
+        assert reader.unreadable is None
+    finally:
+        reader.close()
+
+
+def test_a_file_is_read_from_its_end_what_was_there_before_is_history(tmp_path: Path) -> None:
+    log = tmp_path / "kmsg"
+    log.write_text(k.kmsg_record(1, k.XID_79) + "\n")
+    reader = KmsgReader(str(log))
+    try:
+        assert reader.lines() == []
+        with log.open("a") as out:
+            out.write(k.kmsg_record(2, k.IO_ERROR) + "\n" + k.DICTIONARY + "\n")
+        got = reader.lines()
+        assert len(got) == 3
+        assert [e.kind for e in (kmsg.parse_line(x, 0.0) for x in got) if e] == ["io-error"]
+    finally:
+        reader.close()
+
+
+def test_a_kernel_log_that_cannot_be_opened_is_unreadable_with_why(tmp_path: Path) -> None:
+    reader = KmsgReader(str(tmp_path / "absent"))
+    assert reader.lines() == []
+    assert reader.unreadable is not None and "cannot open" in reader.unreadable
+    assert read_small(tmp_path / "absent") is None
+    assert free_bytes(tmp_path / "absent") is None
+    assert (free_bytes(tmp_path) or 0) > 0
