@@ -115,6 +115,11 @@ def test_records_come_in_batches_each_after_its_syncfs_and_a_rerun_reuses_only_t
     assert result.reused_bytes == sum(len(files[p]) for p in kept)
     assert result.downloaded_bytes == sum(len(b) for p, b in files.items() if p not in kept)
     assert local_files(target / "ck-2") == files
+    # One mtime for all, the reused files' included, as the restore record says.
+    record = json.loads((target / ".ckptd" / "restored.json").read_text())["ck-2"]["files"]
+    mtimes = {p: (target / "ck-2" / p).stat().st_mtime_ns for p in files}
+    assert len(set(mtimes.values())) == 1
+    assert {p: m for p, (_, m) in record.items()} == mtimes
 
 
 def test_one_syncfs_seals_the_restore_before_the_rename(
@@ -195,21 +200,29 @@ def test_durability_records_only_after_a_sync_and_flushes_when_idle_or_old(
             ManifestFile(path="a", size=1, crc32c="00000000"),
             ManifestFile(path="b", size=2, crc32c="00000000"),
         )
-        durable.verified([a])
-        durable.tick(idle=False)
+        for step in range(5):  # a file verified every 0.9 s: never idle, not yet old
+            now[0] = step * 0.9
+            durable.verified([a])
+            durable.tick()
         assert recorded == [] and durable.syncs == 0
-        now[0] = durability.FLUSH_SECONDS
-        durable.tick(idle=False)  # the batch waited long enough
-        assert recorded == ["a"] and durable.syncs == 1
+        now[0] = durability.FLUSH_SECONDS + 0.1
+        durable.verified([a])
+        durable.tick()  # the oldest pending waited long enough
+        assert recorded == ["a"] * 6 and durable.syncs == 1
         durable.verified([b])
-        durable.tick(idle=True)  # nothing finished since: a stalled GET holds nothing back
-        assert recorded == ["a", "b"] and durable.syncs == 2
-        durable.tick(idle=True)  # nothing pending: no sync
+        now[0] += durability.IDLE_SECONDS / 2
+        durable.tick()
+        assert durable.syncs == 1
+        now[0] += durability.IDLE_SECONDS / 2
+        durable.tick()  # nothing verified since: a stalled GET holds nothing back
+        assert recorded[-1] == "b" and durable.syncs == 2
+        now[0] += 100
+        durable.tick()  # nothing pending: no sync
         assert durable.syncs == 2
         state.close()
     finally:
         os.close(staging)
-    assert (tmp_path / "state.jsonl").read_text().count("\n") == 3
+    assert (tmp_path / "state.jsonl").read_text().count("\n") == 1 + 7
 
 
 def test_syncfs_is_trusted_only_on_kernels_that_report_its_errors() -> None:

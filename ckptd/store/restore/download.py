@@ -61,9 +61,12 @@ class _Downloader:
     """Ranged GETs in a thread pool; workers write with ``pwrite`` and report to a queue
     the main thread drains (progress, state records, new files)."""
 
-    def __init__(self, storage: Storage, concurrency: int, *, fsync_each: bool) -> None:
+    def __init__(
+        self, storage: Storage, concurrency: int, *, fsync_each: bool, mtime_ns: int
+    ) -> None:
         self.storage = storage
         self.fsync_each = fsync_each
+        self.mtime_ns = mtime_ns
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ckptd-restore")
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.stop = threading.Event()
@@ -111,7 +114,8 @@ class _Downloader:
             self.finish(job)
 
     def finish(self, job: _Job) -> None:
-        """Check the folded CRC-32C, fsync (``fsync_each``) and close; report the file."""
+        """Check the folded CRC-32C, give the file its mtime, fsync it (``fsync_each``)
+        and close it; report the file."""
         try:
             if job.error is None:
                 crc = checksum.to_hex(checksum.combine_parts(job.crcs))
@@ -126,8 +130,10 @@ class _Downloader:
                     job.error = RestoreError(
                         "digest differs from the signed manifest's: the object was replaced"
                     )
-                elif self.fsync_each:
-                    os.fsync(job.fd)
+                else:
+                    os.utime(job.fd, ns=(self.mtime_ns, self.mtime_ns))
+                    if self.fsync_each:
+                        os.fsync(job.fd)
         except OSError as exc:
             job.error = exc
         finally:
@@ -176,7 +182,7 @@ class _FileDownloads:
             try:
                 kind, value = self.downloader.events.get(timeout=1.0)
             except queue.Empty:
-                self.durable.tick(idle=True)  # a stalled GET holds no record back
+                self.durable.tick()
                 bar.tick()
                 continue
             if kind == "bytes":
@@ -185,7 +191,7 @@ class _FileDownloads:
                 bar.tick()
                 continue
             self._file_done(value)
-            self.durable.tick(idle=False)
+            self.durable.tick()
 
     def _open_files(self) -> None:
         while self.pending and self.open_jobs < self.max_open and self.fatal is None:
@@ -231,12 +237,14 @@ def download(
     *,
     reused: int,
     fresh: bool = False,
+    mtime_ns: int,
     log: Any,
 ) -> int:
     """Fetch and verify ``todo``, handing each file that verified to ``durable``; returns
     the bytes downloaded. Raises RestoreError naming every file that failed, or the first
     local error (ENOSPC, EIO) as it is, once what verified is recorded (a rerun reuses
     it). ``fresh``: the staging dir was made just now (no stale file to remove first).
+    ``mtime_ns``: every file's mtime, set as it is closed (``staging.finalise``).
     What verified may still wait for its sync when this returns (``durable.seal``)."""
     bar = RestoreProgress(
         log,
@@ -256,6 +264,7 @@ def download(
         log,
         lanes=lanes_for(request.concurrency),
         fresh=fresh,
+        mtime_ns=mtime_ns,
     )
     files = _FileDownloads(
         manifest,
@@ -264,7 +273,7 @@ def download(
         durable,
         request,
         log,
-        _Downloader(storage, request.concurrency, fsync_each=durable.per_file),
+        _Downloader(storage, request.concurrency, fsync_each=durable.per_file, mtime_ns=mtime_ns),
     )
     try:
         small.run([f for f in todo if f.size <= SMALL_FILE_MAX], bar)

@@ -14,8 +14,9 @@ place: it makes the bytes, the inodes and the directory entries durable at once,
 Why not one ``fsync`` per file: thousands of small files cost thousands of journal
 commits, each waited for by a lane, where one ``syncfs`` writes them in one. Files are
 recorded in batches, each after a ``syncfs``: once ``FLUSH_BYTES`` are pending, once the
-oldest pending file waited ``FLUSH_SECONDS``, or when the download is idle (a stalled
-GET), so a crash costs a rerun at most one batch, never the whole restore.
+oldest pending file waited ``FLUSH_SECONDS``, or once no file was verified for
+``IDLE_SECONDS`` (a stalled GET), so a crash costs a rerun at most one batch, never the
+whole restore.
 
 ``syncfs`` is used only where it reports what an ``fsync`` would: Linux 5.8 or later
 (earlier kernels dropped writeback errors from ``syncfs``) and a local filesystem whose
@@ -41,6 +42,7 @@ from ckptd.store.restore.staging import StagingTree, StateLog
 
 FLUSH_BYTES = 1 << 30
 FLUSH_SECONDS = 5.0
+IDLE_SECONDS = 1.0
 SYNCFS_SINCE = (5, 8)  # syncfs reports writeback errors (errseq on the superblock)
 SYNCFS_FILESYSTEMS = {
     0xEF53: "ext2/3/4",
@@ -129,7 +131,7 @@ class Durability:
         self._clock = clock
         self._pending: list[ManifestFile] = []
         self._pending_bytes = 0
-        self._since = 0.0
+        self._since = self._last = 0.0
 
     def verified(self, entries: Sequence[ManifestFile]) -> None:
         """``entries`` were written whole, verified and closed (and, ``per_file``, fsynced)."""
@@ -138,18 +140,21 @@ class Durability:
         if self.per_file:
             self._record(entries)
             return
+        self._last = self._clock()
         if not self._pending:
-            self._since = self._clock()
+            self._since = self._last
         self._pending.extend(entries)
         self._pending_bytes += sum(e.size for e in entries)
         if self._pending_bytes >= FLUSH_BYTES:
             self.flush()
 
-    def tick(self, *, idle: bool) -> None:
-        """Flush a batch that waited ``FLUSH_SECONDS``, or any batch when ``idle`` (no file
-        finished since the last tick: a stalled download must not hold records back)."""
-        if self._pending and (idle or self._clock() - self._since >= FLUSH_SECONDS):
-            self.flush()
+    def tick(self) -> None:
+        """Flush a batch that waited ``FLUSH_SECONDS``, or any batch once no file was
+        verified for ``IDLE_SECONDS`` (a stalled download holds no record back)."""
+        if self._pending:
+            now = self._clock()
+            if now - self._since >= FLUSH_SECONDS or now - self._last >= IDLE_SECONDS:
+                self.flush()
 
     def flush(self) -> None:
         """One ``syncfs``, then the records of every file it covered."""
@@ -182,6 +187,7 @@ class Durability:
 __all__ = [
     "FLUSH_BYTES",
     "FLUSH_SECONDS",
+    "IDLE_SECONDS",
     "SYNCFS_FILESYSTEMS",
     "Durability",
     "filesystem_type",

@@ -231,6 +231,7 @@ def _restore_into(
         state = StateLog(staging_fd, identity, fresh=records is None)
         try:
             durable = Durability(staging_fd, state, request.on_file)
+            mtime_ns = time.time_ns()  # every restored file's (``finalise``)
             todo, reused = still_to_fetch(manifest, tree, records)
             if reused:
                 log.info(
@@ -247,9 +248,10 @@ def _restore_into(
                 request,
                 reused=reused,
                 fresh=records is None,
+                mtime_ns=mtime_ns,
                 log=log,
             )
-            mtime_ns = finalise(manifest, tree, target_fd, name, durable.seal)
+            finalise(manifest, tree, target_fd, name, durable.seal, mtime_ns)
         finally:
             state.close()
     finally:

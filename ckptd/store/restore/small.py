@@ -8,9 +8,9 @@ its requests. Here ``lanes`` threads (``ckptd.core.concurrency``: 32 at the defa
 concurrency of 8) each take the next file, create it in its staging directory (opened
 by the calling thread beforehand, ``O_NOFOLLOW`` at every level, as ``StagingTree``
 does), write what the GET streams with ``pwrite``, CRC-32C it (and digest it, with
-keys) from the same buffers, and close it (fsyncing it first only where the staging
-filesystem cannot be trusted to one ``syncfs``: ``ckptd.store.restore.durability``). The
-calling thread alone hands what the lanes verified to ``Durability`` (which records it
+keys) from the same buffers, give it the restore's one mtime and close it (fsyncing it
+first only where the staging filesystem cannot be trusted to one ``syncfs``:
+``ckptd.store.restore.durability``). The calling thread alone hands what the lanes verified to ``Durability`` (which records it
 once it is durable) and touches the progress bar, in batches.
 
 Invariant, as for large files: only a file whose size and CRC-32C (and digest) are the
@@ -65,6 +65,7 @@ class SmallDownloads:
         *,
         lanes: int,
         fresh: bool,
+        mtime_ns: int,
     ) -> None:
         self.storage = storage
         self.manifest = manifest
@@ -76,6 +77,7 @@ class SmallDownloads:
         self.lanes = lanes
         # A staging dir made just now holds no stale copy to unlink first.
         self.fresh = fresh
+        self.mtime_ns = mtime_ns
         self.downloaded = 0
         self.failed: list[FileProblem] = []
         self.fatal: BaseException | None = None
@@ -98,7 +100,8 @@ class SmallDownloads:
             pending = set(lanes)
             while pending:
                 _, pending = wait(pending, timeout=_POLL_SECONDS, return_when=FIRST_EXCEPTION)
-                self.durable.tick(idle=not self._drain(bar))
+                self._drain(bar)
+                self.durable.tick()
                 bar.tick()
             for lane in lanes:
                 error = lane.exception()
@@ -160,6 +163,7 @@ class SmallDownloads:
                 raise RestoreError(
                     "digest differs from the signed manifest's: the object was replaced"
                 )
+            os.utime(fd, ns=(self.mtime_ns, self.mtime_ns))  # one for all (staging.finalise)
             if self.fsync_each:
                 os.fsync(fd)
         except BaseException:
@@ -169,11 +173,9 @@ class SmallDownloads:
             raise
         os.close(fd)
 
-    def _drain(self, bar: RestoreProgress) -> bool:
-        """Hand on what the lanes finished since the last call (this thread only); whether
-        there was any."""
+    def _drain(self, bar: RestoreProgress) -> None:
+        """Hand on what the lanes finished since the last call (this thread only)."""
         verified: list[ManifestFile] = []
-        news = bool(self._news)
         while self._news:
             f, error = self._news.popleft()
             if error is None:
@@ -186,7 +188,6 @@ class SmallDownloads:
             self.downloaded += done
             bar.advance(done)
             self.durable.verified(verified)
-        return news
 
 
 __all__ = ["SmallDownloads"]

@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import stat
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -328,36 +327,35 @@ def finalise(
     target_fd: int,
     name: str,
     seal: Callable[[StagingTree], None],
-) -> int:
-    """Drop strays, give every file one mtime, ``seal`` (every file, inode and directory
-    durable: ``Durability.seal``), rename ``data`` to ``NAME`` and fsync ``DIR``; returns
-    the one mtime (ns) every restored file was given."""
+    mtime_ns: int,
+) -> None:
+    """Drop strays, give every file ``mtime_ns`` (those downloaded now have it already:
+    the lanes and workers set it as they close each file), ``seal`` (every file, inode
+    and directory durable: ``Durability.seal``), rename ``data`` to ``NAME`` and fsync
+    ``DIR``."""
     files = {staged_parts(manifest, f.path) for f in manifest.files}
     dirs = {p[:i] for p in files for i in range(1, len(p))}
-    if is_single_file(manifest):
-        st = tree.lstat((DATA_NAME,))
-        if st is None or not stat.S_ISREG(st.st_mode):
-            raise RestoreError(f"staged {name} vanished before the rename")
-    else:
+    if not is_single_file(manifest):
         tree.dir((DATA_NAME,), create=True)  # a checkpoint with no files is an empty dir
         for d in sorted(dirs, key=len):
             tree.dir(d, create=False)
         tree.prune((DATA_NAME,), files, dirs)
-        for parts in files:
-            st = tree.lstat(parts)
-            if st is None or not stat.S_ISREG(st.st_mode):
-                raise RestoreError(f"staged {'/'.join(parts[1:])} vanished before the rename")
     # One mtime for every file: the order downloads happened to finish in is no write
     # order, and a completion rule that reads mtimes (DCP: no shard newer than .metadata)
-    # must judge the restored checkpoint complete, as it was when committed.
-    now_ns = time.time_ns()
+    # must judge the restored checkpoint complete, as it was when committed. A file an
+    # earlier run staged (reused) has that run's.
     for parts in files:
-        os.utime(
-            parts[-1],
-            ns=(now_ns, now_ns),
-            dir_fd=tree.dir(parts[:-1], create=False),
-            follow_symlinks=False,
-        )
+        st = tree.lstat(parts)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            what = name if is_single_file(manifest) else "/".join(parts[1:])
+            raise RestoreError(f"staged {what} vanished before the rename")
+        if st.st_mtime_ns != mtime_ns:
+            os.utime(
+                parts[-1],
+                ns=(mtime_ns, mtime_ns),
+                dir_fd=tree.dir(parts[:-1], create=False),
+                follow_symlinks=False,
+            )
     seal(tree)
     try:
         os.stat(name, dir_fd=target_fd, follow_symlinks=False)
@@ -367,7 +365,6 @@ def finalise(
         raise RestoreError(f"{name} appeared in the target while restoring; not replacing it")
     os.rename(DATA_NAME, name, src_dir_fd=tree.dir((), create=False), dst_dir_fd=target_fd)
     os.fsync(target_fd)
-    return now_ns
 
 
 __all__ = [
