@@ -35,7 +35,7 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -159,11 +159,13 @@ class PeerAnswers:
         *,
         wait_seconds: float,
         grace: float = HOLDINGS_GRACE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.asked = tuple(asked)
         self.log = log
         self.wait_seconds = wait_seconds
-        self.started = time.monotonic()
+        self.clock = clock
+        self.started = clock()
         self._grace_ends = self.started + grace
         self._pending = set(asked)
         self._early: list[tuple[str, list[Holding], float]] = []  # before ``expect``
@@ -187,7 +189,7 @@ class PeerAnswers:
         peer is still to answer, waits for that, until the grace ends."""
         with self._cond:
             while key not in self._routes and self._pending:
-                left = self._grace_ends - time.monotonic()
+                left = self._grace_ends - self.clock()
                 if left <= 0:
                     break
                 self._cond.wait(left)
@@ -206,7 +208,7 @@ class PeerAnswers:
     def answer(self, address: str, held: list[Holding]) -> None:
         """``address`` answered ``held``: the files it holds are routed to it from now on
         (an answer later than ``wait_seconds`` is not used)."""
-        seconds = time.monotonic() - self.started
+        seconds = self.clock() - self.started
         if seconds > self.wait_seconds:
             self.no_answer(address, f"answered after {seconds:.1f} s")
             return
@@ -261,7 +263,7 @@ class PeerAnswers:
             "restore_peer_unanswered",
             peer=address,
             error=error,
-            seconds=round(time.monotonic() - self.started, 3),
+            seconds=round(self.clock() - self.started, 3),
         )
 
 
