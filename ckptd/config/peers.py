@@ -106,8 +106,10 @@ class PeersConfig(Section):
         gt=0,
         le=RESTORE_WAIT_MAX_SECONDS,
         allow_inf_nan=False,
-        description="How long a restore waits for peers to say what they hold before it "
-        f"reads from the store (at most {RESTORE_WAIT_MAX_SECONDS:g}).",
+        description="How long a restore still takes a peer's answer of what it holds: the "
+        "store starts at once on what no peer has named (at most 0.5 s after asking), and a "
+        "peer that answers within this serves what the store has not started "
+        f"(at most {RESTORE_WAIT_MAX_SECONDS:g}).",
     )
     announce_interval_seconds: float = Field(
         default=30.0,
