@@ -40,6 +40,9 @@ from ckptd.peers.replicas import (
 )
 from ckptd.runtime import writeback
 
+#: Bytes per ``pwrite``: one 8 MiB write into the page cache costs 2-8x the CPU of eight
+#: 1 MiB ones here (measured 2026-12-07: 0.5-1.95 against 0.21-0.24 CPU-s per GiB).
+WRITE_PIECE = 1024 * 1024
 #: A transfer with no chunk for this long is given up and its reservation freed.
 TRANSFER_IDLE_SECONDS = 600.0
 
@@ -164,7 +167,7 @@ class Receiver:
             for piece in pieces:
                 view, done = memoryview(piece), 0
                 while done < len(view):
-                    done += os.pwrite(fd, view[done:], pos + done)
+                    done += os.pwrite(fd, view[done : done + WRITE_PIECE], pos + done)
                 pos += len(view)
             writeback.start(fd, offset, pos - offset)
         finally:

@@ -67,7 +67,8 @@ class FileState:
     identity: Identity | None = None
 
 
-def _open_as_listed(local: LocalFile) -> tuple[int, os.stat_result]:
+def open_as_listed(local: LocalFile) -> tuple[int, os.stat_result]:
+    """``local`` opened for reading, and its stat; PeerError when it is not as listed."""
     try:
         # Followed like the store upload follows it: a symlink to a file is that file.
         fd = os.open(local.local, os.O_RDONLY | os.O_CLOEXEC)
@@ -93,7 +94,7 @@ def read_chunk(
 ) -> tuple[bytes, int, list[bytes], Identity]:
     """One chunk of ``local``, its CRC-32C and block digests, and the file's identity;
     PeerError when the file is no longer the one listed."""
-    fd, st = _open_as_listed(local)
+    fd, st = open_as_listed(local)
     try:
         data = os.pread(fd, length, offset)
     finally:
@@ -104,20 +105,17 @@ def read_chunk(
 
 
 def read_chunk_into(
-    local: LocalFile, offset: int, buffer: memoryview, digests: bool
-) -> tuple[int, list[bytes], Identity]:
-    """``read_chunk`` into ``buffer`` (all of it: the chunk's length), reused by the caller."""
-    fd, st = _open_as_listed(local)
-    try:
-        got = 0
-        while got < len(buffer):
-            n = os.preadv(fd, [buffer[got:]], offset + got)
-            if n == 0:
-                raise PeerError(f"{local.path} is shorter than listed", "changed")
-            got += n
-    finally:
-        os.close(fd)
-    return checksum.crc32c(buffer), _blocks(buffer, digests), identity_of(st)
+    fd: int, local: LocalFile, offset: int, buffer: memoryview, digests: bool
+) -> tuple[int, list[bytes]]:
+    """``read_chunk`` from ``fd`` (``open_as_listed``) into ``buffer`` (all of it: the
+    chunk's length), reused by the caller: its CRC-32C and block digests."""
+    got = 0
+    while got < len(buffer):
+        n = os.preadv(fd, [buffer[got:]], offset + got)
+        if n == 0:
+            raise PeerError(f"{local.path} is shorter than listed", "changed")
+        got += n
+    return checksum.crc32c(buffer), _blocks(buffer, digests)
 
 
 def chunk_refusal(
@@ -161,6 +159,7 @@ __all__ = [
     "PeerError",
     "PeerRestartedError",
     "chunk_refusal",
+    "open_as_listed",
     "read_chunk",
     "read_chunk_into",
     "reason_of",

@@ -1,0 +1,328 @@
+"""The peer data path against a bare TCP stream into a file with fsync, side by side in one run.
+
+```sh
+sudo .venv/bin/python bench/bench_peer_link.py --smoke           # 128 MiB, loopback + veth (~1 min)
+sudo .venv/bin/python bench/bench_peer_link.py                   # 1 and 4 GiB, unshaped (~10 min)
+sudo .venv/bin/python bench/bench_peer_link.py --shape-mbit 1000,10000 --sizes-gib 1
+.venv/bin/python bench/bench_peer_link.py --links loopback       # no root needed
+```
+
+Links: ``loopback`` (127.0.0.1), and two network-namespace hosts joined by one veth
+pair (``10.231.K.1``-``.2``, K free and locked as ``tests/support/netns.py`` does),
+unshaped and then shaped with ``tbf`` on both ends at each ``--shape-mbit``. Per link and
+part size (two DCP shards of half the size each, in the page cache), ``--reps`` rounds
+of, in this order:
+
+- **bare**: ``sendfile`` of the files on one host; ``recv_into`` a reused buffer,
+  ``write``, one ``fsync``, a 1-byte acknowledgement on the other;
+- **push stream** / **push http**: ckptd's push (``PeerClient.push``: offer, chunks,
+  seal with every file fsynced and acknowledged) to a ``PeerServer`` on the other host,
+  over streams (``ckptd.peers.frames``) and over HTTP PUTs (``streams = 0``, the path
+  before #46): part complete -> safe on the peer;
+- **read stream** / **read http**: the held replica's files read back by the first
+  host (``StreamReader``; the HTTP ranged GET of ``PeerReader``), each CRC-32C'd,
+  written and fsynced.
+
+Each end is a process of its own and counts its own CPU (``getrusage`` around the work,
+start-up excluded). The table gives medians, the rate relative to the bare stream of the
+same run, and CPU-s per GiB per end and both ends together, relative to the bare stream's.
+The header gives the machine and its load: on a loaded machine compare only within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import GIB, MIB, machine_line  # noqa: E402
+
+END = str(Path(__file__).resolve().parent / "_peer_link_end.py")
+PY = sys.executable
+KINDS = ("bare", "push stream", "push http", "read stream", "read http")
+
+
+@dataclass
+class Link:
+    """Where the two ends run: ``argv`` prefixes for each host, and their addresses."""
+
+    name: str
+    sender_argv: list[str]
+    holder_argv: list[str]
+    holder_address: str
+    cleanup: list[list[str]] = field(default_factory=list)
+    lock_fd: int = -1
+
+    def close(self) -> None:
+        for argv in self.cleanup:
+            subprocess.run(argv, capture_output=True, check=False)
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+
+
+def loopback() -> Link:
+    return Link("loopback", [], [], "127.0.0.1")
+
+
+def veth_pair(shape_mbit: float | None) -> Link:
+    """Two namespaces on one veth pair, shaped on both ends when ``shape_mbit``."""
+    from tests.support.netns import SUBNET_PREFIX, _free_subnet, check_available
+
+    check_available()
+    octet, fd = _free_subnet()
+    tag = f"ckpl{secrets.token_hex(2)}"
+    a, b = f"{tag}-a", f"{tag}-b"
+    link = Link(
+        f"veth {shape_mbit:g} Mbit" if shape_mbit else "veth unshaped",
+        ["ip", "netns", "exec", a],
+        ["ip", "netns", "exec", b],
+        f"{SUBNET_PREFIX}.{octet}.2",
+        [["ip", "netns", "del", a], ["ip", "netns", "del", b]],
+        fd,
+    )
+    try:
+        for argv in (
+            ["ip", "netns", "add", a],
+            ["ip", "netns", "add", b],
+            ["ip", "link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b"],
+            ["ip", "link", "set", f"{tag}a", "netns", a],
+            ["ip", "link", "set", f"{tag}b", "netns", b],
+            ["ip", "-n", a, "addr", "add", f"{SUBNET_PREFIX}.{octet}.1/24", "dev", f"{tag}a"],
+            ["ip", "-n", b, "addr", "add", f"{SUBNET_PREFIX}.{octet}.2/24", "dev", f"{tag}b"],
+            ["ip", "-n", a, "link", "set", f"{tag}a", "up"],
+            ["ip", "-n", b, "link", "set", f"{tag}b", "up"],
+            ["ip", "-n", a, "link", "set", "lo", "up"],
+            ["ip", "-n", b, "link", "set", "lo", "up"],
+        ):
+            subprocess.run(argv, check=True, capture_output=True, timeout=30)
+        if shape_mbit:
+            burst = max(256 * 1024, int(shape_mbit * 1e6 / 8 * 0.004))
+            for ns, dev in ((a, f"{tag}a"), (b, f"{tag}b")):
+                subprocess.run(
+                    ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+                     "tbf", "rate", f"{shape_mbit:g}mbit", "burst", str(burst),
+                     "latency", "50ms"],
+                    check=True, capture_output=True, timeout=30,
+                )  # fmt: skip
+    except BaseException:
+        link.close()
+        raise
+    return link
+
+
+class LongEnd:
+    """A long-lived end (``bare-recv``, ``hold``): its port, and its CPU on request."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        self.port = int(self._line("ready ").split()[1])
+
+    def _line(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"an end exited: {self.proc.args}")
+            if line.startswith(prefix):
+                return line
+
+    def cpu(self) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("cpu\n")
+        self.proc.stdin.flush()
+        return float(json.loads(self._line('{"cpu"'))["cpu"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def one_shot(argv: list[str]) -> dict[str, Any]:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return dict(json.loads(line))
+    raise RuntimeError(f"{argv[:6]} failed: {done.stderr[-2000:]}")
+
+
+def make_part(base: Path, size: int) -> list[str]:
+    files = []
+    for i in range(2):
+        path = base / f"__{i}_0.distcp"
+        with path.open("wb") as f:
+            left = size // 2
+            block = os.urandom(8 * MIB)
+            while left > 0:
+                f.write(block[: min(left, len(block))])
+                left -= len(block)
+        files.append(str(path))
+    return files
+
+
+def run_link(link: Link, sizes: list[int], reps: int, streams: int, work: Path) -> list[dict]:
+    rows: list[dict[str, Any]] = []
+    store = work / "held"
+    received = work / "received"
+    store.mkdir()
+    received.mkdir()
+    addr = link.holder_address
+    bare = LongEnd([*link.holder_argv, PY, END, "bare-recv", addr, "0", str(received)])
+    quota = str(3 * max(sizes))
+    holder = LongEnd([*link.holder_argv, PY, END, "hold", addr, "0", str(store), quota])
+    try:
+        for size in sizes:
+            sent = work / "part"
+            sent.mkdir()
+            files = make_part(sent, size)
+            for rep in range(reps):
+                for kind in KINDS:
+                    pushed = [r for r in rows if r["size"] == size and r.get("replica")]
+                    if kind.startswith("read") and not pushed:
+                        continue
+                    far = bare if kind == "bare" else holder
+                    before = far.cpu()
+                    if kind == "bare":
+                        out = one_shot(
+                            [*link.sender_argv, PY, END, "bare-send", addr, str(bare.port), *files]
+                        )
+                    elif kind.startswith("push"):
+                        n = streams if kind == "push stream" else 0
+                        out = one_shot(
+                            [*link.sender_argv, PY, END, "push", f"{addr}:{holder.port}", str(n),
+                             *files]
+                        )  # fmt: skip
+                    else:
+                        n = streams if kind == "read stream" else 0
+                        replica = pushed[-1]["replica"]
+                        out = one_shot(
+                            [*link.sender_argv, PY, END, "read", f"{addr}:{holder.port}", str(n),
+                             str(received), replica, *(str(size // 2) for _ in files)]
+                        )  # fmt: skip
+                    far_cpu = far.cpu() - before
+                    row = {
+                        "link": link.name,
+                        "size": size,
+                        "rep": rep,
+                        "kind": kind,
+                        "seconds": out["seconds"],
+                        "near_cpu": out["cpu"],
+                        "far_cpu": far_cpu,
+                        "replica": out.get("replica"),
+                        "load": os.getloadavg()[0],
+                    }
+                    rows.append(row)
+                    print(
+                        f"  {link.name:16} {size / GIB:5.2f} GiB  {kind:12} "
+                        f"{out['seconds']:6.2f} s  {size * 8 / out['seconds'] / 1e9:6.2f} Gbit/s  "
+                        f"cpu near {out['cpu']:5.2f} far {far_cpu:5.2f}  load {row['load']:.1f}",
+                        flush=True,
+                    )
+            shutil.rmtree(sent)
+    finally:
+        bare.close()
+        holder.close()
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Medians per link, size and kind, against the bare stream of the same run."""
+    out = [
+        "| link | GiB | path | seconds | Gbit/s | x bare rate | CPU-s/GiB sender | "
+        "receiver | both | x bare CPU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    groups: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
+    for r in rows:
+        groups.setdefault((r["link"], r["size"]), {}).setdefault(r["kind"], []).append(r)
+    for (name, size), kinds in groups.items():
+        gib = size / GIB
+
+        def med(kind: str, key: str, kinds: dict[str, list[dict[str, Any]]] = kinds) -> float:
+            return float(statistics.median(r[key] for r in kinds[kind]))
+
+        bare_s = med("bare", "seconds")
+        bare_cpu = (med("bare", "near_cpu") + med("bare", "far_cpu")) / gib
+        for kind in KINDS:
+            if kind not in kinds:
+                continue
+            secs = med(kind, "seconds")
+            # The sender of a read is the holder (far); of a push or the bare stream, near.
+            send, recv = med(kind, "near_cpu") / gib, med(kind, "far_cpu") / gib
+            if kind.startswith("read"):
+                send, recv = recv, send
+            out.append(
+                f"| {name} | {gib:g} | {kind} | {secs:.2f} | {size * 8 / secs / 1e9:.2f} | "
+                f"{bare_s / secs:.2f} | {send:.2f} | {recv:.2f} | {send + recv:.2f} | "
+                f"{(send + recv) / bare_cpu:.2f} |"
+            )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-gib", default="1,4")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--links", default="loopback,veth", help="loopback, veth, or both")
+    parser.add_argument("--shape-mbit", default="", help="e.g. 1000,10000 (veth, both ends)")
+    parser.add_argument("--streams", type=int, default=0, help="0: the client's default")
+    parser.add_argument("--smoke", action="store_true", help="128 MiB, one round, unshaped")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    sizes = [int(float(s) * GIB) for s in args.sizes_gib.split(",") if s]
+    reps = args.reps
+    shapes = [float(s) for s in args.shape_mbit.split(",") if s]
+    if args.smoke:
+        sizes, reps, shapes = [128 * MIB], 1, []
+    from ckptd.peers.stream_client import STREAMS
+
+    streams = args.streams or STREAMS
+    print(f"# bench_peer_link: {machine_line()}; {streams} streams per push", flush=True)
+    links: list[tuple[str, float | None]] = []
+    wanted = args.links.split(",")
+    if "loopback" in wanted:
+        links.append(("loopback", None))
+    if "veth" in wanted:
+        links += [("veth", None), *(("veth", s) for s in shapes)]
+    rows: list[dict[str, Any]] = []
+    for kind, shape in links:
+        link = loopback() if kind == "loopback" else veth_pair(shape)
+        work = Path(tempfile.mkdtemp(prefix="ckptd-peer-link-"))
+        try:
+            rows += run_link(link, sizes, reps, streams, work)
+        finally:
+            link.close()
+            shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(table(rows))
+    print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine_line(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    code = main()
+    print(f"({time.monotonic() - started:.0f} s)")
+    raise SystemExit(code)
