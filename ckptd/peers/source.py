@@ -7,7 +7,8 @@ store are (``ckptd.store.restore``). So:
 
 1. the announcements in the store name the run's peers (``ckptd.peers.discovery``); every
    fresh one is asked at once what it holds (``GET /v1/peer/holdings``, signed), each from
-   a daemon thread of its own, and the restore starts without waiting for the answers;
+   a daemon thread of its own, before the manifest is read, and the restore starts
+   without waiting for the answers;
 2. a file is routed to a peer only when a holding there names the same path, size and
    CRC-32C (and digest) as the manifest (``ckptd.peers.model.routes``): a replica of
    another save or an older step serves nothing;
