@@ -7,8 +7,8 @@ names a burst of events touched in one call (a save of 100,000 files makes some
 300,000 events, and a call per event would keep the loop busy for seconds).
 
 A commit record appearing (``COMMIT_RECORDS`` at a checkpoint's root, created or renamed
-into place: DCP's ``.metadata``, a ``marker`` layout's marker; a tracker; a trainer's
-save report) is handed over as such (``on_record``): the pipeline looks at it at once,
+into place: DCP's ``.metadata``, orbax's ``commit_success.txt``, a ``marker`` layout's
+marker; a tracker; a trainer's save report) is handed over as such (``on_record``): the pipeline looks at it at once,
 where other events wait out a debounce (``ckptd.sync.looks``).
 """
 
@@ -26,11 +26,13 @@ from ckptd.core import saves
 from ckptd.layouts import is_checkpoint_candidate
 from ckptd.layouts.base import TRACKER_FILES, RuleSettings
 from ckptd.layouts.dcp import METADATA
+from ckptd.layouts.orbax import COMMIT_SUCCESS
 
 Hint = Callable[[str, str | None], None]  # (run_id, checkpoint name or None for "all")
 #: The files whose appearance at a checkpoint's root ends its save, by default: DCP's
-#: ``.metadata`` (renamed into place by its coordinator last) and the default marker.
-COMMIT_RECORDS: frozenset[str] = frozenset({METADATA, RuleSettings.marker})
+#: ``.metadata`` (renamed into place by its coordinator last), orbax's commit file (where
+#: it writes one) and the default marker.
+COMMIT_RECORDS: frozenset[str] = frozenset({METADATA, COMMIT_SUCCESS, RuleSettings.marker})
 # A record appears by its creation (a marker), its rename into place (DCP's .metadata),
 # or its close after writing (a tracker rewritten in place).
 _APPEARING = ("created", "moved", "closed")
