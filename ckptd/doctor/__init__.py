@@ -11,6 +11,8 @@ The checks, in the order printed, and where each lives:
     metadata, slurm              what announces a preemption (``doctor.cloud``)
     trainer, disk, token,        this node: the process a notice signals, free space, the
     control                      control API's token and socket (``doctor.node``)
+    health                       with ``[health]`` on: which health sources this node lets
+                                 the daemon read (``doctor.health``)
 
 The verdicts' rules and bounds are in ``doctor.findings`` (pure). A check never changes
 the node or the store beyond its probes, and never raises: what goes wrong is a finding.
@@ -21,6 +23,7 @@ from __future__ import annotations
 from ckptd.config import Settings
 from ckptd.doctor.cloud import check_metadata, check_slurm
 from ckptd.doctor.findings import Finding, document, exit_code
+from ckptd.doctor.health import check_health
 from ckptd.doctor.node import check_control, check_disk, check_token, check_trainer
 from ckptd.doctor.store import DestinationChecks
 
@@ -51,6 +54,7 @@ def run_checks(settings: Settings, *, source: str) -> list[Finding]:
     findings += [check_metadata(settings), check_slurm(settings), check_trainer(settings)]
     findings += check_disk(settings)
     findings += [check_token(settings), check_control(settings)]
+    findings += check_health(settings)
     return findings
 
 

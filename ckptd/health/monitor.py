@@ -108,6 +108,8 @@ class HealthMonitor:
         self.save_pending: HealthEvent | None = None  # drain waits for its commit
         self._written: dict[str, Any] | None = None
         metrics.node_healthy.set(1)
+        # The series the disk alert takes increase() of, at 0 before its first event.
+        metrics.health_events.labels(source=disk.SOURCE, kind="disk-space", severity="warning")
 
     # -- reading (in a thread) -------------------------------------------------------
 

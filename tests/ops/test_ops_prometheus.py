@@ -38,6 +38,9 @@ ALERTS = {
     "CkptdDrillSuccessRateLow",
     "CkptdDrillScheduleMissed",
     "CkptdDrillResumeFailing",
+    "CkptdNodeUnhealthy",
+    "CkptdHealthSourceDown",
+    "CkptdDiskTooFullForNextSave",
     "CkptdDown",
 }
 

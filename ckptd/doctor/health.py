@@ -1,0 +1,78 @@
+"""``ckptd doctor``'s check of the health sources (``[health] enabled`` only): which of
+them this node lets the daemon read, and which it does not (no ``/dev/kmsg`` access in a
+container without ``CAP_SYSLOG``, no PSI on an old kernel, a cgroup that is not there).
+
+Each source is opened as the monitor would (``ckptd.health.readers``) and closed; nothing
+is changed. An unreadable source is a warning: the others still protect the run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ckptd.config import Settings
+from ckptd.doctor.findings import Finding
+from ckptd.health.readers import KmsgReader, read_small
+
+CHECK = "health"
+
+
+def check_health(settings: Settings) -> list[Finding]:
+    """One finding per configured source, and one for the condition file's directory;
+    none with ``[health]`` off."""
+    health = settings.health
+    if not health.enabled:
+        return []
+    findings = []
+    if health.kmsg:
+        reader = KmsgReader(health.kmsg)
+        opened = reader.open()
+        reader.close()
+        findings.append(
+            Finding(CHECK, "ok", f"kernel log {health.kmsg}: readable (Xid, OOM kills, I/O errors)")
+            if opened
+            else Finding(
+                CHECK,
+                "warn",
+                f"kernel log: {reader.unreadable}: no Xid, OOM-kill or I/O-error line is heard",
+                "run the daemon as root or with CAP_SYSLOG (the DaemonSet: privileged, or "
+                'mount /dev/kmsg), or set [health] kmsg = ""',
+            )
+        )
+    if health.psi:
+        findings.append(
+            _file_finding(
+                "memory pressure",
+                Path(health.psi),
+                "PSI needs Linux 4.20+ with CONFIG_PSI (psi=1 on the kernel's command line)",
+            )
+        )
+    if health.cgroup:
+        findings.append(
+            _file_finding(
+                "trainer's cgroup",
+                Path(health.cgroup) / "memory.events",
+                "set [health] cgroup to the trainer's cgroup v2 directory (cat /proc/PID/cgroup)",
+            )
+        )
+    condition = health.condition_path(Path(settings.state.dir))
+    parent = next((p for p in (condition.parent, *condition.parents) if p.exists()), None)
+    if parent is not None and os.access(parent, os.W_OK):
+        findings.append(Finding(CHECK, "ok", f"condition file {condition}: can be written"))
+    else:
+        findings.append(
+            Finding(
+                CHECK,
+                "warn",
+                f"condition file {condition}: its directory cannot be written",
+                "set [health] condition_file to a writable path",
+            )
+        )
+    return findings
+
+
+def _file_finding(what: str, path: Path, fix: str) -> Finding:
+    if read_small(path) is not None:
+        return Finding(CHECK, "ok", f"{what} {path}: readable")
+    return Finding(CHECK, "warn", f"{what} {path}: cannot be read, so it is not watched", fix)

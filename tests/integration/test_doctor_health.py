@@ -1,0 +1,48 @@
+"""``ckptd doctor``'s health line (``ckptd.doctor.health``): each configured source opened
+as the monitor would open it, on real files; what cannot be read is a warning with the
+fix, and with ``[health]`` off there is no line at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckptd.config import load_settings
+from ckptd.doctor.health import check_health
+
+
+def _settings(tmp_path: Path, health: str) -> object:
+    config = tmp_path / "ckptd.toml"
+    config.write_text(f'[state]\ndir = "{tmp_path / "state"}"\n[health]\n{health}')
+    return load_settings(config, environ={})
+
+
+def test_readable_sources_are_ok_and_unreadable_ones_warn_naming_the_fix(tmp_path: Path) -> None:
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text("")
+    psi = tmp_path / "psi"
+    psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    cgroup = tmp_path / "no-such-cgroup"
+    settings = _settings(
+        tmp_path,
+        f'enabled = true\nkmsg = "{kmsg}"\npsi = "{psi}"\ncgroup = "{cgroup}"\n',
+    )
+    found = check_health(settings)  # type: ignore[arg-type]
+    assert [(f.check, f.status) for f in found] == [
+        ("health", "ok"),
+        ("health", "ok"),
+        ("health", "warn"),
+        ("health", "ok"),
+    ]
+    assert str(cgroup) in found[2].message and "cat /proc/PID/cgroup" in found[2].fix
+
+
+def test_a_kernel_log_without_access_warns_with_the_capability_to_grant(tmp_path: Path) -> None:
+    settings = _settings(tmp_path, f'enabled = true\nkmsg = "{tmp_path / "absent"}"\npsi = ""\n')
+    (kmsg, condition) = check_health(settings)  # type: ignore[arg-type]
+    assert kmsg.status == "warn" and "cannot open" in kmsg.message
+    assert "CAP_SYSLOG" in kmsg.fix
+    assert condition.status == "ok"
+
+
+def test_with_health_off_doctor_says_nothing_of_it(tmp_path: Path) -> None:
+    assert check_health(_settings(tmp_path, "enabled = false\n")) == []  # type: ignore[arg-type]
