@@ -17,6 +17,7 @@ answered and ends the connection; every other answer keeps it for the next frame
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -34,6 +35,8 @@ from ckptd.runtime.metrics import Metrics
 
 #: A stream with no frame for this long is closed (a client's pushes reconnect).
 IDLE_SECONDS = 60.0
+#: How long a refused body is read (and dropped) before its connection is closed.
+DISCARD_SECONDS = 1.0
 _CHUNK = re.compile(r"^/v1/peer/transfers/([0-9a-f]{1,64})/files/(\d{1,9})/(\d{1,18})$")
 _FILE = re.compile(r"^/v1/peer/holdings/([A-Za-z0-9_.-]{1,128})/files/(\d{1,9})$")
 Opener = Callable[[str, int], tuple[int, int]]
@@ -111,6 +114,8 @@ class StreamHolder:
             self.metrics.peer_refused.labels(reason=refused.reason).inc()
             status = REFUSAL_STATUS[refused.reason]
             sock.sendall(frames.answer(status, reason=refused.reason, error=str(refused)))
+            if refused.close:
+                _discard(sock, request.length if request.method == "PUT" else 0, buffer)
             return not refused.close
         return True
 
@@ -176,6 +181,18 @@ class StreamHolder:
             self.metrics.peer_served_bytes.inc(request.length)
         finally:
             os.close(fd)
+
+
+def _discard(sock: socket.socket, length: int, buffer: memoryview) -> None:
+    """Before closing after a refusal: say so (FIN), and read what the client had sent
+    of the refused body, unread and unwritten, for a moment: a socket closed with bytes
+    unread resets the connection, and the reset can overtake the answer."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(DISCARD_SECONDS)
+        left = min(length, len(buffer))
+        while left > 0 and (n := sock.recv_into(buffer, left)):
+            left -= n
 
 
 __all__ = ["IDLE_SECONDS", "StreamHolder"]
