@@ -128,11 +128,12 @@ class DaemonActions:
         self.source.queue.put_nowait(health_notice(event, "health-stop", self._now(), self.timeout))
 
 
-def build_health(service: Any) -> tuple[HealthMonitor, HealthNoticeSource] | None:
-    """The monitor and its notice source for ``service``, or None with ``[health]`` off."""
+def build_health(service: Any) -> tuple[HealthMonitor | None, HealthNoticeSource | None]:
+    """The monitor and its notice source for ``service``; (None, None) with ``[health]``
+    off."""
     settings = service.settings
     if not settings.health.enabled:
-        return None
+        return None, None
     source = HealthNoticeSource()
     monitor = HealthMonitor(
         settings.health,

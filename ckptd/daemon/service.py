@@ -148,9 +148,7 @@ class Service:
         )
         self.ledger = ledger_for(self, once=once)
         # [health]: the monitor, and the notice source of its save-and-stop events.
-        built = build_health(self)
-        self.health = built[0] if built is not None else None
-        self.health_source = built[1] if built is not None else None
+        self.health, self.health_source = build_health(self)
         self.drain = Drain(
             self.tiers, self.stop_event, timeout=shutdown_timeout, clock=clock, log=self.log
         )
