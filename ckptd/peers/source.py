@@ -48,7 +48,10 @@ from ckptd.peers import auth
 from ckptd.peers.discovery import read_announcements
 from ckptd.peers.model import Holding, Route, routes
 from ckptd.peers.placement import stale_after
+from ckptd.peers.sending import PeerError
+from ckptd.peers.stream_client import NotStreamed, StreamReader
 from ckptd.repository import Repository, object_key
+from ckptd.runtime.clock import SYSTEM_CLOCK
 from ckptd.storage.base import STREAM_PIECE, RangeSink, Storage, StorageError
 from ckptd.storage.wrapper import StorageWrapper
 from ckptd.store.restore.procedure import part_manifest
@@ -73,6 +76,9 @@ class PeerReader:
 
     token: bytes
     _local: threading.local = field(default_factory=threading.local)
+    # Over the peer port's streams (ckptd.peers.stream_client), but HTTP to a peer that
+    # did not answer the stream preamble (an older one).
+    _http_only: set[str] = field(default_factory=set)
 
     def _connection(self, address: str, timeout: float) -> http.client.HTTPConnection:
         pool: dict[str, http.client.HTTPConnection] = getattr(self._local, "pool", None) or {}
@@ -124,6 +130,17 @@ class PeerReader:
 
     def read_range(self, route: Route, start: int, length: int, sink: RangeSink) -> None:
         address, hid, index = route
+        if address not in self._http_only:
+            streams: StreamReader | None = getattr(self._local, "streams", None)
+            if streams is None:
+                streams = self._local.streams = StreamReader(self.token, SYSTEM_CLOCK)
+            try:
+                streams.read_range(address, hid, index, start, length, sink)
+                return
+            except NotStreamed:
+                self._http_only.add(address)
+            except (OSError, ValueError, PeerError) as exc:
+                raise PeerReadError(f"{address}: {exc!r}") from exc
         target = f"/v1/peer/holdings/{hid}/files/{index}"
         response = self.request(address, target, {"Range": f"bytes={start}-{start + length - 1}"})
         try:
