@@ -133,7 +133,8 @@ class PeerReader:
         if address not in self._http_only:
             streams: StreamReader | None = getattr(self._local, "streams", None)
             if streams is None:
-                streams = self._local.streams = StreamReader(self.token, SYSTEM_CLOCK)
+                streams = StreamReader(self.token, SYSTEM_CLOCK, READ_SECONDS)
+                self._local.streams = streams
             try:
                 streams.read_range(address, hid, index, start, length, sink)
                 return
