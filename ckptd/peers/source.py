@@ -64,6 +64,9 @@ READ_SECONDS = 10.0
 #: cluster network answers in milliseconds; one that has not in half a second is gone, cut
 #: off or slow, and a slow one still serves what has not been started by its answer.
 HOLDINGS_GRACE_SECONDS = 0.5
+#: Peers asked at once (a run's other nodes: hundreds, with a large job); the rest are
+#: asked as the first answer or fail.
+ASKING_THREADS = 64
 
 
 class PeerReadError(Exception):
@@ -332,22 +335,30 @@ def fresh_peers(repo: Repository, run: str, *, stale_after: float) -> list[str]:
 
 
 def ask_peers(reader: PeerReader, run: str, answers: PeerAnswers) -> None:
-    """Ask every peer in ``answers.asked`` what it holds of ``run``, each from a daemon
-    thread of its own (a peer that never answers holds no process open), and return at
-    once: the answers fill ``answers`` in as they come."""
+    """Ask every peer in ``answers.asked`` what it holds of ``run``, from daemon threads
+    (``ASKING_THREADS`` at most, each taking the next peer; a peer that never answers
+    holds no process open), and return at once: the answers fill ``answers`` in as they
+    come."""
+    todo = list(reversed(answers.asked))
+    lock = threading.Lock()
 
-    def ask(address: str) -> None:
-        try:
-            held = reader.holdings(address, run, answers.wait_seconds)
-        except PeerReadError as exc:
-            answers.no_answer(address, str(exc))
-        except Exception as exc:  # noqa: BLE001 - a peer's failure is never the restore's
-            answers.no_answer(address, repr(exc))
-        else:
-            answers.answer(address, held)
+    def ask_each() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                address = todo.pop()
+            try:
+                held = reader.holdings(address, run, answers.wait_seconds)
+            except PeerReadError as exc:
+                answers.no_answer(address, str(exc))
+            except Exception as exc:  # noqa: BLE001 - a peer's failure is never the restore's
+                answers.no_answer(address, repr(exc))
+            else:
+                answers.answer(address, held)
 
-    for address in answers.asked:
-        threading.Thread(target=ask, args=(address,), name="ckptd-ask", daemon=True).start()
+    for _ in range(min(ASKING_THREADS, len(todo))):
+        threading.Thread(target=ask_each, name="ckptd-ask", daemon=True).start()
 
 
 @dataclass

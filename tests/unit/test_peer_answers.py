@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
+
 from ckptd.core.manifest import ManifestFile, build_manifest
+from ckptd.peers import source
 from ckptd.peers.model import Holding
 from ckptd.peers.source import PeerAnswers
 
@@ -95,3 +98,34 @@ def test_an_answer_later_than_the_wait_is_not_used() -> None:
     clock.now += 10.5
     answers.answer("p:1", [holding("a")])
     assert answers.settled() and answers.routes_for("run/step-10/a") == []
+
+
+def test_every_peer_is_asked_by_at_most_asking_threads_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(source, "ASKING_THREADS", 2)
+    addresses = [f"p{i}:1" for i in range(7)]
+    answers = PeerAnswers(addresses, _Log(), wait_seconds=10, grace=30)
+    answers.expect(manifest(), KEYS)
+    lock = threading.Lock()
+    busy, most = [0], [0]
+
+    class Reader:
+        def holdings(self, address: str, run: str, timeout: float) -> list[Holding]:
+            with lock:
+                busy[0] += 1
+                most[0] = max(most[0], busy[0])
+            try:
+                if address == "p3:1":
+                    raise source.PeerReadError("refused")
+                return [holding("a")]
+            finally:
+                with lock:
+                    busy[0] -= 1
+
+    source.ask_peers(Reader(), "run", answers)  # type: ignore[arg-type]
+    with answers._cond:  # woken by each answer: no sleep
+        assert answers._cond.wait_for(lambda: not answers._pending, timeout=10)
+    assert sorted(answers.answered) == [a for a in addresses if a != "p3:1"]
+    assert answers.routes_for("run/step-10/a") == [(a, "h1", 0) for a in answers.answered]
+    assert most[0] <= 2
