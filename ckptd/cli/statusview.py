@@ -215,6 +215,14 @@ def trainer_text(trainer: Mapping[str, Any] | None) -> Text | None:
         text.append(f"  last exit {last.get('cause', '?')}")
     if trainer.get("resumed_from"):
         text.append(f"  resumed from {trainer['resumed_from']}")
+    restored = trainer.get("restored") or {}
+    if restored and not restored.get("skipped"):
+        # Before the first start: where its bytes came from (the store's egress).
+        text.append(
+            f"  restored {restored.get('checkpoint')} from {restored.get('tier', '?')} "
+            f"({human_bytes(restored.get('peer_bytes', 0))} from peers, "
+            f"{human_bytes(restored.get('store_bytes', 0))} from the store)"
+        )
     if trainer.get("gave_up"):
         text.append(f"  gave up: {trainer['gave_up']}", style="bold red")
     return text

@@ -193,6 +193,15 @@ def test_the_supervised_trainer_renders_under_exec_only() -> None:
     assert "resumed from step-40" in text
     gave_up = render({"trainer": {**trainer, "pid": None, "gave_up": "failed at start-up"}})
     assert "not running" in gave_up and "gave up: failed at start-up" in gave_up
+    restored = {"checkpoint": "step-40", "skipped": False, "tier": "peers"}
+    restored |= {"peer_bytes": 3 << 30, "store_bytes": 512 << 20}
+    text = render({"trainer": {**trainer, "restored": restored}}, width=220)
+    assert (
+        f"restored step-40 from peers ({human_bytes(3 << 30)} from peers, "
+        f"{human_bytes(512 << 20)} from the store)"
+    ) in text
+    skipped = {"checkpoint": "step-40", "skipped": True, "seconds": 0.0}
+    assert "restored step-40" not in render({"trainer": {**trainer, "restored": skipped}})
 
 
 def test_each_further_tier_shows_reachability_backlog_and_last_commit() -> None:
