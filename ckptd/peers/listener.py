@@ -6,7 +6,9 @@ thread of its own (``on_stream``); anything else is given to aiohttp's server as
 had accepted it (``loop.connect_accepted_socket``). So a deployment opens one port, and
 an HTTP client, load balancer or proxy in front of it sees plain HTTP.
 
-A connection that sends nothing for ``SNIFF_SECONDS`` is closed. ``close`` ends the
+A connection that sends nothing for ``SNIFF_SECONDS`` is closed, and so is a stream
+beyond ``MAX_STREAMS`` at once (its client retries, as after any dropped connection;
+a client that hears no preamble at a push's start uses HTTP). ``close`` ends the
 accept loop, and shuts every stream connection down (its thread's blocking call returns
 at once) before it joins their threads.
 """
@@ -23,6 +25,9 @@ from typing import Any
 from ckptd.peers.frames import PREAMBLE
 
 SNIFF_SECONDS = 10.0
+#: Stream connections served at once (a thread each, and a chunk buffer once signed);
+#: one more is closed at once. A push opens 2 per holder, a restore 1 per thread.
+MAX_STREAMS = 128
 _POLL_SECONDS = 0.01
 StreamHandler = Callable[[socket.socket, str], None]
 
@@ -91,6 +96,11 @@ class PeerListener:
             conn.close()
             return
         if first == PREAMBLE:
+            with self._lock:
+                full = len(self._streams) >= MAX_STREAMS
+            if full:
+                conn.close()
+                return
             conn.setblocking(True)
             thread = threading.Thread(
                 target=self._stream, args=(conn, remote), name="ckptd-peer-stream", daemon=True
@@ -142,4 +152,4 @@ def _settle(ready: asyncio.Future[None]) -> None:
         ready.set_result(None)
 
 
-__all__ = ["SNIFF_SECONDS", "PeerListener"]
+__all__ = ["MAX_STREAMS", "SNIFF_SECONDS", "PeerListener"]

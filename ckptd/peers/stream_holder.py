@@ -74,7 +74,7 @@ class StreamHolder:
 
     def serve(self, sock: socket.socket, remote: str) -> None:
         """Answer the preamble, then frames until the connection ends."""
-        buffer = memoryview(bytearray(CHUNK_BYTES))
+        buffer = _LazyBuffer()
         try:
             sock.settimeout(IDLE_SECONDS)
             recv_exactly(sock, memoryview(bytearray(len(frames.PREAMBLE))))
@@ -89,7 +89,7 @@ class StreamHolder:
             sock.close()
 
     def _frame(
-        self, sock: socket.socket, request: Request, buffer: memoryview, remote: str
+        self, sock: socket.socket, request: Request, buffer: _LazyBuffer, remote: str
     ) -> bool:
         """One request answered; whether the connection goes on."""
         tag = (
@@ -107,7 +107,7 @@ class StreamHolder:
                 )
                 raise _Refused("unauthorized", f"unauthorized: {why}", close=True)
             if request.method == "PUT":
-                self._chunk(sock, request, buffer, remote)
+                self._chunk(sock, request, buffer.view(), remote)
             else:
                 self._read(sock, request)
         except _Refused as refused:
@@ -115,7 +115,7 @@ class StreamHolder:
             status = REFUSAL_STATUS[refused.reason]
             sock.sendall(frames.answer(status, reason=refused.reason, error=str(refused)))
             if refused.close:
-                _discard(sock, request.length if request.method == "PUT" else 0, buffer)
+                _discard(sock, request.length if request.method == "PUT" else 0)
             return not refused.close
         return True
 
@@ -183,15 +183,29 @@ class StreamHolder:
             os.close(fd)
 
 
-def _discard(sock: socket.socket, length: int, buffer: memoryview) -> None:
+class _LazyBuffer:
+    """A stream's chunk buffer, made at its first signed chunk: a connection that never
+    sends one (a stranger's) costs no 8 MiB."""
+
+    def __init__(self) -> None:
+        self._view: memoryview | None = None
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            self._view = memoryview(bytearray(CHUNK_BYTES))
+        return self._view
+
+
+def _discard(sock: socket.socket, length: int) -> None:
     """Before closing after a refusal: say so (FIN), and read what the client had sent
     of the refused body, unread and unwritten, for a moment: a socket closed with bytes
     unread resets the connection, and the reset can overtake the answer."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
         sock.settimeout(DISCARD_SECONDS)
-        left = min(length, len(buffer))
-        while left > 0 and (n := sock.recv_into(buffer, left)):
+        scratch = bytearray(64 * 1024)
+        left = min(length, CHUNK_BYTES)
+        while left > 0 and (n := sock.recv_into(scratch, min(left, len(scratch)))):
             left -= n
 
 
