@@ -1,6 +1,6 @@
 """The ``[health]`` section: the node's health sources (``ckptd.health``), the kernel log,
-memory pressure, the checkpoint filesystem and the store's reachability, and what a
-health event of each severity makes the daemon do.
+a DCGM exporter, memory pressure, the checkpoint filesystem and the store's
+reachability, and what a health event of each severity makes the daemon do.
 
 Each key carries its description: docs/configuration.md is generated from this model.
 """
@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ckptd.config.base import Section, absolute_path
+from ckptd.config.base import Section, absolute_path, check_http_url
 
 __all__ = ["HealthAction", "HealthConfig"]
 
@@ -52,6 +52,19 @@ class HealthConfig(Section):
         description="The trainer's cgroup v2 directory (absolute, e.g. "
         "`/sys/fs/cgroup/system.slice/train.service`): its `memory.pressure`, "
         '`memory.events` (OOM kills) and `memory.current` against `memory.max`; `""` = off.',
+    )
+    dcgm_url: str = Field(
+        default="",
+        description="A DCGM exporter's metrics on this node (e.g. "
+        "`http://127.0.0.1:9400/metrics`): each GPU's last Xid, double-bit ECC errors, "
+        'rows remapped, throttling and temperature; `""` = off.',
+    )
+    gpu_temperature_celsius: float = Field(
+        default=90.0,
+        ge=30,
+        le=130,
+        allow_inf_nan=False,
+        description="A GPU hotter than this (`dcgm_url`) is a warning event.",
     )
     memory_full_avg10_percent: float = Field(
         default=20.0,
@@ -128,6 +141,13 @@ class HealthConfig(Section):
     def _absolute_or_off(cls, value: str) -> str:
         if value and not Path(value).is_absolute():
             raise ValueError('must be an absolute path, or "" for off')
+        return value
+
+    @field_validator("dcgm_url")
+    @classmethod
+    def _dcgm_is_http(cls, value: str) -> str:
+        if value:
+            check_http_url(value, allow_path=True)
         return value
 
     @field_validator("condition_file")

@@ -1,6 +1,7 @@
 """``ckptd doctor``'s check of the health sources (``[health] enabled`` only): which of
 them this node lets the daemon read, and which it does not (no ``/dev/kmsg`` access in a
-container without ``CAP_SYSLOG``, no PSI on an old kernel, a cgroup that is not there).
+container without ``CAP_SYSLOG``, no PSI on an old kernel, a cgroup that is not there,
+no DCGM exporter answering).
 
 Each source is opened as the monitor would (``ckptd.health.readers``) and closed; nothing
 is changed. An unreadable source is a warning: the others still protect the run.
@@ -13,7 +14,8 @@ from pathlib import Path
 
 from ckptd.config import Settings
 from ckptd.doctor.findings import Finding
-from ckptd.health.readers import KmsgReader, read_small
+from ckptd.health.dcgm import parse_exporter
+from ckptd.health.readers import KmsgReader, fetch_text, read_small
 
 CHECK = "health"
 
@@ -56,6 +58,8 @@ def check_health(settings: Settings) -> list[Finding]:
                 "set [health] cgroup to the trainer's cgroup v2 directory (cat /proc/PID/cgroup)",
             )
         )
+    if health.dcgm_url:
+        findings.append(_dcgm_finding(health.dcgm_url))
     condition = health.condition_path(Path(settings.state.dir))
     parent = next((p for p in (condition.parent, *condition.parents) if p.exists()), None)
     if parent is not None and os.access(parent, os.W_OK):
@@ -76,3 +80,17 @@ def _file_finding(what: str, path: Path, fix: str) -> Finding:
     if read_small(path) is not None:
         return Finding(CHECK, "ok", f"{what} {path}: readable")
     return Finding(CHECK, "warn", f"{what} {path}: cannot be read, so it is not watched", fix)
+
+
+def _dcgm_finding(url: str) -> Finding:
+    text, why = fetch_text(url)
+    gpus = parse_exporter(text) if text is not None else []
+    if gpus:
+        return Finding(CHECK, "ok", f"DCGM exporter {url}: {len(gpus)} GPU(s) reported")
+    return Finding(
+        CHECK,
+        "warn",
+        f"DCGM exporter: {why or f'{url} names no GPU'}: no GPU's Xid, ECC or throttling is read",
+        "run dcgm-exporter on the node (the GPU Operator's DaemonSet) and point "
+        '[health] dcgm_url at its /metrics, or set dcgm_url = ""',
+    )

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckptd.config.health import HealthConfig
-from ckptd.health import disk, kmsg, memory
+from ckptd.health import dcgm, disk, kmsg, memory
 from ckptd.health.condition import condition_body, write_condition
 from ckptd.health.decide import Decision, Policy, SaveLimit
+from ckptd.health.gpu import GpuWatch
 from ckptd.health.model import HealthEvent
-from ckptd.health.readers import KmsgReader, free_bytes, read_small
+from ckptd.health.readers import KmsgReader, fetch_text, free_bytes, read_small
 from ckptd.health.store import Reachability
 from ckptd.runtime.metrics import Metrics
 
@@ -99,6 +100,7 @@ class HealthMonitor:
         self.limit = SaveLimit()
         self.kmsg = KmsgReader(config.kmsg) if config.kmsg else None
         self.reach = Reachability(config.unreachable_seconds)
+        self.gpus = GpuWatch("dcgm", config.gpu_temperature_celsius)
         self.cgroup_events: dict[str, int] | None = None
         self.active: dict[str, HealthEvent] = {}  # lasting conditions, by key
         self.faults: list[HealthEvent] = []  # degrading or fatal faults since start
@@ -135,6 +137,13 @@ class HealthMonitor:
                 found.append(("psi:node", event))
         if c.cgroup:
             found += self._read_cgroup(Path(c.cgroup), at)
+        if c.dcgm_url:
+            text, why = fetch_text(c.dcgm_url)
+            readings = dcgm.parse_exporter(text) if text is not None else []
+            if text is not None and not readings:
+                why = f"{c.dcgm_url} names no GPU (DCGM_FI_DEV_* with a gpu label)"
+            self.sources["dcgm"] = "ok" if readings else why
+            found += self.gpus.events(readings, at)
         for run, view in runs.items():
             free = free_bytes(view.dir)
             if free is None:
@@ -267,8 +276,11 @@ class HealthMonitor:
         self.write_condition()
 
     def write_condition(self) -> None:
-        seen = self.faults or list(self.active.values())
-        worst = seen[-1] if seen else None
+        seen = [*self.faults, *self.active.values()]
+        # The reason to drain: the last fatal fault, else the last degrading one.
+        fatal = [e for e in seen if e.severity == "fatal"]
+        ranked = fatal or [e for e in seen if e.severity == "degrading"]
+        worst = ranked[-1] if ranked else None
         healthy = self.healthy
         body = condition_body(
             healthy,

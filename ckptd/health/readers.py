@@ -12,10 +12,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 # /dev/kmsg answers one record per read, at most this long (CONSOLE_EXT_LOG_MAX).
 READ_SIZE = 64 * 1024
+# A DCGM exporter on the node answers in milliseconds; one that does not is not read.
+HTTP_TIMEOUT_SECONDS = 2.0
+# A /metrics page larger than this is not an exporter's (8 GPUs: ~100 KiB).
+HTTP_MAX_BYTES = 4 << 20
 
 
 class KmsgReader:
@@ -88,3 +94,15 @@ def free_bytes(path: Path) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def fetch_text(url: str) -> tuple[str | None, str]:
+    """(the body of ``url``, "") or (None, why it could not be read)."""
+    try:
+        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_SECONDS) as answer:
+            body = answer.read(HTTP_MAX_BYTES + 1)
+    except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts, resets
+        return None, f"cannot read {url}: {exc}"
+    if len(body) > HTTP_MAX_BYTES:
+        return None, f"{url} answered more than {HTTP_MAX_BYTES} bytes"
+    return body.decode(errors="replace"), ""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ckptd.config import load_settings
 from ckptd.doctor.health import check_health
+from tests.support.fakes.dcgm_exporter import FakeDcgmExporter
 
 
 def _settings(tmp_path: Path, health: str) -> object:
@@ -46,3 +47,21 @@ def test_a_kernel_log_without_access_warns_with_the_capability_to_grant(tmp_path
 
 def test_with_health_off_doctor_says_nothing_of_it(tmp_path: Path) -> None:
     assert check_health(_settings(tmp_path, "enabled = false\n")) == []  # type: ignore[arg-type]
+
+
+def test_a_dcgm_exporter_is_ok_with_its_gpus_and_warns_when_it_does_not_answer(
+    tmp_path: Path,
+) -> None:
+    exporter = FakeDcgmExporter(gpus=8)
+    url = exporter.start_in_thread() + "/metrics"
+    try:
+        settings = _settings(tmp_path, f'enabled = true\nkmsg = ""\npsi = ""\ndcgm_url = "{url}"\n')
+        (dcgm, _) = check_health(settings)  # type: ignore[arg-type]
+        assert dcgm.status == "ok" and "8 GPU(s)" in dcgm.message
+        exporter.set_mode("garbage")
+        (dcgm, _) = check_health(settings)  # type: ignore[arg-type]
+        assert dcgm.status == "warn" and "names no GPU" in dcgm.message
+    finally:
+        exporter.stop_thread()
+    (gone, _) = check_health(settings)  # type: ignore[arg-type]
+    assert gone.status == "warn" and "cannot read" in gone.message and "dcgm-exporter" in gone.fix

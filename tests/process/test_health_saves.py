@@ -7,6 +7,8 @@ own line shapes (tests/support/kernel_lines.py cites each).
   notice file goes and the trainer trains on;
 - a fatal Xid: recorded (metrics, condition file), no signal;
 - a flood of one kind: one save, the rest reported;
+- a DCGM exporter (tests/support/fakes/dcgm_exporter.py): rows remapped, a save; its
+  last Xid turning 79, recorded;
 - the OOM killer in the trainer's cgroup, and its memory pressure (one event while it
   lasts): a save each;
 - a filesystem with less room than the last save: a warning before the next save, and
@@ -29,6 +31,7 @@ from ckptd.repository import Repository, object_key
 from ckptd.storage import open_backend
 from tests.support import kernel_lines as k
 from tests.support.daemon import Daemon, run_cli, wait_until
+from tests.support.fakes.dcgm_exporter import FakeDcgmExporter
 from tests.support.mounts import fill, tmpfs
 from tests.support.trainers.procs import script_env
 from tests.support.writers import local_files
@@ -39,7 +42,9 @@ PSI_CALM = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg6
 class Rig:
     """A trainer, a daemon with ``[health]`` on, the kernel log a file the test appends to."""
 
-    def __init__(self, tmp_path: Path, root: Path, dest: str, s3: LocalS3, mib: int) -> None:
+    def __init__(
+        self, tmp_path: Path, root: Path, dest: str, s3: LocalS3, mib: int, dcgm_url: str = ""
+    ) -> None:
         self.root, self.dest, self.s3 = root, dest, s3
         self.record, self.pidfile = tmp_path / "signals.txt", tmp_path / "trainer.pid"
         self.kmsg = tmp_path / "kmsg"
@@ -72,10 +77,11 @@ class Rig:
             + f'[trainer]\npidfile = "{self.pidfile}"\n'
             + "[health]\nenabled = true\npoll_interval_seconds = 0.2\n"
             + f'kmsg = "{self.kmsg}"\npsi = "{self.psi}"\nsave_interval_seconds = 60\n'
-            + f'cgroup = "{self.cgroup}"\n'
+            + f'cgroup = "{self.cgroup}"\ndcgm_url = "{dcgm_url}"\n'
             + f'condition_file = "{self.condition}"\n'
         )
         self.seq = 0
+        self.exporter: FakeDcgmExporter | None = None
 
     def cgroup_files(self, *, oom_kill: int, current: int, full_avg10: float = 0.0) -> None:
         """The cgroup's ``memory.events``, ``memory.current``, ``memory.max`` (8 GiB) and
@@ -139,11 +145,15 @@ class Rig:
 def rig(tmp_path: Path, local_s3: LocalS3, s3_dest: str) -> Iterator[Rig]:
     root = tmp_path / "run"
     root.mkdir()
-    made = Rig(tmp_path, root, s3_dest, local_s3, mib=1)
+    exporter = FakeDcgmExporter(gpus=2)
+    url = exporter.start_in_thread()
+    made = Rig(tmp_path, root, s3_dest, local_s3, mib=1, dcgm_url=f"{url}/metrics")
+    made.exporter = exporter
     try:
         yield made
     finally:
         made.stop()
+        exporter.stop_thread()
 
 
 def test_a_degrading_xid_saves_and_the_trainer_trains_on_a_fatal_one_only_records(
@@ -189,7 +199,24 @@ def test_a_degrading_xid_saves_and_the_trainer_trains_on_a_fatal_one_only_record
         assert [e["action"] for e in rig.heard("xid-63", 6)][1:] == ["report"] * 5
         assert rig.signals() == 2 and rig.trainer.poll() is None
 
-        assert daemon.metric("ckptd_health_actions_total", action="save") == 2
+        # The DCGM exporter: rows remapped on GPU 1 are a new kind (a save); its last Xid
+        # turning 79 on GPU 0 is fatal (recorded, no signal).
+        assert rig.exporter is not None
+        rig.exporter.set_gpu(1, DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS=1)
+        (remap,) = rig.heard("row-remap")
+        assert (remap["source"], remap["action"]) == ("dcgm", "save")
+        rig.committed("checkpoint-103")
+        wait_until(lambda: len(daemon.events_named("health_save_done")) == 3, 30, "3rd save")
+        rig.exporter.set_gpu(0, DCGM_FI_DEV_XID_ERRORS=79)
+        wait_until(
+            lambda: daemon.events_named("health_event", kind="xid-79", source="dcgm"),
+            30,
+            "the exporter's Xid 79",
+        )
+        assert rig.signals() == 3 and rig.trainer.poll() is None
+
+        assert daemon.metric("ckptd_health_actions_total", action="save") == 3
+        assert daemon.metric("ckptd_health_source_up", source="dcgm") == 1
         assert (
             daemon.metric(
                 "ckptd_health_events_total", source="kmsg", kind="xid-74", severity="degrading"
@@ -201,7 +228,7 @@ def test_a_degrading_xid_saves_and_the_trainer_trains_on_a_fatal_one_only_record
         assert ready["node_healthy"] is False
         condition = json.loads(rig.condition.read_text())
         assert condition["healthy"] is False and condition["drain"] is True
-        assert condition["reason"] == "kmsg:xid-63"
+        assert condition["reason"] == "dcgm:xid-79"  # the last fatal fault
         status = run_cli("status", "--url", f"http://127.0.0.1:{daemon.port}")
         assert "health: UNHEALTHY" in status.stdout, status.stdout + status.stderr
 

@@ -184,3 +184,63 @@ def test_the_health_defaults_are_off_and_documented_values() -> None:
         "save",
         "report",
     )
+
+
+def _exporter(**gpu1: float) -> str:
+    from tests.support.fakes.dcgm_exporter import FakeDcgmExporter
+
+    fake = FakeDcgmExporter(gpus=2)
+    if gpu1:
+        fake.set_gpu(1, **gpu1)
+    return fake.text()
+
+
+def test_the_dcgm_exporters_page_reads_as_one_reading_per_gpu() -> None:
+    from ckptd.health.dcgm import parse_exporter
+
+    readings = parse_exporter(_exporter(DCGM_FI_DEV_XID_ERRORS=79, DCGM_FI_DEV_GPU_TEMP=93))
+    assert [r.gpu for r in readings] == ["0", "1"]
+    assert (readings[1].xid, readings[1].temperature_c, readings[1].dbe_total) == (79, 93.0, 0.0)
+    assert readings[1].uuid.startswith("GPU-")
+    assert parse_exporter("<html>not metrics") == []
+
+
+def test_gpu_counters_are_events_when_they_grow_never_at_the_first_reading() -> None:
+    from ckptd.health.dcgm import parse_exporter
+    from ckptd.health.gpu import GpuWatch
+
+    watch = GpuWatch("dcgm", 90.0)
+    # A GPU that faulted before the daemon started is its baseline, not news.
+    assert watch.events(parse_exporter(_exporter(DCGM_FI_DEV_XID_ERRORS=63)), 0.0) == []
+    found = watch.events(
+        parse_exporter(
+            _exporter(
+                DCGM_FI_DEV_XID_ERRORS=79,
+                DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS=2,
+                DCGM_FI_DEV_THERMAL_VIOLATION=1500,
+                DCGM_FI_DEV_GPU_TEMP=95,
+            )
+        ),
+        1.0,
+    )
+    got = {(key, e.kind, e.severity) for key, e in found}
+    assert got == {
+        ("", "xid-79", "fatal"),
+        ("", "row-remap", "degrading"),
+        ("dcgm:thermal-throttle:1", "thermal-throttle", "warning"),
+        ("dcgm:gpu-temperature:1", "gpu-temperature", "warning"),
+    }
+    # The same page again: the Xid and the rows are old news; the heat lasts, the
+    # throttling counter stood still so that condition is over.
+    again = watch.events(
+        parse_exporter(
+            _exporter(
+                DCGM_FI_DEV_XID_ERRORS=79,
+                DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS=2,
+                DCGM_FI_DEV_THERMAL_VIOLATION=1500,
+                DCGM_FI_DEV_GPU_TEMP=95,
+            )
+        ),
+        2.0,
+    )
+    assert [(key, e.kind) for key, e in again] == [("dcgm:gpu-temperature:1", "gpu-temperature")]

@@ -47,6 +47,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.health.disk",
             "ckptd.health.store",
             "ckptd.health.decide",
+            "ckptd.health.gpu",
+            "ckptd.health.dcgm",
         ),
     ),
     (
