@@ -37,6 +37,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,12 +46,12 @@ from ckptd.config.peers import read_peer_token
 from ckptd.core.manifest import Manifest, ManifestError
 from ckptd.layouts.base import step_of
 from ckptd.peers import auth
-from ckptd.peers.discovery import read_announcements
-from ckptd.peers.model import Holding, Route, routes
+from ckptd.peers.discovery import ANNOUNCEMENT_MAX_BYTES
+from ckptd.peers.model import Holding, Route, parse_peer_announcement, routes
 from ckptd.peers.placement import stale_after
 from ckptd.peers.sending import PeerError
 from ckptd.peers.stream_client import NotStreamed, StreamReader
-from ckptd.repository import Repository, object_key
+from ckptd.repository import Repository, object_key, peer_key
 from ckptd.runtime.clock import SYSTEM_CLOCK
 from ckptd.storage.base import STREAM_PIECE, RangeSink, Storage, StorageError
 from ckptd.storage.wrapper import StorageWrapper
@@ -323,13 +324,24 @@ class PeerFirstStorage(StorageWrapper):
 
 
 def fresh_peers(repo: Repository, run: str, *, stale_after: float) -> list[str]:
-    """The addresses of ``run``'s peers whose announcements are fresh, sorted."""
+    """The addresses of ``run``'s peers whose announcements are fresh, sorted. The
+    announcements are read 16 at a time: a large job's hundreds, one after the other,
+    would take seconds before a peer is asked (``read_announcements``' rules: one that
+    is too large, does not parse or names another run is left out)."""
+    listed = [
+        info.key
+        for info in repo.storage.list_objects(peer_key(run))
+        if info.size <= ANNOUNCEMENT_MAX_BYTES
+    ]
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(listed)))) as pool:
+        bodies = list(pool.map(repo.get_or_none, listed))
     now = time.time()
+    found = (parse_peer_announcement(body) for body in bodies if body is not None)
     return sorted(
         {
             a.address
-            for a in read_announcements(repo, run)
-            if a.address and now - a.updated_at <= stale_after
+            for a in found
+            if a is not None and a.run_id == run and a.address and now - a.updated_at <= stale_after
         }
     )
 

@@ -306,3 +306,28 @@ def test_random_sizes_route_only_whole_matching_files(tmp_path: Path) -> None:
         files=near,
     )
     assert routes(wanted, {"a:1": [holding]}) == {}
+
+
+def test_only_fresh_announcements_of_the_run_name_peers_to_ask(tmp_path: Path) -> None:
+    from ckptd.peers.source import fresh_peers
+    from ckptd.repository import peer_key
+
+    settings = settings_for(tmp_path)
+    repo = Repository(open_tiers(settings)[0].storage)
+    now = SYSTEM_CLOCK.time()
+    for rank, run, updated_at in ((1, "run", now), (2, "run", now - 3600), (3, "other", now)):
+        doc = PeerAnnouncement(
+            run_id=run,
+            node_rank=rank,
+            nodes=4,
+            peer=f"peer-{rank}",
+            incarnation="i",
+            host=f"node-{rank}",
+            address=f"10.0.0.{rank}:9465",
+            quota_bytes=1,
+            free_bytes=1,
+            updated_at=updated_at,
+        )
+        repo.put_json(peer_key("run", rank), doc.to_bytes())  # rank 3: another run's, here
+    repo.put_json(peer_key("run", 4), b"{not json")
+    assert fresh_peers(repo, "run", stale_after=60) == ["10.0.0.1:9465"]
