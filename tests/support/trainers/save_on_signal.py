@@ -3,7 +3,9 @@ saves on every signal does: a second signal inside one notice means a second eme
 checkpoint (``tests/e2e/test_preemption_restart.py``). It records each signal
 (``<signal number> <unix time>`` per line in ``--record``), writes its pidfile once the
 handler is in place, and each save is ``checkpoint-<n>`` (HF-shaped, ``--mib`` MiB of random
-bytes, ``trainer_state.json`` last)."""
+bytes, ``trainer_state.json`` last). With ``--part NAME`` the weights file is
+``model-NAME.safetensors``: one node's part of a many-node checkpoint, the state file the
+same on every node."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ def main() -> None:
     parser.add_argument("--record", type=Path, required=True)
     parser.add_argument("--mib", type=int, default=16)
     parser.add_argument("--max-seconds", type=float, default=300.0)
+    parser.add_argument("--part", default="")
     options = parser.parse_args()
     pending: list[float] = []
 
@@ -41,7 +44,8 @@ def main() -> None:
             saves += 1
             d = options.ckpt_dir / f"checkpoint-{100 + saves}"
             d.mkdir(parents=True)
-            (d / "model.safetensors").write_bytes(os.urandom(options.mib << 20))
+            weights = f"model-{options.part}.safetensors" if options.part else "model.safetensors"
+            (d / weights).write_bytes(os.urandom(options.mib << 20))
             (d / "trainer_state.json").write_text(json.dumps({"global_step": 100 + saves}))
         time.sleep(0.02)
 
