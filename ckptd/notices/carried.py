@@ -10,7 +10,7 @@ notice is still in force (``load``: its deadline not passed, or noticed within
 ``UNDATED_SECONDS`` when it has none) keeps the notice file, takes the notice as handled
 (its source's repeats are the same id: never signalled again) and carries on in emergency
 mode from the notice's own time, so the checkpoint written since then still goes first
-and its upload resumes from the journal. Drills are never carried.
+and its upload resumes from the journal. Drills and health saves are never carried.
 
 A notice is carried only while a process it signalled still lives (its pid with the start
 it had then, so never a later process given the same number): when every one is gone,
@@ -35,14 +35,17 @@ from ckptd.notices.model import Notice
 from ckptd.runtime.processes import start_ticks
 
 FILE_NAME = "notice.json"
+# Notices the daemon ends itself once their checkpoint committed (a drill, a health save,
+# ``ckptd.daemon.health_loop``): a restart ends them too, so they are never carried.
+ENDS_BY_ITSELF = frozenset({"drill", "health-save"})
 # A notice without a deadline is carried this long after it was noticed.
 UNDATED_SECONDS = 600.0
 
 
 def record(state_dir: Path, notice: Notice, pids: list[int]) -> None:
     """Remember ``notice`` as acted on (``pids``: the processes signalled for it)."""
-    if notice.kind == "drill" or notice.source.endswith("drill"):
-        return  # a drill's, or one followed from another node's drill: never carried
+    if notice.kind in ENDS_BY_ITSELF or notice.source.endswith("drill"):
+        return  # a drill's or a health save's, or one followed from another node's drill
     signalled = [{"pid": pid, "start": start_ticks(pid)} for pid in pids]
     replace_json(state_dir / FILE_NAME, {"notice": notice.to_json(), "signalled": signalled})
 

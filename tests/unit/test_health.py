@@ -244,3 +244,23 @@ def test_gpu_counters_are_events_when_they_grow_never_at_the_first_reading() -> 
         2.0,
     )
     assert [(key, e.kind) for key, e in again] == [("dcgm:gpu-temperature:1", "gpu-temperature")]
+
+
+def test_a_health_save_is_never_carried_across_a_restart_as_a_drill_is_not(
+    tmp_path: object,
+) -> None:
+    from datetime import UTC, datetime, timedelta
+    from pathlib import Path
+
+    from ckptd.daemon.health_loop import health_notice
+    from ckptd.notices import carried
+
+    state = Path(str(tmp_path))
+    now = datetime.now(UTC)
+    save = health_notice(_event(), "health-save", now, 600.0)
+    carried.record(state, save, [])
+    assert carried.load(state, now + timedelta(seconds=1)) is None
+    stop = health_notice(_event(), "health-stop", now, 600.0)
+    carried.record(state, stop, [])  # a stop is a notice: carried while in force
+    loaded = carried.load(state, now + timedelta(seconds=1))
+    assert loaded is not None and loaded[0].kind == "health-stop"
