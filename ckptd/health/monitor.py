@@ -22,17 +22,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckptd.config.health import HealthConfig
-from ckptd.health import dcgm, disk, kmsg, memory
+from ckptd.health import dcgm, disk, diskstats, kmsg, memory
 from ckptd.health.condition import condition_body, write_condition
 from ckptd.health.decide import Decision, Policy, SaveLimit
 from ckptd.health.gpu import GpuWatch
 from ckptd.health.model import HealthEvent
-from ckptd.health.readers import KmsgReader, fetch_text, free_bytes, read_small
+from ckptd.health.readers import KmsgReader, device_of, fetch_text, free_bytes, read_small
 from ckptd.health.store import Reachability
 from ckptd.runtime.metrics import Metrics
 
 # The last events kept for /v1/status and the condition file.
 RECENT = 10
+DISKSTATS = Path("/proc/diskstats")
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class HealthMonitor:
         self.reach = Reachability(config.unreachable_seconds)
         self.gpus = GpuWatch("dcgm", config.gpu_temperature_celsius)
         self.cgroup_events: dict[str, int] | None = None
+        self.io: dict[str, diskstats.IoCounts | None] = {}  # each run's device, last poll
         self.active: dict[str, HealthEvent] = {}  # lasting conditions, by key
         self.faults: list[HealthEvent] = []  # degrading or fatal faults since start
         self.recent: deque[HealthEvent] = deque(maxlen=RECENT)
@@ -154,7 +156,19 @@ class HealthMonitor:
             )
             if event is not None:
                 found.append((f"disk:{run}", event))
+        self._read_latency(runs)
         return found
+
+    def _read_latency(self, runs: dict[str, RunView]) -> None:
+        """Each watch dir's device's I/O latency since the last poll, as a metric."""
+        text = read_small(DISKSTATS)
+        for run, view in runs.items():
+            device = device_of(view.dir)
+            now = diskstats.device_counts(text or "", *device) if device else None
+            latency = diskstats.latency_seconds(self.io.get(run), now)
+            self.io[run] = now
+            if latency is not None:
+                self.metrics.health_io_latency.labels(run=run).set(latency)
 
     def _read_cgroup(self, root: Path, at: float) -> list[tuple[str, HealthEvent]]:
         c, found = self.config, []

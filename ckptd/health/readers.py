@@ -106,3 +106,12 @@ def fetch_text(url: str) -> tuple[str | None, str]:
     if len(body) > HTTP_MAX_BYTES:
         return None, f"{url} answered more than {HTTP_MAX_BYTES} bytes"
     return body.decode(errors="replace"), ""
+
+
+def device_of(path: Path) -> tuple[int, int] | None:
+    """(major, minor) of the device holding ``path``, None if it cannot be stat'ed."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    return os.major(dev), os.minor(dev)

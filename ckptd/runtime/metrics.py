@@ -444,6 +444,13 @@ class Metrics(PeerMetrics):
             ["source"],
             registry=r,
         )
+        self.health_io_latency = Gauge(
+            "ckptd_health_disk_io_latency_seconds",
+            "Mean time per I/O completed on the device of the run's watch dir over the last"
+            " health poll (/proc/diskstats); absent for a device not listed there (tmpfs, NFS).",
+            ["run"],
+            registry=r,
+        )
         self.health_fs_free_bytes = Gauge(
             "ckptd_health_fs_free_bytes",
             "Free bytes on the filesystem of the run's watch dir, as the health source read it.",

@@ -56,3 +56,46 @@ def test_a_kernel_log_that_cannot_be_opened_is_unreadable_with_why(tmp_path: Pat
     assert read_small(tmp_path / "absent") is None
     assert free_bytes(tmp_path / "absent") is None
     assert (free_bytes(tmp_path) or 0) > 0
+
+
+def test_the_watch_dirs_device_latency_is_read_from_the_real_diskstats(tmp_path: Path) -> None:
+    from ckptd.config import load_settings
+    from ckptd.health.monitor import HealthMonitor, RunView
+    from ckptd.health.readers import device_of
+    from ckptd.runtime.logs import get_logger
+    from ckptd.runtime.metrics import Metrics
+
+    device = device_of(tmp_path)
+    text = read_small(Path("/proc/diskstats")) or ""
+    listed = device is not None and f" {device[0]} " in text
+    config = tmp_path / "ckptd.toml"
+    config.write_text('[health]\nenabled = true\nkmsg = ""\npsi = ""\n')
+    metrics = Metrics()
+
+    class Runs:
+        def runs(self) -> dict[str, RunView]:
+            return {"run": RunView(tmp_path, None)}
+
+    monitor = HealthMonitor(
+        load_settings(config, environ={}).health,
+        tmp_path / "condition.json",
+        Runs(),  # type: ignore[arg-type]
+        metrics,
+        wall=lambda: 0.0,
+        log=get_logger(),
+    )
+    monitor.read([], Runs().runs())
+    probe = tmp_path / "probe"
+    with probe.open("wb") as out:  # some I/O for the device to count
+        out.write(os.urandom(1 << 20))
+        out.flush()
+        os.fsync(out.fileno())
+    monitor.read([], Runs().runs())
+    value = metrics.registry.get_sample_value(
+        "ckptd_health_disk_io_latency_seconds", {"run": "run"}
+    )
+    if not listed:
+        assert value is None  # a device /proc/diskstats does not list (overlay, tmpfs)
+        return
+    # The fsync'ed write completed I/Os on the device between the two polls.
+    assert value is not None and 0 <= value < 60

@@ -264,3 +264,23 @@ def test_a_health_save_is_never_carried_across_a_restart_as_a_drill_is_not(
     carried.record(state, stop, [])  # a stop is a notice: carried while in force
     loaded = carried.load(state, now + timedelta(seconds=1))
     assert loaded is not None and loaded[0].kind == "health-stop"
+
+
+# /proc/diskstats as Documentation/admin-guide/iostats.rst lays it out (kernel 5.5+, 20
+# fields): major minor name, reads, merged, sectors, ms reading, writes, merged, sectors,
+# ms writing, in flight, ms doing I/O, weighted ms, discards (4), flushes (2).
+DISKSTATS = (
+    "   7       0 loop0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n"
+    " 254       0 vda {r} 10 8000 {rms} {w} 20 9000 {wms} 0 300 700 0 0 0 0 5 1\n"
+)
+
+
+def test_the_device_latency_is_the_time_spent_over_the_ios_completed_between_polls() -> None:
+    from ckptd.health.diskstats import device_counts, latency_seconds
+
+    before = device_counts(DISKSTATS.format(r=100, rms=50, w=200, wms=250), 254, 0)
+    after = device_counts(DISKSTATS.format(r=110, rms=60, w=240, wms=490), 254, 0)
+    assert before is not None and (before.name, before.ios, before.ms) == ("vda", 300, 300)
+    assert latency_seconds(before, after) == (10 + 240) / 50 / 1000  # 5 ms per I/O
+    assert latency_seconds(after, after) is None  # no I/O: no latency to tell
+    assert device_counts(DISKSTATS.format(r=1, rms=1, w=1, wms=1), 0, 42) is None  # tmpfs

@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.health.decide",
             "ckptd.health.gpu",
             "ckptd.health.dcgm",
+            "ckptd.health.diskstats",
         ),
     ),
     (
