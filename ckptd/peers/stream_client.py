@@ -28,6 +28,7 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, cast
 
 from ckptd.core import checksum
@@ -51,6 +52,9 @@ from ckptd.runtime.clock import Clock
 
 #: Connections (and threads) per push.
 STREAMS = 2
+#: Chunks a stream sends ahead of their answers: the holder writes one while the next
+#: arrives, so the link does not idle for each chunk's write and answer.
+PIPELINE = 2
 #: A blocking send or receive on a stream that makes no progress for this long fails
 #: (the push's liveness watch abandons a silent holder well before).
 IO_SECONDS = 30.0
@@ -88,6 +92,18 @@ def connect(address: str, timeout: float = IO_SECONDS) -> socket.socket:
     return sock
 
 
+_Job = tuple[int, int, int]  # file index, offset, length
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A chunk sent, its answer not yet read: what to record once it is taken."""
+
+    job: _Job
+    crc: int
+    blocks: list[bytes]
+
+
 class StreamSender:
     """One push's chunks over streams (module doc). ``run`` once."""
 
@@ -119,9 +135,10 @@ class StreamSender:
         self.on_bytes = on_bytes
         self.watch = watch
         self.streams = max(1, streams)
-        self._jobs = collections.deque(
+        self._jobs: collections.deque[_Job] = collections.deque(
             (i, offset, length) for i, s in enumerate(states) for offset, length in s.spans
         )
+        self._retries: dict[_Job, tuple[int, float]] = {}  # damaged sends, next backoff
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._sockets: set[socket.socket] = set()
@@ -195,14 +212,31 @@ class StreamSender:
             self._loop.call_soon_threadsafe(fn, *args)
 
     def _worker(self, sock: socket.socket | None, done: Future[None]) -> None:
+        """Send chunks, up to ``PIPELINE`` ahead of their answers on this connection (an
+        answer is a few bytes, so a send never waits on an unread answer), until none is
+        left; each answer decides as ``chunk_refusal`` says."""
         buffer = memoryview(bytearray(CHUNK_BYTES))
+        pending: collections.deque[_Sent] = collections.deque()
         try:
-            while not self._stopping.is_set():
-                with self._lock:
-                    job = self._jobs.popleft() if self._jobs else None
-                if job is None:
+            while True:
+                if self._stopping.is_set():
+                    raise PeerError(f"{self.address}: the push was ended", "abandoned")
+                job = None
+                if len(pending) < PIPELINE:
+                    with self._lock:
+                        job = self._jobs.popleft() if self._jobs else None
+                if job is None and not pending:
                     break
-                sock = self._send(sock, *job, buffer)
+                if job is not None:
+                    sock, sent = self._send(sock, job, buffer)
+                    if sent is None:  # the connection failed: this and every pending again
+                        sock = self._again(sock, [*pending, _Sent(job, 0, [])], 0, None)
+                        pending.clear()
+                        continue
+                    pending.append(sent)
+                    if len(pending) < PIPELINE:
+                        continue
+                sock = self._answer(sock, pending)
             done.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - handed to run() to raise
             done.set_exception(exc)
@@ -210,51 +244,18 @@ class StreamSender:
             self._drop(sock)
 
     def _send(
-        self, sock: socket.socket | None, index: int, offset: int, length: int, buffer: memoryview
-    ) -> socket.socket | None:
-        """One chunk sent until taken (module doc); the connection to go on with."""
-        local = self.files[index]
-        delay, damaged = 0.2, 0
-        while True:
-            if self._stopping.is_set():
-                raise PeerError(f"{self.address}: the push was ended", "abandoned")
-            fd, st = open_as_listed(local)
-            try:
-                sock, status, doc = self._exchange(sock, fd, st, index, offset, buffer[:length])
-            finally:
-                os.close(fd)
-            if status == 200:
-                self._tell(self.on_bytes, length)
-                return sock
-            if status != 422 and sock is not None:  # the holder may have ended it
-                self._drop(sock)
-                sock = None
-            damaged += status == 422
-            refusal = chunk_refusal(self.address, local, offset, status, doc, damaged)
-            if refusal is not None:
-                raise refusal
-            if self.clock.monotonic() + delay > self.deadline:
-                raise PeerError(
-                    f"{self.address}: {local.path} at {offset} not taken by the deadline: "
-                    f"{said(doc, status)}",
-                    "unreachable",
-                )
-            self._stopping.wait(delay)
-            delay = min(delay * 2, 5.0)
-
-    def _exchange(
-        self,
-        sock: socket.socket | None,
-        fd: int,
-        st: os.stat_result,
-        index: int,
-        offset: int,
-        body: memoryview,
-    ) -> tuple[socket.socket | None, int, Any]:
-        """Read, check, pace, sign and send one chunk, and hear its answer:
-        ``(connection, status, answer)``, status 0 when the connection failed."""
-        local, state, length = self.files[index], self.states[index], len(body)
-        crc, blocks = read_chunk_into(fd, local, offset, body, self.digests)
+        self, sock: socket.socket | None, job: _Job, buffer: memoryview
+    ) -> tuple[socket.socket | None, _Sent | None]:
+        """Read, check, pace, sign and send one chunk: the connection, and what was sent
+        (None when the connection failed)."""
+        index, offset, length = job
+        local, state = self.files[index], self.states[index]
+        body = buffer[:length]
+        fd, st = open_as_listed(local)
+        try:
+            crc, blocks = read_chunk_into(fd, local, offset, body, self.digests)
+        finally:
+            os.close(fd)
         with self._lock:
             if state.identity is None:
                 state.identity = identity_of(st)
@@ -267,7 +268,6 @@ class StreamSender:
             self.token, "PUT", target, self.clock.time(), auth.body_crc32c(crc_hex)
         )
         head = Request("PUT", target, signed, length, crc32c=crc_hex).encode()
-        status, doc = 0, None
         self._tell(self.watch.chunk_sent, self.clock.monotonic())
         try:
             if sock is None:
@@ -277,21 +277,79 @@ class StreamSender:
             # From the buffer its CRC-32C was computed from (measured: sendfile from the
             # page cache after that read cost the sender more, not less; design.md).
             sock.sendall(body)
+        except OSError:
+            return sock, None
+        return sock, _Sent(job, crc, blocks)
+
+    def _answer(
+        self, sock: socket.socket | None, pending: collections.deque[_Sent]
+    ) -> socket.socket | None:
+        """Read the answer to the oldest chunk in flight, and act on it."""
+        sent = pending.popleft()
+        status, doc = 0, None
+        try:
+            assert sock is not None
             answer = read_answer(sock)
             status, doc = int(answer["status"]), answer
         except (OSError, FrameError) as exc:
-            self._drop(sock)
-            sock, doc = None, {"error": repr(exc)}
-        finally:
-            self._tell(self.watch.chunk_ended, self.clock.monotonic(), status == 200)
+            doc = {"error": repr(exc)}
         if status:
             self._tell(self.watch.heard, self.clock.monotonic())
         if status == 200:
+            self._tell(self.watch.chunk_ended, self.clock.monotonic(), True)
+            index, offset, length = sent.job
             with self._lock:
-                state.crcs[offset] = crc
-                state.blocks[offset] = blocks
+                self.states[index].crcs[offset] = sent.crc
+                self.states[index].blocks[offset] = sent.blocks
                 self.sent += length
-        return sock, status, doc
+            self._tell(self.on_bytes, length)
+            return sock
+        if status == 422:  # the connection goes on: only this chunk again
+            return self._again(sock, [sent], status, doc, keep=pending)
+        # The holder ended the connection, or it failed: this and every pending again.
+        again = [sent, *pending]
+        pending.clear()
+        return self._again(sock, again, status, doc)
+
+    def _again(
+        self,
+        sock: socket.socket | None,
+        jobs: list[_Sent],
+        status: int,
+        doc: Any,
+        keep: collections.deque[_Sent] | None = None,
+    ) -> socket.socket | None:
+        """``jobs`` (each sent, none taken: no longer in flight) to be sent again after
+        their backoff, or the error that ends the push (``chunk_refusal``, the deadline).
+        ``keep``: answers still due on ``sock``; without it the connection is dropped (the
+        holder may have ended it)."""
+        for _ in jobs:
+            self._tell(self.watch.chunk_ended, self.clock.monotonic(), False)
+        if keep is None:
+            self._drop(sock)
+            sock = None
+        delay = 5.0
+        for sent in jobs:
+            index, offset, _ = sent.job
+            local = self.files[index]
+            with self._lock:
+                damaged, wait = self._retries.get(sent.job, (0, 0.2))
+                damaged += status == 422
+                self._retries[sent.job] = (damaged, min(wait * 2, 5.0))
+            refusal = chunk_refusal(self.address, local, offset, status, doc, damaged)
+            if refusal is not None:
+                raise refusal
+            if self.clock.monotonic() + wait > self.deadline:
+                raise PeerError(
+                    f"{self.address}: {local.path} at {offset} not taken by the deadline: "
+                    f"{said(doc, status)}",
+                    "unreachable",
+                )
+            delay = min(delay, wait)
+        self._stopping.wait(delay)
+        with self._lock:
+            self._jobs.extendleft(s.job for s in reversed(jobs))
+        return sock
 
     def _take_pace(self, length: int) -> None:
         """Wait this chunk's turn on the push's shared pace (the loop's)."""
