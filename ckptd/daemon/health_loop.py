@@ -12,6 +12,9 @@ the trainer save, reusing the responder rather than a second way to signal it.
   ledger records it with source ``health``.
 - ``report``: the log line, the metrics, the condition file.
 
+The store's reachability is the monitor's own probe (``StoreProbe``), not the tier set's
+checks, whose answer waits for the client's timeouts.
+
 Invariant: the monitor decides, this module only carries out; a save is never started
 while the responder acts on a notice or the first tier's pipeline is not idle.
 """
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,8 @@ from ckptd.notices.model import Notice, format_time
 from ckptd.notices.responder import find_trainer_pids
 
 SOURCE = "health"
-# The store is probed at least this often with [health] on (at most every second).
+# The store is probed this often with [health] on (more often with a shorter
+# unreachable_seconds), and a probe unanswered as long is an outage.
 PROBE_SECONDS = 10.0
 
 
@@ -68,6 +73,48 @@ class HealthNoticeSource:
         return None
 
 
+class StoreProbe:
+    """The store asked by the health monitor itself, one probe at a time, each in a thread
+    of its own: a probe with no answer within ``every`` seconds is the store unreachable,
+    whatever the client's own timeouts. A store that vanishes (no FIN, no RST) leaves a
+    request on a kept-alive connection waiting for its read timeout, a minute or more, and
+    the daemon's own checks waiting with it; the answer here comes within ``every``.
+
+    Daemon threads: one still waiting when the daemon stops does not hold its exit.
+    """
+
+    def __init__(self, probe: Callable[[], None], every: float, monotonic: Callable[[], float]):
+        self.probe, self.every, self.monotonic = probe, every, monotonic
+        self.ok, self.error = True, ""
+        self.asked = monotonic()
+        self.started: float | None = None  # the probe in flight, since
+        self.answer: tuple[bool, str] | None = None  # its answer, once it came
+        self.lock = threading.Lock()
+
+    def _run(self) -> None:
+        try:
+            self.probe()
+            answer = (True, "")
+        except Exception as exc:  # noqa: BLE001 - any failure is the store not answering
+            answer = (False, str(exc) or type(exc).__name__)
+        with self.lock:
+            self.answer = answer
+
+    def reading(self) -> tuple[bool, str]:
+        """(reachable, why not) as of now; starts the next probe when one is due."""
+        now = self.monotonic()
+        with self.lock:
+            answer, self.answer = self.answer, None
+        if answer is not None:
+            (self.ok, self.error), self.started = answer, None
+        if self.started is None and now - self.asked >= self.every:
+            self.asked = self.started = now
+            threading.Thread(target=self._run, name="health-probe", daemon=True).start()
+        if self.started is not None and now - self.started > self.every:
+            return False, f"no answer to a probe within {self.every:g} s"
+        return self.ok, self.error
+
+
 class DaemonActions:
     """``ckptd.health.monitor.Actions`` on a built daemon (``ckptd.daemon.service``)."""
 
@@ -76,10 +123,11 @@ class DaemonActions:
         self.source = source
         health = service.settings.health
         self.timeout = health.save_timeout_seconds
-        # The store is asked this often at least, so that an idle daemon (no request to
-        # fail) learns of an outage well within ``unreachable_seconds``.
-        self.probe_every = min(PROBE_SECONDS, health.unreachable_seconds / 3)
-        self.asked = service.clock.monotonic()
+        # The store is asked this often, so that an idle daemon (no request to fail)
+        # learns of an outage well within ``unreachable_seconds``; a probe unanswered as
+        # long is the store unreachable.
+        every = min(PROBE_SECONDS, health.unreachable_seconds / 3)
+        self.probe = StoreProbe(service.storage.probe, every, service.clock.monotonic)
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.service.clock.time(), UTC)
@@ -94,14 +142,7 @@ class DaemonActions:
         return []
 
     def store(self) -> tuple[bool, str]:
-        destination = self.service.destination
-        now = self.service.clock.monotonic()
-        if now - self.asked >= self.probe_every:
-            self.asked = now
-            # The tier set's rechecks probe a suspected store at their next round
-            # (``ckptd.daemon.tier_set``): no second way to ask it.
-            destination.suspected.set()
-        return bool(destination.ok), str(destination.error or "")
+        return self.probe.reading()
 
     def runs(self) -> dict[str, RunView]:
         out = {}

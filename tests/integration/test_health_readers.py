@@ -1,6 +1,8 @@
 """The health sources' readers over the real interfaces' stand-ins: the kernel log as a
 FIFO and as a file fed with ``/dev/kmsg`` records (tests/support/kernel_lines.py), from
-its end; a source that cannot be opened is said so, never raised."""
+its end; a source that cannot be opened is said so, never raised; the watch dir's device
+in the real ``/proc/diskstats``; the store's probe, one at a time, unanswered past its
+interval an outage."""
 
 from __future__ import annotations
 
@@ -99,3 +101,31 @@ def test_the_watch_dirs_device_latency_is_read_from_the_real_diskstats(tmp_path:
         return
     # The fsync'ed write completed I/Os on the device between the two polls.
     assert value is not None and 0 <= value < 60
+
+
+def test_a_store_probe_unanswered_past_its_interval_is_the_store_unreachable() -> None:
+    import threading
+
+    from ckptd.daemon.health_loop import StoreProbe
+    from tests.support.daemon import wait_until
+
+    now = [0.0]
+    release = threading.Event()
+    calls: list[int] = []
+
+    def probe() -> None:
+        calls.append(1)
+        release.wait(10)  # a store that vanished: no answer until released
+
+    store = StoreProbe(probe, 3.0, lambda: now[0])
+    assert store.reading() == (True, "") and calls == []  # not due yet
+    now[0] = 3.0
+    assert store.reading() == (True, "")  # asked now, within its interval
+    wait_until(lambda: calls, 5, "the probe running")
+    now[0] = 6.5
+    reachable, why = store.reading()
+    assert not reachable and "no answer" in why
+    assert len(calls) == 1  # one probe in flight at a time
+    release.set()
+    wait_until(lambda: store.answer is not None, 5, "the probe answered")
+    assert store.reading() == (True, "")
