@@ -136,10 +136,17 @@ class DaemonActions:
         return self.service.responder.current is not None or not self.service.pipeline.idle()
 
     def trainer_pids(self) -> list[int]:
+        own = self.service.responder.trainer_pids  # ``ckptd exec``: its child's tree
+        if own is not None:
+            return list(own())
         trainer = self.service.settings.trainer
         with contextlib.suppress(OSError):
             return find_trainer_pids(trainer.pidfile, trainer.match)
         return []
+
+    def notice_committed(self) -> bool:
+        current = self.service.responder.current
+        return current is None or current.done.is_set()
 
     def store(self) -> tuple[bool, str]:
         return self.probe.reading()

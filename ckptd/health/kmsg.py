@@ -29,6 +29,8 @@ from ckptd.health.model import HealthEvent
 from ckptd.health.xid import classify
 
 SOURCE = "kmsg"
+# In every OOM-kill line: the trainer's PIDs are looked up only for a line that has it.
+KILLED = "Killed process"
 
 _KMSG_PREFIX = re.compile(r"^(?P<prio>\d+),(?P<seq>\d+),(?P<usec>\d+),[^;]*;(?P<text>.*)$")
 _XID = re.compile(r"NVRM: Xid \((?P<device>[^)]*)\): (?P<code>\d+),\s*(?P<rest>.*)$")

@@ -53,6 +53,10 @@ class Actions(Protocol):
 
     def trainer_pids(self) -> list[int]: ...
 
+    def notice_committed(self) -> bool:
+        """The notice acted on (a save-and-stop's) has its checkpoint committed."""
+        ...
+
     def store(self) -> tuple[bool, str]:
         """Whether the store answered its last check, and its error if not."""
         ...
@@ -110,6 +114,7 @@ class HealthMonitor:
         self.sources: dict[str, str] = {}  # source -> "ok" or why it cannot be read
         self.save_task: asyncio.Task[bool] | None = None
         self.save_pending: HealthEvent | None = None  # drain waits for its commit
+        self.stop_pending: HealthEvent | None = None  # ... and for a stop's (a notice's)
         self._written: dict[str, Any] | None = None
         metrics.node_healthy.set(1)
         # The series the disk alert takes increase() of, at 0 before its first event.
@@ -118,15 +123,18 @@ class HealthMonitor:
     # -- reading (in a thread) -------------------------------------------------------
 
     def read(
-        self, trainer_pids: list[int], runs: dict[str, RunView]
+        self, trainer_pids: Callable[[], list[int]], runs: dict[str, RunView]
     ) -> list[tuple[str, HealthEvent]]:
         """(key, event) for every fault and lasting condition read now; the key of a
-        lasting condition is stable while it lasts, a fault's is empty."""
+        lasting condition is stable while it lasts, a fault's is empty. The trainer's
+        PIDs are looked up only when the kernel log names a process it killed."""
         at = self.wall()
         found: list[tuple[str, HealthEvent]] = []
         if self.kmsg is not None:
-            for line in self.kmsg.lines():
-                event = kmsg.parse_line(line, at, trainer_pids)
+            lines = self.kmsg.lines()
+            pids = trainer_pids() if any(kmsg.KILLED in line for line in lines) else []
+            for line in lines:
+                event = kmsg.parse_line(line, at, pids)
                 if event is not None:
                     found.append(("", event))
             self.sources["kmsg"] = self.kmsg.unreadable or "ok"
@@ -205,7 +213,7 @@ class HealthMonitor:
 
     async def poll(self) -> None:
         """One round: read, then handle each new event."""
-        read = await asyncio.to_thread(self.read, self.actions.trainer_pids(), self.actions.runs())
+        read = await asyncio.to_thread(self.read, self.actions.trainer_pids, self.actions.runs())
         reachable, error = self.actions.store()
         lost = self.reach.reading(reachable, error, self.wall())
         if lost is not None:
@@ -248,7 +256,7 @@ class HealthMonitor:
             self.save_pending = event
             self.save_task = asyncio.create_task(self._save(event), name="health-save")
         elif decision.outcome == "save-and-stop":
-            self.save_pending = event
+            self.stop_pending = event
             await self.actions.stop(event)
         self.export()
         return decision
@@ -284,6 +292,8 @@ class HealthMonitor:
 
     def export(self) -> None:
         """The gauges, and the condition file when what it says changed."""
+        if self.stop_pending is not None and self.actions.notice_committed():
+            self.stop_pending = None
         self.metrics.node_healthy.set(1 if self.healthy else 0)
         for name, state in self.sources.items():
             self.metrics.health_source_up.labels(source=name).set(1 if state == "ok" else 0)
@@ -299,7 +309,7 @@ class HealthMonitor:
         body = condition_body(
             healthy,
             # Drain once the save for the fault is off the node, not before.
-            drain=not healthy and self.save_pending is None,
+            drain=not healthy and self.save_pending is None and self.stop_pending is None,
             reason="Healthy" if worst is None or healthy else f"{worst.source}:{worst.kind}",
             message="" if worst is None or healthy else worst.message,
             events=[e.to_json() for e in self.recent],
@@ -321,7 +331,7 @@ class HealthMonitor:
         return {
             "healthy": self.healthy,
             "sources": dict(self.sources),
-            "saving": self.save_pending is not None,
+            "saving": self.save_pending is not None or self.stop_pending is not None,
             "conditions": [e.to_json() for e in self.active.values()],
             "faults": len(self.faults),
             "last_event": last,

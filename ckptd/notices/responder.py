@@ -240,6 +240,8 @@ class Responder:
         self.current = response
         if notice.kind == "drill":
             self.drill_noticed = notice.noticed_at.timestamp()
+        elif notice.kind in carried.ENDS_BY_ITSELF:
+            self.drill_noticed = None  # a health save: no drill's cost to book
         body = notice.to_json()
         self.log.warning(
             "notice_received",
@@ -448,10 +450,11 @@ class Responder:
         r.done.set()
 
     def drilling(self, within: float) -> bool:
-        """Whether a drill's notice is current (this node's, or another's followed here),
-        or one ended less than ``within`` seconds ago: a trainer that stops now stopped
-        because the drill asked it to save (``ckptd exec`` starts it again)."""
-        if self.current is not None and self.current.notice.kind == "drill":
+        """Whether a notice that ends by itself is current (a drill's, this node's or
+        another's followed here; a health save's, ``ckptd.daemon.health_loop``), or one
+        ended less than ``within`` seconds ago: a trainer that stops now stopped because
+        it was asked to save, not to stop (``ckptd exec`` starts it again)."""
+        if self.current is not None and self.current.notice.kind in carried.ENDS_BY_ITSELF:
             return True
         ended = self.drill_ended
         return ended is not None and self.clock.monotonic() - ended < within
@@ -462,7 +465,7 @@ class Responder:
 
     def clear(self) -> None:
         """Forget the current notice (cancelled, or a drill that ended)."""
-        if self.current is not None and self.current.notice.kind == "drill":
+        if self.current is not None and self.current.notice.kind in carried.ENDS_BY_ITSELF:
             self.drill_ended = self.clock.monotonic()
         self.current = None
         self.metrics.preemption_notice.set(0)

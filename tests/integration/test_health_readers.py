@@ -86,13 +86,13 @@ def test_the_watch_dirs_device_latency_is_read_from_the_real_diskstats(tmp_path:
         wall=lambda: 0.0,
         log=get_logger(),
     )
-    monitor.read([], Runs().runs())
+    monitor.read(lambda: [], Runs().runs())
     probe = tmp_path / "probe"
     with probe.open("wb") as out:  # some I/O for the device to count
         out.write(os.urandom(1 << 20))
         out.flush()
         os.fsync(out.fileno())
-    monitor.read([], Runs().runs())
+    monitor.read(lambda: [], Runs().runs())
     value = metrics.registry.get_sample_value(
         "ckptd_health_disk_io_latency_seconds", {"run": "run"}
     )
