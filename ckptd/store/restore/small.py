@@ -8,9 +8,10 @@ its requests. Here ``lanes`` threads (``ckptd.core.concurrency``: 32 at the defa
 concurrency of 8) each take the next file, create it in its staging directory (opened
 by the calling thread beforehand, ``O_NOFOLLOW`` at every level, as ``StagingTree``
 does), write what the GET streams with ``pwrite``, CRC-32C it (and digest it, with
-keys) from the same buffers, give it the restore's one mtime and close it (fsyncing it
-first only where the staging filesystem cannot be trusted to one ``syncfs``:
-``ckptd.store.restore.durability``). The calling thread alone hands what the lanes verified to ``Durability`` (which records it
+keys) from the same buffers, give it the restore's one mtime, start its writeback
+(``ckptd.runtime.writeback``: the disk writes it while the next files download) and close
+it (fsyncing it instead only where the staging filesystem cannot be trusted to one
+``syncfs``: ``ckptd.store.restore.durability``). The calling thread alone hands what the lanes verified to ``Durability`` (which records it
 once it is durable) and touches the progress bar, in batches.
 
 Invariant, as for large files: only a file whose size and CRC-32C (and digest) are the
@@ -32,6 +33,7 @@ from typing import Any
 from ckptd.core import checksum, digest
 from ckptd.core.manifest import Manifest, ManifestFile
 from ckptd.repository import FileProblem, RangeCrc, object_key
+from ckptd.runtime import writeback
 from ckptd.storage.base import Storage, StorageError
 from ckptd.store.restore.durability import Durability
 from ckptd.store.restore.progress import RestoreProgress
@@ -166,6 +168,10 @@ class SmallDownloads:
             os.utime(fd, ns=(self.mtime_ns, self.mtime_ns))  # one for all (staging.finalise)
             if self.fsync_each:
                 os.fsync(fd)
+            else:
+                # The disk writes this file while the next ones download, so the syncfs
+                # that makes it durable finds little of ours left to write.
+                writeback.start(fd, 0, size)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
