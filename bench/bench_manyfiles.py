@@ -1,6 +1,7 @@
 """Many small files: ckptd against the AWS CLI and s5cmd, up and down, and 100,000 files.
 
     .venv/bin/python bench/bench_manyfiles.py --runs 3 --scale 0 --shapes 3000x64 --tools ckptd,s5cmd   # issue #46's table (docs/benchmarks.md), ~2 min idle
+    .venv/bin/python bench/bench_manyfiles.py --runs 3 --scale 0 --shapes 3000x64 --tools ckptd,s5cmd --baseline DIR   # and the ckptd under DIR (another checkout: before/after) side by side
     .venv/bin/python bench/bench_manyfiles.py                       # 3,000 x 64 KiB and 30,000 x 4 KiB, 3 runs, then 100,000 files
     .venv/bin/python bench/bench_manyfiles.py --runs 1 --scale 0     # the two shapes once, no 100,000-file part
     .venv/bin/python bench/bench_manyfiles.py --shapes '' --scale 100000   # the 100,000-file part alone
@@ -99,6 +100,7 @@ from ckptd.devtools.locals3 import LocalS3, free_port
 TOOLS = ("ckptd", "aws", "s5cmd")
 LABELS = {
     "ckptd": "ckptd",
+    "ckptd-base": "ckptd, `--baseline` checkout",
     "ckptd-commit": "ckptd, complete → committed",
     "aws": "AWS CLI `s3 cp --recursive`",
     "s5cmd": "s5cmd `cp`",
@@ -156,6 +158,10 @@ class Bench:
     env: dict[str, str]
     bins: dict[str, str]
     pin: bool
+    base_env: dict[str, str] | None = None  # --baseline: the other ckptd's PYTHONPATH
+
+    def env_of(self, tool: str) -> dict[str, str]:
+        return self.base_env if tool == "ckptd-base" and self.base_env else self.env
 
     @property
     def url(self) -> str:
@@ -180,7 +186,7 @@ class Bench:
     def upload(self, tool: str, watch: Path, prefix: str, url: str | None = None) -> list[str]:
         url = url or self.url
         ckpt = watch / CHECKPOINT
-        if tool == "ckptd":
+        if tool in ("ckptd", "ckptd-base"):
             state = self.work / "state" / prefix
             return self.ckptd(
                 "run", "--once", "--watch", str(watch), "--dest", f"s3://{BUCKET}/{prefix}",
@@ -205,7 +211,7 @@ class Bench:
         src = f"s3://{BUCKET}/{prefix}/{run}/{CHECKPOINT}"
         dst = out / CHECKPOINT
         excludes = peer_excludes()
-        if tool == "ckptd":
+        if tool in ("ckptd", "ckptd-base"):
             return self.ckptd(
                 "restore", "--dest", f"s3://{BUCKET}/{prefix}", "--endpoint-url", url,
                 "--run", run, "--latest", "--to", str(out), "--no-progress",
@@ -265,10 +271,10 @@ class Result(ToolRun):
     commit_cpu_s: float | None = None  # ckptd upload: cpu_seconds of checkpoint_committed
 
 
-def timed(bench: Bench, cmd: list[str], label: str) -> Any:
+def timed(bench: Bench, cmd: list[str], label: str, tool: str = "") -> Any:
     return measure(
         bench.client(cmd),
-        env=bench.env,
+        env=bench.env_of(tool),
         log_dir=bench.work / "logs",
         label=label,
         server_pid=bench.server.process.pid if bench.server.process else None,
@@ -278,12 +284,12 @@ def timed(bench: Bench, cmd: list[str], label: str) -> Any:
 
 def upload_once(bench: Bench, s3: Any, tool: str, shape: Shape, watch: Path, run: int) -> Result:
     prefix = f"up-{tool}-{shape.name}-{run}-{secrets.token_hex(3)}"
-    m = timed(bench, bench.upload(tool, watch, prefix), prefix)
+    m = timed(bench, bench.upload(tool, watch, prefix), prefix, tool)
     r = Result(tool, shape.name, run, shape.total_bytes, m, direction="up")
     r.error = f"exit {m.rc}: {tail(m.stderr, 5)}" if m.rc else None
     if r.error is None:
         r.error = check_listing(s3, prefix, watch.name, shape)
-    if tool == "ckptd" and m.stderr is not None:
+    if tool in ("ckptd", "ckptd-base") and m.stderr is not None:
         events = log_events(m.stderr)
         r.commit_s = seconds_between(events, "checkpoint_complete", "checkpoint_committed")
         done = [e for e in events if e.get("event") == "checkpoint_committed"]
@@ -296,7 +302,7 @@ def restore_once(
     bench: Bench, tool: str, shape: Shape, run_id: str, prefix: str, run: int, crcs: dict[str, int]
 ) -> Result:
     out = bench.work / "out" / f"{tool}-{shape.name}-{run}"
-    m = timed(bench, bench.restore(tool, run_id, prefix, out), out.name)
+    m = timed(bench, bench.restore(tool, run_id, prefix, out), out.name, tool)
     r = Result(tool, shape.name, run, shape.total_bytes, m, direction="down")
     r.error = f"exit {m.rc}: {tail(m.stderr, 5)}" if m.rc else None
     if r.error is None:
@@ -653,6 +659,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true")
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another ckptd checkout measured side by side as tool ckptd-base (before/after)",
+    )
+    parser.add_argument(
         "--cold-bytecode",
         action="store_true",
         help="do not byte-compile the ckptd measured first (module doc)",
@@ -671,8 +683,10 @@ def main(argv: list[str] | None = None) -> int:
             args.tools = "ckptd"
 
     tools = [t for t in args.tools.split(",") if t]
+    if args.baseline is not None and "ckptd-base" not in tools:
+        tools.insert(1 if "ckptd" in tools else 0, "ckptd-base")
     bins = find_peer_binaries(tools)
-    for tool in [t for t in tools if t != "ckptd" and t not in bins]:
+    for tool in [t for t in tools if not t.startswith("ckptd") and t not in bins]:
         print(
             f"warning: {tool} not found, skipped (bench/README.md says how to install it)",
             file=sys.stderr,
@@ -701,7 +715,12 @@ def main(argv: list[str] | None = None) -> int:
             env.update(server.env())
             if "ckptd" in tools and not args.cold_bytecode:
                 compile_ckptd(env)
-            bench = Bench(work, server, env, bins, args.pin)
+            base_env = None
+            if args.baseline is not None:
+                base_env = dict(env, PYTHONPATH=str(args.baseline.resolve()))
+                if not args.cold_bytecode:
+                    compile_ckptd(base_env)
+            bench = Bench(work, server, env, bins, args.pin, base_env)
             import boto3
 
             s3 = boto3.client("s3", endpoint_url=server.endpoint_url)
@@ -730,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
                         r = restore_once(bench, tool, shape, watch.name, source, run, crcs)
                         results.append(r)
                         _say(r)
-                requests[shape.name] = requests_per_file(bench, s3, tools, shape, watch)
+                counted = [t for t in tools if t != "ckptd-base"]
+                requests[shape.name] = requests_per_file(bench, s3, counted, shape, watch)
                 delete_prefix(s3, source + "/")
                 shutil.rmtree(watch, ignore_errors=True)
             if args.scale:
