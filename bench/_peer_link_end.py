@@ -2,6 +2,7 @@
 its own, from ``getrusage`` around the work; start-up is not counted).
 
     _peer_link_end.py bare-recv HOST PORT DIR     accept streams; write + fsync each; ack
+                                                  (the last 2 files kept, as a holder would)
     _peer_link_end.py bare-send HOST PORT FILE..  sendfile FILEs, wait for the ack
     _peer_link_end.py hold HOST PORT DIR QUOTA    a peer port (PeerServer) over DIR
     _peer_link_end.py push ADDRESS STREAMS FILE.. push FILEs as one part (STREAMS 0: HTTP)
@@ -70,7 +71,11 @@ def bare_recv(host: str, port: int, out: Path) -> None:
             os.fsync(fd)
             os.close(fd)
             conn.sendall(b"k")
-            path.unlink()
+            # Kept as the holder keeps replicas (its quota is 3 parts): the page cache
+            # each end leaves behind is what the next writer's new pages come after.
+            old = out / f"bare-{n - 3}"
+            if old.exists():
+                old.unlink()
 
 
 def bare_send(host: str, port: int, files: list[str]) -> None:
