@@ -166,9 +166,12 @@ def _recv_exactly(sock: socket.socket, n: int, *, partial: bool = False) -> byte
 
 
 def _end(*sockets: socket.socket) -> None:
+    """Both ends closed, as a process that ends them does: what the client sends after
+    is answered with a reset, not left unread."""
     for s in sockets:
         with contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_RDWR)
+        s.close()
 
 
 __all__ = ["StreamProxy"]
