@@ -1,5 +1,5 @@
 """The ``[health]`` section: the node's health sources (``ckptd.health``), the kernel log,
-a DCGM exporter, memory pressure, the checkpoint filesystem and the store's
+a DCGM exporter or NVML, memory pressure, the checkpoint filesystem and the store's
 reachability, and what a health event of each severity makes the daemon do.
 
 Each key carries its description: docs/configuration.md is generated from this model.
@@ -59,12 +59,18 @@ class HealthConfig(Section):
         "`http://127.0.0.1:9400/metrics`): each GPU's last Xid, double-bit ECC errors, "
         'rows remapped, throttling and temperature; `""` = off.',
     )
+    nvml: bool = Field(
+        default=False,
+        description="Read each GPU through NVML (`nvidia-ml-py`, installed beside ckptd): "
+        "double-bit ECC errors, rows remapped (and pending), throttling for heat and "
+        "power, temperature; for nodes that run no DCGM exporter.",
+    )
     gpu_temperature_celsius: float = Field(
         default=90.0,
         ge=30,
         le=130,
         allow_inf_nan=False,
-        description="A GPU hotter than this (`dcgm_url`) is a warning event.",
+        description="A GPU hotter than this (`dcgm_url`, `nvml`) is a warning event.",
     )
     memory_full_avg10_percent: float = Field(
         default=20.0,

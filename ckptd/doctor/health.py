@@ -1,7 +1,7 @@
 """``ckptd doctor``'s check of the health sources (``[health] enabled`` only): which of
 them this node lets the daemon read, and which it does not (no ``/dev/kmsg`` access in a
 container without ``CAP_SYSLOG``, no PSI on an old kernel, a cgroup that is not there,
-no DCGM exporter answering).
+no DCGM exporter answering, no NVML).
 
 Each source is opened as the monitor would (``ckptd.health.readers``) and closed; nothing
 is changed. An unreadable source is a warning: the others still protect the run.
@@ -15,6 +15,7 @@ from pathlib import Path
 from ckptd.config import Settings
 from ckptd.doctor.findings import Finding
 from ckptd.health.dcgm import parse_exporter
+from ckptd.health.nvml import INSTALL, NvmlReader
 from ckptd.health.readers import KmsgReader, fetch_text, read_small
 
 CHECK = "health"
@@ -60,6 +61,8 @@ def check_health(settings: Settings) -> list[Finding]:
         )
     if health.dcgm_url:
         findings.append(_dcgm_finding(health.dcgm_url))
+    if health.nvml:
+        findings.append(_nvml_finding())
     condition = health.condition_path(Path(settings.state.dir))
     parent = next((p for p in (condition.parent, *condition.parents) if p.exists()), None)
     if parent is not None and os.access(parent, os.W_OK):
@@ -93,4 +96,17 @@ def _dcgm_finding(url: str) -> Finding:
         f"DCGM exporter: {why or f'{url} names no GPU'}: no GPU's Xid, ECC or throttling is read",
         "run dcgm-exporter on the node (the GPU Operator's DaemonSet) and point "
         '[health] dcgm_url at its /metrics, or set dcgm_url = ""',
+    )
+
+
+def _nvml_finding() -> Finding:
+    nvml = NvmlReader()
+    gpus = nvml.readings()
+    if nvml.unreadable is None:
+        return Finding(CHECK, "ok", f"NVML: {len(gpus)} GPU(s) read")
+    return Finding(
+        CHECK,
+        "warn",
+        f"NVML: {nvml.unreadable}: no GPU's ECC, remapped rows or throttling is read",
+        f"{INSTALL} beside ckptd, on a node with the NVIDIA driver, or set [health] nvml = false",
     )

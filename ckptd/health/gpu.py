@@ -1,5 +1,5 @@
 """A GPU's health readings, read as health events, whichever interface gave them (a DCGM
-exporter's ``/metrics``, ``ckptd.health.dcgm``; NVML later).
+exporter's ``/metrics``, ``ckptd.health.dcgm``; NVML, ``ckptd.health.nvml``).
 
 Each reading is one GPU at one poll: the last Xid, the double-bit ECC count, rows
 remapped for uncorrectable errors and whether remapping failed, the time throttled for
@@ -9,7 +9,8 @@ first reading of a GPU sets its baseline and is never an event.
 - the last Xid changed to a code: ``xid-N``, its severity from ``ckptd.health.xid``;
 - double-bit ECC errors or uncorrectable remapped rows grew: degrading (``ecc-dbe``,
   ``row-remap``);
-- row remapping failed: degrading, lasting (``row-remap-failure``);
+- row remapping failed: degrading, lasting (``row-remap-failure``); a remapping pending
+  (NVML): a warning, lasting (``row-remap-pending``);
 - thermal or power throttling grew since the last poll, or the temperature is above
   the bound: a warning, lasting (``thermal-throttle``, ``power-throttle``,
   ``gpu-temperature``).
@@ -36,6 +37,7 @@ class GpuReading:
     dbe_total: float | None = None
     remapped_uncorrectable: float | None = None
     remap_failure: float | None = None
+    remap_pending: float | None = None
     thermal_throttle_us: float | None = None
     power_throttle_us: float | None = None
     temperature_c: float | None = None
@@ -124,6 +126,12 @@ class GpuWatch:
             )
         lasting = [
             ("row-remap-failure", "degrading", bool(now.remap_failure), "row remapping failed"),
+            (
+                "row-remap-pending",
+                "warning",
+                bool(now.remap_pending),
+                "a row remapping is pending: it takes effect at the GPU's next reset",
+            ),
             (
                 "thermal-throttle",
                 "warning",

@@ -27,6 +27,7 @@ from ckptd.health.condition import condition_body, write_condition
 from ckptd.health.decide import Decision, Policy, SaveLimit
 from ckptd.health.gpu import GpuWatch
 from ckptd.health.model import HealthEvent
+from ckptd.health.nvml import NvmlReader
 from ckptd.health.readers import KmsgReader, device_of, fetch_text, free_bytes, read_small
 from ckptd.health.store import Reachability
 from ckptd.runtime.metrics import Metrics
@@ -106,6 +107,8 @@ class HealthMonitor:
         self.kmsg = KmsgReader(config.kmsg) if config.kmsg else None
         self.reach = Reachability(config.unreachable_seconds)
         self.gpus = GpuWatch("dcgm", config.gpu_temperature_celsius)
+        self.nvml = NvmlReader() if config.nvml else None
+        self.nvml_gpus = GpuWatch("nvml", config.gpu_temperature_celsius)
         self.cgroup_events: dict[str, int] | None = None
         self.io: dict[str, diskstats.IoCounts | None] = {}  # each run's device, last poll
         self.active: dict[str, HealthEvent] = {}  # lasting conditions, by key
@@ -154,6 +157,10 @@ class HealthMonitor:
                 why = f"{c.dcgm_url} names no GPU (DCGM_FI_DEV_* with a gpu label)"
             self.sources["dcgm"] = "ok" if readings else why
             found += self.gpus.events(readings, at)
+        if self.nvml is not None:
+            readings = self.nvml.readings()
+            self.sources["nvml"] = self.nvml.unreadable or "ok"
+            found += self.nvml_gpus.events(readings, at)
         for run, view in runs.items():
             free = free_bytes(view.dir)
             if free is None:

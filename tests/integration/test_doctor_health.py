@@ -4,7 +4,12 @@ fix, and with ``[health]`` off there is no line at all."""
 
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from ckptd.config import load_settings
 from ckptd.doctor.health import check_health
@@ -65,3 +70,25 @@ def test_a_dcgm_exporter_is_ok_with_its_gpus_and_warns_when_it_does_not_answer(
         exporter.stop_thread()
     (gone, _) = check_health(settings)  # type: ignore[arg-type]
     assert gone.status == "warn" and "cannot read" in gone.message and "dcgm-exporter" in gone.fix
+
+
+@pytest.fixture
+def no_pynvml() -> Iterator[None]:
+    """No ``pynvml`` imported before the test (the stand-in's, or none), nor after it."""
+    sys.modules.pop("pynvml", None)
+    yield
+    sys.modules.pop("pynvml", None)
+
+
+def test_nvml_is_ok_with_its_gpus_and_warns_naming_the_package_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pynvml: None
+) -> None:
+    settings = _settings(tmp_path, 'enabled = true\nkmsg = ""\npsi = ""\nnvml = true\n')
+    (absent, _) = check_health(settings)  # type: ignore[arg-type]
+    assert absent.status == "warn" and "pip install nvidia-ml-py" in absent.fix
+    state = tmp_path / "nvml.json"
+    state.write_text(json.dumps({"gpus": [{"uuid": "GPU-0", "dbe": 0}] * 8}))
+    monkeypatch.setenv("NVML_STANDIN_STATE", str(state))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "support" / "fakes" / "nvml"))
+    (nvml, _) = check_health(settings)  # type: ignore[arg-type]
+    assert nvml.status == "ok" and "8 GPU(s)" in nvml.message

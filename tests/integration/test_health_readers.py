@@ -6,8 +6,13 @@ interval an outage."""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from ckptd.health import kmsg
 from ckptd.health.readers import KmsgReader, free_bytes, read_small
@@ -129,3 +134,66 @@ def test_a_store_probe_unanswered_past_its_interval_is_the_store_unreachable() -
     release.set()
     wait_until(lambda: store.answer is not None, 5, "the probe answered")
     assert store.reading() == (True, "")
+
+
+@pytest.fixture
+def no_pynvml() -> Iterator[None]:
+    """No ``pynvml`` imported before the test (the stand-in's, or none), nor after it."""
+    sys.modules.pop("pynvml", None)
+    yield
+    sys.modules.pop("pynvml", None)
+
+
+STANDIN = Path(__file__).resolve().parents[1] / "support" / "fakes" / "nvml"
+
+
+def _nvml_state(path: Path, **gpu1: object) -> None:
+    quiet = {
+        "uuid": "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52",
+        "dbe": 0,
+        "remapped": [0, 0, 0, 0],
+        "thermal_ns": 0,
+        "power_ns": 0,
+        "temperature": 41,
+    }
+    path.write_text(json.dumps({"gpus": [quiet, {**quiet, **gpu1}]}))
+
+
+def test_nvml_through_a_stand_in_reads_each_gpu_and_unsupported_queries_are_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pynvml: None
+) -> None:
+    from ckptd.health.gpu import GpuWatch
+    from ckptd.health.nvml import NvmlReader
+
+    state = tmp_path / "nvml.json"
+    monkeypatch.setenv("NVML_STANDIN_STATE", str(state))
+    monkeypatch.syspath_prepend(str(STANDIN))
+    _nvml_state(state, dbe=None)  # ECC off on GPU 1: that query unsupported
+    reader, watch = NvmlReader(), GpuWatch("nvml", 90.0)
+    first = reader.readings()
+    assert reader.unreadable is None and [r.gpu for r in first] == ["0", "1"]
+    assert first[1].dbe_total is None and first[0].dbe_total == 0.0
+    assert watch.events(first, 0.0) == []  # the baseline
+    _nvml_state(state, dbe=None, remapped=[0, 2, 1, 0], thermal_ns=5_000_000, temperature=95)
+    found = {(key, e.kind, e.severity) for key, e in watch.events(reader.readings(), 1.0)}
+    assert found == {
+        ("", "row-remap", "degrading"),
+        ("nvml:row-remap-pending:1", "row-remap-pending", "warning"),
+        ("nvml:thermal-throttle:1", "thermal-throttle", "warning"),
+        ("nvml:gpu-temperature:1", "gpu-temperature", "warning"),
+    }
+
+
+def test_nvml_without_a_driver_or_the_package_is_unreadable_with_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pynvml: None
+) -> None:
+    from ckptd.health.nvml import NvmlReader
+
+    absent = NvmlReader()
+    assert absent.readings() == [] and "nvidia-ml-py is not installed" in (absent.unreadable or "")
+    state = tmp_path / "nvml.json"
+    state.write_text(json.dumps({"init_error": "Driver Not Loaded", "gpus": []}))
+    monkeypatch.setenv("NVML_STANDIN_STATE", str(state))
+    monkeypatch.syspath_prepend(str(STANDIN))
+    no_driver = NvmlReader()
+    assert no_driver.readings() == [] and "Driver Not Loaded" in (no_driver.unreadable or "")

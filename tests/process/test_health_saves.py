@@ -12,12 +12,14 @@ own line shapes (tests/support/kernel_lines.py cites each).
 - the OOM killer in the trainer's cgroup, and its memory pressure (one event while it
   lasts): a save each;
 - a filesystem with less room than the last save: a warning before the next save, and
-  no signal.
+  no signal;
+- NVML through a stand-in (no GPU here): a row remapping pending, reported.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -33,9 +35,10 @@ from tests.support import kernel_lines as k
 from tests.support.daemon import Daemon, run_cli, wait_until
 from tests.support.fakes.dcgm_exporter import FakeDcgmExporter
 from tests.support.mounts import fill, tmpfs
-from tests.support.trainers.procs import script_env
+from tests.support.trainers.procs import REPO, script_env
 from tests.support.writers import local_files
 
+NVML_STANDIN = Path(__file__).resolve().parents[1] / "support" / "fakes" / "nvml"
 PSI_CALM = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
 
 
@@ -43,7 +46,14 @@ class Rig:
     """A trainer, a daemon with ``[health]`` on, the kernel log a file the test appends to."""
 
     def __init__(
-        self, tmp_path: Path, root: Path, dest: str, s3: LocalS3, mib: int, dcgm_url: str = ""
+        self,
+        tmp_path: Path,
+        root: Path,
+        dest: str,
+        s3: LocalS3,
+        mib: int,
+        dcgm_url: str = "",
+        nvml: bool = False,
     ) -> None:
         self.root, self.dest, self.s3 = root, dest, s3
         self.record, self.pidfile = tmp_path / "signals.txt", tmp_path / "trainer.pid"
@@ -78,9 +88,17 @@ class Rig:
             + "[health]\nenabled = true\npoll_interval_seconds = 0.2\n"
             + f'kmsg = "{self.kmsg}"\npsi = "{self.psi}"\nsave_interval_seconds = 60\n'
             + f'cgroup = "{self.cgroup}"\ndcgm_url = "{dcgm_url}"\n'
+            + f"nvml = {'true' if nvml else 'false'}\n"
             + f'condition_file = "{self.condition}"\n'
         )
         self.seq = 0
+        self.nvml_state = tmp_path / "nvml.json"
+        if nvml:  # NVML through the stand-in (tests/support/fakes/nvml/pynvml.py)
+            self.nvml_gpu(remapped=[0, 0, 0, 0])
+            self.daemon.env.update(
+                NVML_STANDIN_STATE=str(self.nvml_state),
+                PYTHONPATH=os.pathsep.join([str(NVML_STANDIN), str(REPO)]),
+            )
         self.exporter: FakeDcgmExporter | None = None
 
     def cgroup_files(self, *, oom_kill: int, current: int, full_avg10: float = 0.0) -> None:
@@ -97,6 +115,13 @@ class Rig:
             tmp = self.cgroup / f".{name}"
             tmp.write_text(text)
             tmp.replace(self.cgroup / name)
+
+    def nvml_gpu(self, **fields: object) -> None:
+        """The stand-in NVML's one GPU (its state file replaced by rename)."""
+        gpu = {"uuid": "GPU-0", "dbe": 0, "thermal_ns": 0, "power_ns": 0, "temperature": 40}
+        tmp = self.nvml_state.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"gpus": [{**gpu, **fields}]}))
+        tmp.replace(self.nvml_state)
 
     def kernel(self, *texts: str) -> None:
         """Append ``texts`` to the kernel log as ``/dev/kmsg`` records."""
@@ -237,7 +262,7 @@ def test_cgroup_oom_and_pressure_save_and_a_too_full_filesystem_warns_before_the
     tmp_path: Path, local_s3: LocalS3, s3_dest: str
 ) -> None:
     with tmpfs(tmp_path / "run", 20) as root:
-        made = Rig(tmp_path, root, s3_dest, local_s3, mib=4)
+        made = Rig(tmp_path, root, s3_dest, local_s3, mib=4, nvml=True)
         try:
             with made.daemon as daemon:
                 wait_until(lambda: daemon.events_named("ckptd_ready"), 30, "the daemon ready")
@@ -264,5 +289,11 @@ def test_cgroup_oom_and_pressure_save_and_a_too_full_filesystem_warns_before_the
                 assert (warning["severity"], warning["action"]) == ("warning", "report")
                 assert made.signals() == 2  # warned, not saved into a full disk
                 assert daemon.metric("ckptd_health_fs_free_bytes", run="run") < 4 << 20
+                # NVML (the stand-in): a row remapping pending is a warning, reported.
+                assert daemon.metric("ckptd_health_source_up", source="nvml") == 1
+                made.nvml_gpu(remapped=[0, 0, 1, 0])
+                (pending,) = made.heard("row-remap-pending")
+                assert (pending["source"], pending["action"]) == ("nvml", "report")
+                assert made.signals() == 2
         finally:
             made.stop()

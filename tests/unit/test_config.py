@@ -335,6 +335,7 @@ BAD_VALUES = [
     ('[health]\npsi = "proc/pressure/memory"', "health.psi"),
     ('[health]\ncgroup = "sys/fs/cgroup/train"', "health.cgroup"),
     ('[health]\ndcgm_url = "localhost:9400"', "health.dcgm_url"),
+    ('[health]\nnvml = "when there is one"', "health.nvml"),
     ("[health]\ngpu_temperature_celsius = 200", "health.gpu_temperature_celsius"),
     ("[health]\nmemory_full_avg10_percent = 0", "health.memory_full_avg10_percent"),
     ("[health]\nmemory_use_ratio = 1.5", "health.memory_use_ratio"),
