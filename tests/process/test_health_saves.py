@@ -86,7 +86,7 @@ class Rig:
             self.daemon.config.read_text()
             + f'[trainer]\npidfile = "{self.pidfile}"\n'
             + "[health]\nenabled = true\npoll_interval_seconds = 0.2\n"
-            + f'kmsg = "{self.kmsg}"\npsi = "{self.psi}"\nsave_interval_seconds = 60\n'
+            + f'kmsg = "{self.kmsg}"\npsi = "{self.psi}"\nsave_interval_seconds = 3600\n'
             + f'cgroup = "{self.cgroup}"\ndcgm_url = "{dcgm_url}"\n'
             + f"nvml = {'true' if nvml else 'false'}\n"
             + f'condition_file = "{self.condition}"\n'
