@@ -307,7 +307,10 @@ def restore_once(
     r.error = f"exit {m.rc}: {tail(m.stderr, 5)}" if m.rc else None
     if r.error is None:
         r.error = check_restored(shape, out / CHECKPOINT, crcs if run == 1 else None)
-    shutil.rmtree(out, ignore_errors=True)
+    # Kept until the shape's runs are over: on ext4 without a journal, a file created
+    # within a minute of thousands deleted makes the inode allocator step over each of
+    # them (``recently_deleted``), a cost of the bench's loop that no restore on a
+    # fresh node pays, and that fell on whichever tool ran next.
     return r
 
 
@@ -751,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
                         _say(r)
                 counted = [t for t in tools if t != "ckptd-base"]
                 requests[shape.name] = requests_per_file(bench, s3, counted, shape, watch)
+                shutil.rmtree(work / "out", ignore_errors=True)
                 delete_prefix(s3, source + "/")
                 shutil.rmtree(watch, ignore_errors=True)
             if args.scale:
