@@ -2,10 +2,10 @@
 state: save, save-and-stop, report, or nothing.
 
 Invariant: pure; the time and whether a save is in progress are arguments. A ``save``
-is never started during a save (the save in progress covers the event) and at most
-once per event kind per ``save_interval`` (a flood of one event gives one save); what
-is held back is still reported. A ``save-and-stop`` is a notice: it waits for no save,
-and only the rate limit holds it back.
+is never started during a save: it is deferred (``defer``) and decided again once that
+save is over; and at most one is started per event kind per ``save_interval`` (a flood
+of one event gives one save), the rest reported. A ``save-and-stop`` is a notice: it
+waits for no save, and only the rate limit holds it back.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal
 from ckptd.health.model import HealthEvent, Severity
 
 Action = Literal["save", "save-and-stop", "report"]
-Outcome = Literal["save", "save-and-stop", "report", "ignore"]
+Outcome = Literal["save", "save-and-stop", "report", "ignore", "defer"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,6 @@ class SaveLimit:
                 f"{now - last:.0f} s ago",
             )
         if action == "save" and saving:
-            return Decision("report", "a save is in progress: it covers this event")
+            return Decision("defer", "a save is in progress: this one starts after it")
         self.last[event.kind] = now
         return Decision(action, f"on_{event.severity} = {action}")

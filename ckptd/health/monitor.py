@@ -117,6 +117,7 @@ class HealthMonitor:
         self.sources: dict[str, str] = {}  # source -> "ok" or why it cannot be read
         self.save_task: asyncio.Task[bool] | None = None
         self.save_pending: HealthEvent | None = None  # drain waits for its commit
+        self.deferred: dict[str, HealthEvent] = {}  # saves held back by a save, by kind
         self.stop_pending: HealthEvent | None = None  # ... and for a stop's (a notice's)
         self._written: dict[str, Any] | None = None
         metrics.node_healthy.set(1)
@@ -237,7 +238,21 @@ class HealthMonitor:
             if key:
                 self.active[key] = event
             await self.handle(event)
+        self.start_deferred()
         self.export()
+
+    def start_deferred(self) -> None:
+        """The first save held back by a save, decided again once no save is in progress."""
+        if not self.deferred or self.saving():
+            return
+        kind = next(iter(self.deferred))
+        event = self.deferred.pop(kind)
+        decision = self.limit.decide(event, self.policy, now=self.wall(), saving=False)
+        self.log.warning(
+            "health_deferred_decided", kind=kind, action=decision.outcome, why=decision.why
+        )
+        if decision.outcome == "save":
+            self._start_save(event)
 
     async def handle(self, event: HealthEvent) -> Decision:
         """Count, log and act on one event."""
@@ -260,8 +275,9 @@ class HealthMonitor:
             message=event.message,
         )
         if decision.outcome == "save":
-            self.save_pending = event
-            self.save_task = asyncio.create_task(self._save(event), name="health-save")
+            self._start_save(event)
+        elif decision.outcome == "defer":
+            self.deferred[event.kind] = event  # the latest of its kind
         elif decision.outcome == "save-and-stop":
             self.stop_pending = event
             await self.actions.stop(event)
@@ -270,6 +286,11 @@ class HealthMonitor:
 
     def _lasting(self, event: HealthEvent) -> bool:
         return any(e is event for e in self.active.values())
+
+    def _start_save(self, event: HealthEvent) -> None:
+        self.save_pending = event
+        self.log.warning("health_save_started", kind=event.kind, source=event.source)
+        self.save_task = asyncio.create_task(self._save(event), name="health-save")
 
     async def _save(self, event: HealthEvent) -> bool:
         committed = False
@@ -339,6 +360,7 @@ class HealthMonitor:
             "healthy": self.healthy,
             "sources": dict(self.sources),
             "saving": self.save_pending is not None or self.stop_pending is not None,
+            "deferred": sorted(self.deferred),
             "conditions": [e.to_json() for e in self.active.values()],
             "faults": len(self.faults),
             "last_event": last,

@@ -426,8 +426,9 @@ class Metrics(PeerMetrics):
         )
         self.health_actions = Counter(
             "ckptd_health_actions",
-            "What health events did: save, save-and-stop, report (a save held back by the"
-            " rate limit or a save in progress included), ignore.",
+            "What health events did: save, defer (a save held until the save in progress"
+            " is over), save-and-stop, report (a save held back by the rate limit"
+            " included), ignore.",
             ["action"],
             registry=r,
         )

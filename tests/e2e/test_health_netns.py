@@ -88,7 +88,7 @@ def test_the_stores_link_cut_makes_a_local_save_shipped_byte_identical_when_it_r
                 "the store's loss heard past the threshold",
                 details=daemon.log_text,
             )
-            assert event["action"] == "save"
+            assert event["action"] in ("save", "defer")  # deferred past a save in progress
             wait_until(
                 lambda: (root / "checkpoint-101" / "trainer_state.json").exists(),
                 30,

@@ -60,7 +60,7 @@ def test_a_store_lost_past_the_threshold_makes_a_local_save_shipped_when_it_retu
                 "the store's loss heard past the threshold",
                 details=daemon.log_text,
             )
-            assert (event["severity"], event["action"]) == ("degrading", "save")
+            assert event["severity"] == "degrading" and event["action"] in ("save", "defer")
             wait_until(
                 lambda: (root / "checkpoint-101" / "trainer_state.json").exists(),
                 30,

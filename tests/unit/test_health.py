@@ -132,13 +132,13 @@ def test_a_flood_of_one_kind_gives_one_save_per_interval() -> None:
     assert set(outcomes) == {"save", "report"}
 
 
-def test_another_kind_has_its_own_limit_and_a_save_in_progress_holds_a_save_back() -> None:
+def test_another_kind_has_its_own_limit_and_a_save_in_progress_defers_a_save() -> None:
     limit = SaveLimit()
     assert limit.decide(_event("xid-63"), POLICY, now=0, saving=False).outcome == "save"
     assert limit.decide(_event("io-error"), POLICY, now=1, saving=False).outcome == "save"
     held = limit.decide(_event("xid-74"), POLICY, now=2, saving=True)
-    assert held.outcome == "report" and "in progress" in held.why
-    # Held back is not spent: once the save is over, that kind still saves.
+    assert held.outcome == "defer" and "in progress" in held.why
+    # Deferred is not spent: once the save is over, that kind still saves.
     assert limit.decide(_event("xid-74"), POLICY, now=3, saving=False).outcome == "save"
 
 
