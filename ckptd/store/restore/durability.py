@@ -11,8 +11,9 @@ comes after every file was verified and given its mtime and before the rename in
 place: it makes the bytes, the inodes and the directory entries durable at once, as an
 ``fsync`` of every file and directory did.
 
-Why not one ``fsync`` per file: thousands of small files cost thousands of journal
-commits, each waited for by a lane, where one ``syncfs`` writes them in one. Files are
+Why not one ``fsync`` per file: thousands of small files cost thousands of fsyncs, each
+waited for by a lane (on a journaled filesystem, each a journal commit), where one
+``syncfs`` writes them in one. Files are
 recorded in batches, each after a ``syncfs``: once ``FLUSH_BYTES`` are pending, once the
 oldest pending file waited ``FLUSH_SECONDS``, or once no file was verified for
 ``IDLE_SECONDS`` (a stalled GET), so a crash costs a rerun at most one batch, never the
