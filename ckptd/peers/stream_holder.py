@@ -18,6 +18,7 @@ answered and ends the connection; every other answer keeps it for the next frame
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import re
 import socket
@@ -140,6 +141,7 @@ class StreamHolder:
                 body,
                 request.crc32c,
                 self.clock.time(),
+                aligned=True,
             )
         except CorruptError as exc:
             self.log.warning("peer_chunk_refused", remote=remote, error=str(exc))
@@ -192,7 +194,8 @@ class _LazyBuffer:
 
     def view(self) -> memoryview:
         if self._view is None:
-            self._view = memoryview(bytearray(CHUNK_BYTES))
+            # Anonymous memory: page-aligned, so a whole chunk may go out with O_DIRECT.
+            self._view = memoryview(mmap.mmap(-1, CHUNK_BYTES))
         return self._view
 
 

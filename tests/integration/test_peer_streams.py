@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -278,3 +279,19 @@ def test_the_frame_head_is_json_after_its_length() -> None:
     assert Request.decode(head[4:]) == Request(
         "GET", "/v1/peer/holdings/h/files/0", "a", 5, start=7
     )
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no tmpfs at /dev/shm")
+async def test_a_holder_on_a_filesystem_without_o_direct_holds_the_part_all_the_same(
+    tmp_path: Path, client: PeerClient
+) -> None:
+    files = write_part(tmp_path / "node", {"model.distcp": 16 * MiB + 10, "rng.pt": 8 * MiB})
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        held = await Holder(Path(shm) / "replicas").start()
+        try:
+            result = await push(client, held, files)
+            assert held.held_files(result.replica_id) == {
+                f.path: f.local.read_bytes() for f in files
+            }
+        finally:
+            await held.stop()
