@@ -33,8 +33,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import threading
 from collections import OrderedDict
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 SCHEME = "ckptd-peer"
 VERSION = "1"
@@ -80,13 +81,19 @@ def sign(token: bytes, method: str, target: str, now: float, body: str = "") -> 
 
 class RequestChecker:
     """The holder's side: checks each request's signature, remembering nonces. Thread-safe
-    (HTTP requests on the event loop and stream frames in threads share one)."""
+    when given a lock (the peer server passes one: HTTP requests on the event loop and
+    stream frames in threads share one checker); this module itself stays pure."""
 
-    def __init__(self, token: bytes, window: float = WINDOW_SECONDS) -> None:
+    def __init__(
+        self,
+        token: bytes,
+        window: float = WINDOW_SECONDS,
+        lock: AbstractContextManager[Any] | None = None,
+    ) -> None:
         self.token = token
         self.window = window
         self._nonces: OrderedDict[str, float] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock: AbstractContextManager[Any] = lock if lock is not None else nullcontext()
 
     def check(
         self, header: str | None, method: str, target: str, now: float, body: str = ""

@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import re
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -94,7 +95,7 @@ class PeerServer:
         self.store = store
         self.receiver = Receiver(store)
         self.own = own
-        self.checker = auth.RequestChecker(token)
+        self.checker = auth.RequestChecker(token, lock=threading.Lock())
         self.token = token
         self.metrics = metrics
         self.clock = clock

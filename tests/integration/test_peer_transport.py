@@ -144,11 +144,12 @@ async def test_a_link_that_damages_every_chunk_never_gets_a_part_acknowledged(
         proxy.set_faults(rate=1.0, kinds=("flip-bit",), methods={"PUT"})
         with pytest.raises(PeerError) as failed:
             await push(client, proxy.url.removeprefix("http://"), files)
+        # Given up: the client tells the holder in the background (through the proxy,
+        # so before it closes), and the holder then drops the reservation and the
+        # files; on a loaded machine that lands after push() returns.
+        await wait_until(lambda: holder.incoming() == [], 30.0, "the holder to drop the transfer")
     assert failed.value.reason == "corrupt"
     assert holder.store is not None and holder.store.held() == []
-    # Given up: the client tells the holder in the background, and the holder then drops
-    # the reservation and the files; on a loaded machine that lands after push() returns.
-    await wait_until(lambda: holder.incoming() == [], 30.0, "the holder to drop the transfer")
 
 
 async def test_connections_cut_mid_chunk_resume_from_the_chunk_they_cut(
