@@ -70,6 +70,9 @@ INTERNAL = {
     # Peer replication: a peer that failed a range (the restore reads it from the next
     # holder or the store), a replica a hand-off refuses (logged, counted, never sent).
     "ckptd.peers.source.PeerReadError",
+    # Bytes on a peer stream that are not a frame: the holder refuses and closes the
+    # stream, the sender turns it into a PeerError (the chunk goes again, or over HTTP).
+    "ckptd.peers.frames.FrameError",
     "ckptd.sync.handoff.RefusedError",
     # A reply the direct S3 path cannot read: classified as a StorageError where it is met.
     "ckptd.storage.http1.ReplyError",
