@@ -146,7 +146,15 @@ def _start(tmp: Path, *args: str, **env: str) -> subprocess.Popen[str]:
             text=True,
             cwd=tmp,
             env=clean_environment(CKPTD_METRICS__LISTEN="127.0.0.1:0", **env),
+            # As from a terminal: a suite started in the background (``cmd &`` in a
+            # script) has SIGINT ignored, and a child inherits that, so Ctrl-C's case
+            # could not be made.
+            preexec_fn=_sigint_as_from_a_terminal,
         )
+
+
+def _sigint_as_from_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _said(tmp: Path, event: str) -> Callable[[], bool]:
