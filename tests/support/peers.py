@@ -82,9 +82,14 @@ class Holder:
         return self.metrics.peer_refused.labels(reason=reason)._value.get()
 
     def incoming(self) -> list[str]:
-        """Every entry under the holder's incoming/ (parts being received)."""
+        """Every entry under the holder's incoming/ (parts being received). Walked with
+        ``os.walk``, which skips what the holder removes meanwhile (``rglob`` raises)."""
         base = self.root / "incoming"
-        return sorted(str(p.relative_to(base)) for p in base.rglob("*")) if base.exists() else []
+        return sorted(
+            os.path.relpath(os.path.join(top, name), base)
+            for top, dirs, files in os.walk(base)
+            for name in (*dirs, *files)
+        )
 
     def held_files(self, rid: str) -> dict[str, bytes]:
         base = self.root / "held" / rid / "data"
