@@ -36,7 +36,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptd.cadence.history import read_history, write_history
 from ckptd.cadence.model import (
@@ -58,8 +58,10 @@ from ckptd.layouts.base import step_of
 from ckptd.repository import Repository
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.logs import get_logger
-from ckptd.runtime.metrics import Metrics
 from ckptd.storage.base import StorageError
+
+if TYPE_CHECKING:
+    from ckptd.runtime.metrics import Metrics  # prometheus_client: the daemon's, not restore's
 
 FLUSH_SECONDS = 60.0
 # The other runs' histories (cadence.OtherRuns) are read at start-up and this often.

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptd.cadence.advisor import CadenceAdvisor
 from ckptd.config import Settings
 from ckptd.daemon.health import DestinationHealth, WatchedStorage
-from ckptd.daemon.peering import Peering, own_notice_to_peers
 from ckptd.daemon.tier_set import Tier, TierSet, committed_in_every_tier, tier_settings
 from ckptd.notices.cluster import ClusterNoticeSource, NoticePublisher
 from ckptd.notices.responder import Responder
@@ -37,6 +36,10 @@ from ckptd.sync.hooks import PipelineHooks
 from ckptd.sync.journal import Journal
 from ckptd.sync.pipeline import SyncPipeline
 from ckptd.sync.watcher import COMMIT_RECORDS, Watcher
+
+if TYPE_CHECKING:
+    # The peering modules (aiohttp among them) are imported only with [peers] on.
+    from ckptd.daemon.peering import Peering
 
 
 @dataclass
@@ -112,11 +115,12 @@ def build_daemon(
         # First: a second daemon on this journal or these watch dirs stops here.
         unlocked = take_instance_locks(settings, locks)
         opened = open_tiers(settings, metrics, log, stop)
-        peering = (
-            Peering(settings, opened[0].storage, opened[0].journal.writer, metrics, clock, log)
-            if settings.peers.enabled
-            else None
-        )
+        if settings.peers.enabled:
+            from ckptd.daemon.peering import Peering
+
+            peering = Peering(
+                settings, opened[0].storage, opened[0].journal.writer, metrics, clock, log
+            )
         healths = [health_of(o, log) for o in opened]
         wired = build_pipelines(settings, opened, metrics, clock, peering, healths)
         tiers = TierSet(
@@ -133,11 +137,13 @@ def build_daemon(
             cluster = build_cluster_notices(
                 settings, opened[0].storage, first, metrics, clock, started_at
             )
-            wired.responder.publish_notice = (
-                cluster.publisher.publish
-                if peering is None
-                else own_notice_to_peers(cluster.publisher.publish, peering)
-            )
+            wired.responder.publish_notice = cluster.publisher.publish
+            if peering is not None:
+                from ckptd.daemon.peering import own_notice_to_peers
+
+                wired.responder.publish_notice = own_notice_to_peers(
+                    cluster.publisher.publish, peering
+                )
         return DaemonParts(
             metrics=metrics,
             locks=locks,

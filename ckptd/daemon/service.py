@@ -46,7 +46,6 @@ from ckptd.daemon.drain import Drain
 from ckptd.daemon.goodput import ledger_for
 from ckptd.daemon.health_loop import build_health
 from ckptd.daemon.notice_loop import NoticeLoop, remove_stale_notice_files
-from ckptd.daemon.peering import start_peering, stop_peering
 from ckptd.daemon.quiet import QuietRuns, sight
 from ckptd.daemon.sdnotify import SystemdNotifier, summarize
 from ckptd.drill.schedule import build_drills
@@ -212,7 +211,10 @@ class Service:
             await t.pipeline.recover()
         if carried_over is not None:
             self.responder.carry_on(*carried_over)
-        await start_peering(self.peering, once=self.once)
+        if self.peering is not None:
+            from ckptd.daemon.peering import start_peering  # [peers] on: imported with it
+
+            await start_peering(self.peering, once=self.once)
         if not self.once:
             # Off the start-up path: with the store down, reading the history would hold
             # READY, HTTP and the notice watch for its retries. The prior advises till then.
@@ -347,7 +349,10 @@ class Service:
                 await step("stop-http", server.stop())
         if self.publisher is not None:
             await step("stop-publisher", self.publisher.drain(PUBLISH_DRAIN_SECONDS))
-        await step("stop-peering", stop_peering(self.peering))
+        if self.peering is not None:
+            from ckptd.daemon.peering import stop_peering
+
+            await step("stop-peering", stop_peering(self.peering))
         if not self.once:
             if self._advice_io is not None:
                 # The store's retries end on io_stop: this returns within a request.

@@ -10,7 +10,6 @@ from ckptd.cli.invocation import settings_of
 from ckptd.cli.options import add_common, add_watch
 from ckptd.config import require_destination, require_watch
 from ckptd.runtime import logs
-from ckptd.runtime.yielding import lower_this_thread, priority_of
 
 if TYPE_CHECKING:
     from ckptd.cli.options import Subparsers
@@ -33,6 +32,7 @@ def add_parser(sub: Subparsers) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     from ckptd.daemon.service import Service
+    from ckptd.runtime.yielding import lower_this_thread, priority_of  # psutil
 
     settings = settings_of(args)
     require_destination(settings)
