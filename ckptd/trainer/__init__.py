@@ -10,10 +10,16 @@ A plain training loop::
         if ckptd.trainer.preempted():
             save_checkpoint(f"/data/ckpt/run1/step-{step}")
             ckptd.trainer.report_save("/data/ckpt/run1", checkpoint=f"step-{step}")
-            break
+            if ckptd.trainer.stop_requested():
+                break
 
 :func:`report_save` is optional: it tells the daemon the save has returned, so the
 checkpoint is taken as complete at once instead of after its layout's quiet window.
+:func:`stop_requested` tells a notice that ends the node (a cloud's, SIGTERM: save, then
+stop) from a health ``save`` (docs/health.md), which asks for a save only: for that one it
+is False, and the save being reported (:func:`report_save`) or the question asked after it
+is the end of that notice: :func:`preempted` is False again until the next. A loop that
+breaks on :func:`preempted` alone stops on a health save too, as it always did.
 :func:`report_resumed`, once at start-up, says which checkpoint the trainer loaded (None:
 none): a trainer that rolls back to an older checkpoint starts a new trajectory, whose
 saves commit and which ``restore --latest`` then follows (``ckptd.trainer.resumed``).
@@ -25,7 +31,8 @@ With several ranks (``torch.distributed``) every rank must save the *same* step:
 
     if ckptd.trainer.preempted_on_any_rank():   # True on all ranks at the same step
         save_checkpoint(step)                    # a collective save meets
-        break
+        if ckptd.trainer.stop_requested_on_any_rank():
+            break
 
 Call :func:`install` (or build a callback) early: until a handler is installed, the
 daemon's signal (SIGUSR1 by default) kills the process, as it does any program that does
@@ -45,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptd.trainer.agree import agree_any, agree_to_save
-from ckptd.trainer.cadence import report_save
+from ckptd.trainer.cadence import report_save as _report_save
 from ckptd.trainer.listener import (
     DEFAULT_SIGNAL,
     DEFAULT_URL,
@@ -54,6 +61,7 @@ from ckptd.trainer.listener import (
     notice_path,
     parse_notice,
     parse_signal,
+    save_only,
 )
 from ckptd.trainer.resumed import report_resumed
 from ckptd.trainer.steps import report_step
@@ -83,6 +91,9 @@ __all__ = [
     "report_save",
     "report_step",
     "resume_from",
+    "save_only",
+    "stop_requested",
+    "stop_requested_on_any_rank",
     "uninstall",
 ]
 
@@ -155,6 +166,41 @@ def preempted_on_any_rank(group: Any = None) -> bool:
     call it on every rank at every step. Without ``torch.distributed`` it is
     :func:`preempted`."""
     return agree_to_save(preempted(), group)
+
+
+def stop_requested() -> bool:
+    """After :func:`preempted` turned True: whether to stop once saved (every notice but
+    a health ``save``, see :meth:`PreemptionListener.stop_requested`). For a save-only
+    notice it is False and marks the notice saved for (:func:`preempted` turns False)."""
+    current = _listener
+    if current is None:
+        return False
+    stop = current.stop_requested()
+    if not stop:
+        current.saved()
+    return stop
+
+
+def stop_requested_on_any_rank(group: Any = None) -> bool:
+    """:func:`stop_requested` agreed over the trainer's process group: every rank stops,
+    or every rank trains on. A collective: call it on every rank where they saved."""
+    return agree_to_save(stop_requested(), group)
+
+
+def report_save(
+    watch_dir: str | os.PathLike[str],
+    *,
+    checkpoint: str | None = None,
+    step: int | None = None,
+    seconds: float | None = None,
+) -> None:
+    """Tell the daemon this process's part of a save is written
+    (:func:`ckptd.trainer.cadence.report_save`); a save-only notice is then done with
+    (:meth:`PreemptionListener.saved`). Never raises."""
+    _report_save(watch_dir, checkpoint=checkpoint, step=step, seconds=seconds)
+    current = _listener
+    if current is not None:
+        current.saved()
 
 
 def notice() -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""Hugging Face ``Trainer`` callback: on a preemption notice, save a checkpoint and stop.
+"""Hugging Face ``Trainer`` callback: on a preemption notice, save a checkpoint and stop
+(on a health ``save``, which asks for a save only, save and train on).
 
 ::
 
@@ -63,7 +64,8 @@ class CkptdCallback(TrainerCallback):
         self.listener = listener if listener is not None else ckptd.trainer.get_listener(watch_dir)
         if watch_dir is not None and listener is not None:
             self.listener.watch_dir = watch_dir
-        self.fired_at_step: int | None = None
+        self.fired_at_step: int | None = None  # the step it saved at and stopped
+        self.save_only_steps: list[int] = []  # the steps saved at for a health save
         self.follow_advice = follow_advice
         self.cadence = cadence if cadence is not None else AdvisedCadence(watch_dir)
         self.advised_saves: list[int] = []  # steps saved on the advice
@@ -97,7 +99,8 @@ class CkptdCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Ask the Trainer to save now and stop, once, when a notice has arrived."""
+        """Ask the Trainer to save now and stop, once, when a notice has arrived; to save
+        only when the notice asks for a save only (a health ``save``)."""
         # Only at step end, not on_substep_end: mid gradient-accumulation there is no
         # consistent state to save, and the Trainer saves only at step boundaries anyway.
         # The Trainer saves right after this hook: its save time is counted from here.
@@ -106,22 +109,34 @@ class CkptdCallback(TrainerCallback):
         if self.fired_at_step is not None:
             return
         # Every rank runs this at every step: the all-reduce inside is a collective, one
-        # per step for both flags (the notice, the advised interval).
-        notice, due = agree_any(
-            self.listener.preempted(), self.follow_advice and self.cadence.due()
+        # per step for its flags (the notice, the advised interval, stop or train on).
+        preempted = self.listener.preempted()
+        # The third flag is read only where a notice is: a health save asks for a save
+        # only, and every rank trains on unless a rank's notice asks to stop.
+        notice, due, stop = agree_any(
+            preempted,
+            self.follow_advice and self.cadence.due(),
+            preempted and self.listener.stop_requested(),
         )
         if not notice:
             if due:
                 control.should_save = True
                 self.advised_saves.append(state.global_step)
             return
-        self.fired_at_step = state.global_step
+        control.should_save = True
         log.warning(
-            "ckptd: preemption notice %s; saving checkpoint-%d and stopping",
+            "ckptd: preemption notice %s; saving checkpoint-%d and %s",
             self.listener.notice() or "(by signal)",
             state.global_step,
+            "stopping" if stop else "training on",
         )
-        control.should_save = True
+        if not stop:
+            # The Trainer saves right after this hook: the notice is answered, and the
+            # next one is heard again.
+            self.listener.saved()
+            self.save_only_steps.append(state.global_step)
+            return
+        self.fired_at_step = state.global_step
         control.should_training_stop = True
 
     def on_save(

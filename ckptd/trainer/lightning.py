@@ -1,4 +1,5 @@
-"""PyTorch Lightning callback: on a preemption notice, save a checkpoint now and stop.
+"""PyTorch Lightning callback: on a preemption notice, save a checkpoint now and stop
+(on a health ``save``, which asks for a save only, save and train on).
 
 ::
 
@@ -75,7 +76,8 @@ class CkptdLightningCallback(Callback):
             self.listener.watch_dir = watch_dir
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.filename = filename
-        self.saved_path: Path | None = None
+        self.saved_path: Path | None = None  # the checkpoint it stopped on
+        self.save_only_saves: list[Path] = []  # those it trained on after (a health save)
         # follow_advice: also save ``advised_filename`` on the daemon's advised interval.
         self.follow_advice = follow_advice
         self.cadence = cadence if cadence is not None else AdvisedCadence(watch_dir)
@@ -110,14 +112,20 @@ class CkptdLightningCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """Save now and ask the trainer to stop, once, when a notice has arrived."""
+        """Save now and ask the trainer to stop, once, when a notice has arrived; train
+        on after the save when the notice asks for a save only (a health ``save``)."""
         report_step(trainer.global_step)  # for ckptd exec's goodput (cheap: see steps.py)
         if self.saved_path is not None:
             return
         # Every rank runs this at every batch: the all-reduce inside is a collective, one
-        # per batch for both flags (the notice, the advised interval).
-        notice, due = agree_any(
-            self.listener.preempted(), self.follow_advice and self.cadence.due()
+        # per batch for its flags (the notice, the advised interval, stop or train on).
+        preempted = self.listener.preempted()
+        # The third flag is read only where a notice is: a health save asks for a save
+        # only, and every rank trains on unless a rank's notice asks to stop.
+        notice, due, stop = agree_any(
+            preempted,
+            self.follow_advice and self.cadence.due(),
+            preempted and self.listener.stop_requested(),
         )
         if not notice:
             if due:
@@ -125,13 +133,18 @@ class CkptdLightningCallback(Callback):
             return
         path = self.checkpoint_dir(trainer) / self.filename.format(step=trainer.global_step)
         log.warning(
-            "ckptd: preemption notice %s; saving %s and stopping",
+            "ckptd: preemption notice %s; saving %s",
             self.listener.notice() or "(by signal)",
             path,
         )
         trainer.save_checkpoint(path)  # returns on every rank after a barrier
         # The daemon takes it as complete now, not after its quiet window (ckptd.core.saves).
         report_save(path.parent, checkpoint=path.name, step=trainer.global_step)
+        if not stop:
+            self.listener.saved()  # the next notice is heard again
+            self.save_only_saves.append(path)
+            log.warning("ckptd: saved %s for a save-only notice; training on", path)
+            return
         self.saved_path = path
         trainer.should_stop = True
 

@@ -5,6 +5,11 @@ The daemon announces a notice three ways (docs/design.md, "Trainer signalling"):
 trainer, and answers ``GET /v1/preemption``. :class:`PreemptionListener` listens on any of
 them; ``preempted()`` is cheap enough to call on every training step.
 
+Most notices end the node: save, then stop. A health ``save`` (docs/health.md) asks for a
+save only: its notice says so (:func:`save_only`), and once the trainer has saved for it
+(:meth:`PreemptionListener.saved`, which ``ckptd.trainer.report_save`` calls) the listener
+is no longer preempted, and the next notice is heard again.
+
 This module imports only the standard library: trainers pull it in without any of the
 daemon's dependencies.
 """
@@ -37,6 +42,7 @@ __all__ = [
     "notice_path",
     "parse_notice",
     "parse_signal",
+    "save_only",
 ]
 
 log = logging.getLogger("ckptd.trainer")
@@ -54,6 +60,11 @@ ENV_TOKEN = "CKPTD_TOKEN"
 # file-time granularity (2 s on FAT/some network filesystems) and a trainer started in the
 # same second as the notice. Older ones are left over from an earlier run or a drill.
 STALE_SLACK_SECONDS = 2.0
+# A notice learnt by signal is read from its file, which the daemon writes just after the
+# signal: asked whether to stop, the listener waits this long at most for the file.
+NOTICE_FILE_WAIT_SECONDS = 2.0
+# The kind of a health save's notice, on the node it began and on those that follow it.
+SAVE_ONLY_KIND = "health-save"
 
 _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -101,6 +112,17 @@ def parse_notice(body: bytes | str) -> dict[str, Any] | None:
     return data
 
 
+def save_only(notice: dict[str, Any] | None) -> bool:
+    """Whether ``notice`` asks for a save only, the trainer training on after it (a
+    health ``save``: kind ``health-save``, or ``detail.action`` ``"save"``); any other
+    notice, and an unknown one (None), asks to save and stop."""
+    if notice is None:
+        return False
+    detail = notice.get("detail")
+    action = detail.get("action") if isinstance(detail, dict) else None
+    return notice.get("kind") == SAVE_ONLY_KIND or action == "save"
+
+
 def _timestamp(value: object) -> float | None:
     """RFC 3339 text -> POSIX seconds, None when absent or unreadable."""
     if not isinstance(value, str):
@@ -131,7 +153,9 @@ class PreemptionListener:
       ``Authorization: Bearer <token>`` when a token is set.
 
     A notice recorded before ``since`` (POSIX seconds; default: now) is stale, left over
-    from an earlier run or a drill, and ignored. Once preempted, the listener stays so.
+    from an earlier run or a drill, and ignored. Once preempted, the listener stays so,
+    unless the notice asks for a save only (:func:`save_only`) and :meth:`saved` says the
+    trainer has saved for it: then it is preempted again only by a later notice.
     """
 
     def __init__(
@@ -167,6 +191,13 @@ class PreemptionListener:
         self._signalled = False
         self._noticed = False
         self._notice: dict[str, Any] | None = None
+        # Save-only notices the trainer saved for: their file (inode, mtime) and ids, so
+        # the file the daemon leaves until the save commits is not heard a second time.
+        self._handled_file: tuple[int, int] | None = None
+        self._notice_read: tuple[int, int] | None = None  # the file _notice was read from
+        self._handled_ids: set[str] = set()
+        # Between the HTTP thread and saved() (never taken by the signal handler).
+        self._lock = threading.Lock()
 
         self._signum = parse_signal(signum)
         self._previous_handler: _SignalHandler = None
@@ -181,10 +212,7 @@ class PreemptionListener:
         self._stop = threading.Event()
         self._http_thread: threading.Thread | None = None
         if url:
-            self._http_thread = threading.Thread(
-                target=self._poll_http, name="ckptd-preemption-poll", daemon=True
-            )
-            self._http_thread.start()
+            self._start_http()
 
     # -- configuration -------------------------------------------------------------------
 
@@ -226,10 +254,54 @@ class PreemptionListener:
         A notice learnt only by signal has no details until the notice file is readable.
         """
         if self._notice is None and self._notice_file is not None and self._notice_file_is_fresh():
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError), self._notice_file.open("rb") as f:
                 # Not cached when unreadable: the daemon may still be writing it.
-                self._notice = parse_notice(self._notice_file.read_bytes())
+                found = parse_notice(f.read())
+                if found is not None and found.get("id") not in self._handled_ids:
+                    st = os.fstat(f.fileno())
+                    self._notice, self._notice_read = found, (st.st_ino, st.st_mtime_ns)
         return dict(self._notice) if self._notice is not None else None
+
+    def stop_requested(self, wait: float = NOTICE_FILE_WAIT_SECONDS) -> bool:
+        """Whether the notice asks the trainer to stop after its save: True for every
+        notice but a save-only one (:func:`save_only`); False when not preempted. Ask it
+        after :meth:`preempted` turned True (after the save, or where the save is decided).
+
+        A notice learnt by signal alone is read from the notice file, waited for up to
+        ``wait`` seconds (the daemon writes it just after the signal); still unknown, it
+        is taken as a stop, as every notice was before save-only ones.
+        """
+        if not self.preempted():
+            return False
+        notice = self.notice()
+        if notice is None and self._notice_file is not None:
+            deadline = time.monotonic() + wait
+            while notice is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+                notice = self.notice()
+        return not save_only(notice)
+
+    def saved(self) -> None:
+        """The trainer has saved for the notice: a save-only one is done with (no longer
+        preempted, its file and id not heard again; the next notice is); a notice that
+        asks to stop stays, and so does preemption before any notice is known.
+
+        Called where this process has not heard the notice itself yet (another rank did,
+        and every rank saved), a save-only notice file already there is done with too:
+        its signal came before it, so none is left to come."""
+        notice = self.notice()
+        if notice is None or not save_only(notice):
+            return
+        with self._lock:
+            if isinstance(notice.get("id"), str):
+                self._handled_ids.add(notice["id"])
+            # The file this notice was read from: a newer one (a cloud's notice that
+            # replaced it meanwhile) stays fresh, and is heard at the next look.
+            if self._notice_read is not None:
+                self._handled_file = self._notice_read
+            self._signalled = self._noticed = False
+            self._notice = self._notice_read = None
+            self._next_file_check = 0.0
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until preempted or ``timeout`` seconds pass; return ``preempted()``."""
@@ -307,10 +379,18 @@ class PreemptionListener:
         if self._notice_file is None:
             return False
         try:
-            mtime = self._notice_file.stat().st_mtime
+            st = self._notice_file.stat()
         except OSError:
             return False
-        return mtime >= self._since
+        if self._handled_file == (st.st_ino, st.st_mtime_ns):
+            return False  # a save-only notice saved for; a new one is a new file (rename)
+        return st.st_mtime >= self._since
+
+    def _start_http(self) -> None:
+        self._http_thread = threading.Thread(
+            target=self._poll_http, name="ckptd-preemption-poll", daemon=True
+        )
+        self._http_thread.start()
 
     def _poll_http(self) -> None:
         assert self.url is not None
@@ -332,9 +412,13 @@ class PreemptionListener:
                 failing = False
                 notice = parse_notice(body)
                 if notice is not None and self._is_fresh(notice):
-                    self._notice = notice
-                    self._noticed = True
-                    return
+                    with self._lock:
+                        if notice.get("id") not in self._handled_ids:
+                            self._notice, self._notice_read = notice, None
+                            self._noticed = True
+                    # A save-only notice ends: keep polling for the next one (saved()).
+                    if not save_only(notice):
+                        return
             self._stop.wait(self._http_poll_interval)
 
     def _is_fresh(self, notice: dict[str, Any]) -> bool:

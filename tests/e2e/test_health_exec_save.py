@@ -1,6 +1,7 @@
 """``[health] on_degrading = "save"`` under ``ckptd exec`` (docs/health.md): the real PyTorch
-trainer, whose ``ckptd.trainer`` helper takes any notice as save-and-stop, saves and
-exits 0 on a degrading Xid (a file of ``/dev/kmsg`` records,
+trainer, a loop that breaks on ``ckptd.trainer.preempted()`` alone (``--stop-on-any-notice``:
+it takes any notice as save-and-stop, as loops written before save-only notices do), saves
+and exits 0 on a degrading Xid (a file of ``/dev/kmsg`` records,
 tests/support/kernel_lines.py). A save is not a preemption: once its checkpoint commits,
 ``ckptd exec`` starts the trainer again from it, as after a drill, and the run goes on
 instead of ending with the trainer's 0."""
@@ -14,7 +15,7 @@ from pathlib import Path
 from ckptd.devtools.locals3 import LocalS3
 from tests.support import kernel_lines as k
 from tests.support.daemon import wait_until
-from tests.support.exec_harness import ExecNode
+from tests.support.exec_harness import ExecNode, trainer_command
 from tests.support.harness import Env, TrainerSpec
 
 SPEC = TrainerSpec(
@@ -37,6 +38,7 @@ def test_a_save_under_exec_restarts_the_trainer_from_its_checkpoint_and_training
         tmp_path / "node",
         SPEC,
         Env(s3_dest, local_s3.endpoint_url),
+        command=[*trainer_command(SPEC, tmp_path / "node"), "--stop-on-any-notice"],
         extra_config="[health]\nenabled = true\npoll_interval_seconds = 0.2\n"
         f'kmsg = {json.dumps(str(kmsg))}\npsi = ""\n',
     )

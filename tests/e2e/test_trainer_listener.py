@@ -427,3 +427,125 @@ def test_plain_loop_honours_the_configured_signal(tmp_path: Path) -> None:
 
     step = script.result_json()["global_step"]
     assert (root / f"step-{step}" / "COMPLETE").exists()
+
+
+# -- save-only notices (a health save: save, then train on) ----------------------------
+
+HEALTH_SAVE = {
+    "source": "health",
+    "kind": "health-save",
+    "id": "health:xid-63:1",
+    "deadline": None,
+    "noticed_at": None,
+    "detail": {"action": "save", "event": "xid-63"},
+}
+
+
+def replace_notice(watch_dir: Path, body: dict[str, object]) -> None:
+    """As the daemon writes it: a temporary name renamed over the notice file."""
+    path = notice_path(watch_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(body))
+    os.replace(tmp, path)
+
+
+def test_save_only_tells_a_health_save_from_a_notice_that_ends_the_node() -> None:
+    assert ckptd.trainer.save_only(HEALTH_SAVE)
+    # Followed from another node: the kind stays, the detail is the follower's own.
+    assert ckptd.trainer.save_only(
+        {"source": "node-0/health", "kind": "health-save", "detail": {"node_rank": 0}}
+    )
+    assert ckptd.trainer.save_only({"source": "x", "kind": "y", "detail": {"action": "save"}})
+    assert not ckptd.trainer.save_only(NOTICE)
+    assert not ckptd.trainer.save_only({**NOTICE, "detail": {"action": "terminate"}})
+    assert not ckptd.trainer.save_only({"source": "drill", "kind": "drill"})
+    assert not ckptd.trainer.save_only(None)
+
+
+def test_a_health_save_is_heard_once_then_the_next_notice_is_heard_again(
+    tmp_path: Path, listeners: list[PreemptionListener]
+) -> None:
+    listener = PreemptionListener(tmp_path, signum="none", file_poll_interval=0.0)
+    listeners.append(listener)
+    replace_notice(tmp_path, HEALTH_SAVE)
+    assert listener.preempted()
+    assert listener.stop_requested() is False
+    listener.saved()
+    assert not listener.preempted()
+    assert notice_path(tmp_path).exists()  # withdrawn only once its save commits
+    assert not listener.preempted() and listener.notice() is None
+    second = {**HEALTH_SAVE, "id": "health:xid-63:2"}
+    replace_notice(tmp_path, second)
+    assert listener.preempted()
+    assert listener.notice() == second
+    # A notice that ends the node stays, saved for or not.
+    replace_notice(tmp_path, {**NOTICE_NOW, "id": "aws:1"})
+    listener.saved()  # for the second health save, read before the cloud's replaced it
+    assert listener.preempted()
+    assert listener.stop_requested() is True
+    listener.saved()
+    assert listener.preempted() and listener.stop_requested() is True
+
+
+def test_a_signal_is_read_as_its_notice_file_once_the_daemon_wrote_it(
+    tmp_path: Path, listeners: list[PreemptionListener]
+) -> None:
+    listener = PreemptionListener(tmp_path, file_poll_interval=0.0)
+    listeners.append(listener)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert listener.wait(5)
+    # The daemon signals first and writes the file just after: asked now, the listener
+    # waits for it rather than take a health save for a stop.
+    writer = threading.Timer(0.3, replace_notice, (tmp_path, HEALTH_SAVE))
+    writer.start()
+    try:
+        assert listener.stop_requested(wait=10) is False
+    finally:
+        writer.join()
+    listener.saved()
+    assert not listener.preempted()
+    # A signal whose notice never becomes readable is a stop, as every notice was.
+    notice_path(tmp_path).unlink()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert listener.wait(5)
+    began = time.monotonic()
+    assert listener.stop_requested(wait=0.2) is True
+    assert time.monotonic() - began < 5
+
+
+def test_the_module_helpers_train_on_after_a_health_save(
+    tmp_path: Path, listeners: list[PreemptionListener]
+) -> None:
+    ckptd.trainer.install(tmp_path, signum="none", file_poll_interval=0.0)
+    assert not ckptd.trainer.stop_requested()  # no notice: nothing to stop for
+    replace_notice(tmp_path, HEALTH_SAVE)
+    assert ckptd.trainer.preempted()
+    ckptd.trainer.report_save(tmp_path, checkpoint="step-7")
+    assert not ckptd.trainer.preempted()
+    assert json.loads((tmp_path / ".ckptd" / "saves.jsonl").read_text())["checkpoint"] == "step-7"
+    replace_notice(tmp_path, {**HEALTH_SAVE, "id": "health:xid-63:2"})
+    assert ckptd.trainer.preempted()
+    assert ckptd.trainer.stop_requested_on_any_rank() is False  # no process group: its own
+    assert not ckptd.trainer.preempted()
+    replace_notice(tmp_path, {**NOTICE_NOW, "id": "aws:1"})
+    assert ckptd.trainer.preempted()
+    assert ckptd.trainer.stop_requested() is True
+    assert ckptd.trainer.preempted()
+
+
+def test_http_keeps_polling_after_a_health_save_and_hears_the_next_notice(
+    fake_daemon: FakeDaemon, listeners: list[PreemptionListener]
+) -> None:
+    listener = PreemptionListener(signum="none", url=fake_daemon.url, http_poll_interval=0.05)
+    listeners.append(listener)
+    fake_daemon.body = json.dumps({"notice": True, **HEALTH_SAVE}).encode()
+    assert listener.wait(10)
+    assert listener.stop_requested() is False
+    listener.saved()
+    polls = len(fake_daemon.requests)
+    fake_daemon.wait_for_requests(polls + 3)  # the same notice, still answered: not again
+    assert not listener.preempted()
+    fake_daemon.body = json.dumps({"notice": True, **NOTICE_NOW, "id": "aws:1"}).encode()
+    assert listener.wait(10)
+    assert listener.stop_requested() is True

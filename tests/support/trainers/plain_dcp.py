@@ -1,5 +1,8 @@
 """A plain PyTorch loop that saves with ``ckptd.trainer.state`` (DCP layout ``step-<N>/``)
-and stops on ckptd's preemption notice.
+on ckptd's notice and then stops, or trains on when the notice asks for a save only (a
+health ``save``: ``ckptd.trainer.stop_requested()``; with ``--stop-on-any-notice`` it
+stops on every notice, as a loop that breaks on ``preempted()`` alone does). The steps it
+saved at for a notice are ``--result``'s ``notice_saves``.
 
 Randomness from every source the helper must restore: dropout (torch CPU RNG, or the
 CUDA one with ``--device cuda``), input noise (NumPy), a loss scale (Python ``random``), a
@@ -39,6 +42,7 @@ def main() -> None:
     cli.add_argument("--width", type=int, default=64)
     cli.add_argument("--hidden-layers", type=int, default=0, help="extra width x width layers")
     cli.add_argument("--batch", type=int, default=8)
+    cli.add_argument("--stop-on-any-notice", action="store_true", help="break on preempted() alone")
     options = cli.parse_args()
     with_ckptd = not options.without_ckptd
     if with_ckptd:
@@ -96,6 +100,7 @@ def main() -> None:
 
     batches = iter(loader)
     saved_name = None
+    notice_saves: list[int] = []
     while step < options.max_steps:
         try:
             x, y = next(batches)
@@ -134,7 +139,9 @@ def main() -> None:
                     options.ckpt_dir, checkpoint=path.name, seconds=time.time() - save_began
                 )
         if preempted:
-            break
+            notice_saves.append(step)
+            if options.stop_on_any_notice or ckptd.trainer.stop_requested():
+                break
         if step == options.hang_at or (
             step in options.hang_once_at and first_time_here(options.hang_marks, step)
         ):
@@ -150,6 +157,7 @@ def main() -> None:
             "step": step,
             "saved": saved_name,
             "preempted": step < options.max_steps,
+            "notice_saves": notice_saves,
             "step_ends": reporter.ends,
         },
     )
