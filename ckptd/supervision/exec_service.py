@@ -15,8 +15,10 @@
                  waited for and committed, then the trainer stopped; exit 0 when that
                  checkpoint is committed, ``EXIT_FLUSH_FAILED`` when it is not
                - a second SIGTERM/SIGINT: stop now (``EXIT_FLUSH_FAILED``)
-               A drill is none of these: the trainer that saved and exited 0 for it is
-               started again from its checkpoint once the drill's notice is over.
+               A drill is none of these, nor a health save (``[health] save``), this
+               node's or one followed from another node: the trainer saves and trains
+               on, or, if it exited 0 for it, is started again from its checkpoint once
+               the notice is over.
 The trainer is never left running: whatever ends the daemon stops it first.
 """
 
@@ -39,6 +41,7 @@ from ckptd.daemon.service import DRAIN_QUIET_SECONDS, Service
 from ckptd.goodput.model import DAY_SECONDS
 from ckptd.goodput.recorder import GoodputRecorder
 from ckptd.layouts.base import CheckpointListing
+from ckptd.notices import carried
 from ckptd.notices.model import Notice, NoticeSource
 from ckptd.notices.sigterm import SigtermSource
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
@@ -358,7 +361,22 @@ class SupervisedService(Service):
     def _notice_sources(self) -> list[NoticeSource]:
         return [self.sigint_source, *super()._notice_sources()]
 
+    def _saves_only(self, notice: Notice, source: NoticeSource) -> bool:
+        """Whether ``notice`` is another node's health save (or drill): the trainer
+        saves, and the run goes on."""
+        return source is self.notices.cluster_source and notice.kind in carried.ENDS_BY_ITSELF
+
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
+        if self._saves_only(notice, source):
+            # Another node's health save (or drill): save and go on, as the node it began
+            # on does (its own reaches the responder directly, ckptd.daemon.health_loop);
+            # no flush, no exit, the trainer not held.
+            if self.responding:
+                self.log.info("notice_ignored_already_responding", source=notice.source)
+                return
+            response = await self.notices.respond(notice, source)
+            self.notices.end_followed_drill(notice, source, response)
+            return
         current = self.responder.current
         if self.responding and current is not None and current.notice.id == notice.id:
             # The notice being flushed for, restated with another deadline: an update.

@@ -92,6 +92,9 @@ class SlurmSupervisedService(SupervisedService):
         _, self.started_step = await self.newest_complete(self.run_id)
 
     async def _on_notice(self, notice: Notice, source: NoticeSource) -> None:
+        if self._saves_only(notice, source):
+            await super()._on_notice(notice, source)  # no interruption: the job goes on
+            return
         if self.interruption is not None:
             self.log.info(
                 "notice_ignored_already_responding",
