@@ -13,6 +13,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "gcs": ("google-auth>=2.30", "requests>=2.31"),
     "azure": ("azure-storage-blob>=12.26", "azure-identity>=1.19"),
     "report": ("plotly>=6",),
+    "nvml": ("nvidia-ml-py>=12",),
 }
 
 

@@ -115,6 +115,7 @@ class HealthMonitor:
         self.faults: list[HealthEvent] = []  # degrading or fatal faults since start
         self.recent: deque[HealthEvent] = deque(maxlen=RECENT)
         self.sources: dict[str, str] = {}  # source -> "ok" or why it cannot be read
+        self._sources_said: dict[str, bool] = {}  # source -> readable, as last logged
         self.save_task: asyncio.Task[bool] | None = None
         self.save_pending: HealthEvent | None = None  # drain waits for its commit
         self.deferred: dict[str, HealthEvent] = {}  # saves held back by a save, by kind
@@ -325,7 +326,21 @@ class HealthMonitor:
         self.metrics.node_healthy.set(1 if self.healthy else 0)
         for name, state in self.sources.items():
             self.metrics.health_source_up.labels(source=name).set(1 if state == "ok" else 0)
+        self.say_sources()
         self.write_condition()
+
+    def say_sources(self) -> None:
+        """One log line when a source turns unreadable (``health_source_unreadable``, with
+        why: an enabled source that cannot be read is never silent) and one when it is
+        readable again; none per poll."""
+        for name, state in self.sources.items():
+            readable = state == "ok"
+            if self._sources_said.get(name, True) != readable:
+                if readable:
+                    self.log.info("health_source_readable", source=name)
+                else:
+                    self.log.warning("health_source_unreadable", source=name, why=state)
+            self._sources_said[name] = readable
 
     def write_condition(self) -> None:
         seen = [*self.faults, *self.active.values()]

@@ -24,9 +24,12 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from ckptd.core.extras import install_hint
 from ckptd.health.gpu import GpuReading
 
 INSTALL = "pip install nvidia-ml-py"
+# Why the source cannot be read without the module: one line, what to install or set.
+MISSING = f"nvidia-ml-py is not installed: {install_hint('nvml')}; or set [health] nvml = false"
 
 
 class NvmlReader:
@@ -42,7 +45,7 @@ class NvmlReader:
         try:
             nvml: Any = importlib.import_module("pynvml")
         except ImportError:
-            self.unreadable = f"nvidia-ml-py is not installed ({INSTALL})"
+            self.unreadable = MISSING
             return False
         try:
             nvml.nvmlInit()

@@ -197,3 +197,61 @@ def test_nvml_without_a_driver_or_the_package_is_unreadable_with_why(
     monkeypatch.syspath_prepend(str(STANDIN))
     no_driver = NvmlReader()
     assert no_driver.readings() == [] and "Driver Not Loaded" in (no_driver.unreadable or "")
+
+
+class LogLines:
+    """The daemon's logger as the monitor calls it: (level, event, fields) per line."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict[str, object]]] = []
+
+    def __getattr__(self, level: str) -> object:
+        return lambda event, **fields: self.lines.append((level, event, fields))
+
+
+def test_nvml_enabled_without_its_module_is_said_in_one_line_once_and_again_when_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pynvml: None
+) -> None:
+    from ckptd.config import load_settings
+    from ckptd.health.monitor import HealthMonitor
+    from ckptd.runtime.metrics import Metrics
+
+    config = tmp_path / "ckptd.toml"
+    config.write_text('[health]\nenabled = true\nkmsg = ""\npsi = ""\nnvml = true\n')
+    metrics, log = Metrics(), LogLines()
+    monitor = HealthMonitor(
+        load_settings(config, environ={}).health,
+        tmp_path / "condition.json",
+        None,  # type: ignore[arg-type]  # no action is taken: nothing here is an event
+        metrics,
+        wall=lambda: 0.0,
+        log=log,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import now raises ImportError
+    for _ in range(3):  # three polls, one line
+        assert monitor.read(lambda: [], {}) == []
+        monitor.export()
+    said = [(level, event, f) for level, event, f in log.lines if event.startswith("health_source")]
+    assert len(said) == 1, log.lines
+    level, event, fields = said[0]
+    assert (level, event, fields["source"]) == ("warning", "health_source_unreadable", "nvml")
+    why = str(fields["why"])
+    assert "\n" not in why and why.startswith("nvidia-ml-py is not installed")
+    assert "pip install 'nvidia-ml-py>=12'" in why and "pip install '.[nvml]'" in why
+    assert "[health] nvml = false" in why
+    assert metrics.registry.get_sample_value("ckptd_health_source_up", {"source": "nvml"}) == 0
+    # Installed since (the stand-in): read at the next poll, and said so once.
+    state = tmp_path / "nvml.json"
+    _nvml_state(state)
+    monkeypatch.setenv("NVML_STANDIN_STATE", str(state))
+    monkeypatch.syspath_prepend(str(STANDIN))
+    monkeypatch.delitem(sys.modules, "pynvml")
+    for _ in range(2):
+        monitor.read(lambda: [], {})
+        monitor.export()
+    said = [(level, event) for level, event, _ in log.lines if event.startswith("health_source")]
+    assert said == [
+        ("warning", "health_source_unreadable"),
+        ("info", "health_source_readable"),
+    ]
+    assert metrics.registry.get_sample_value("ckptd_health_source_up", {"source": "nvml"}) == 1
