@@ -51,6 +51,16 @@ UNKNOWN = "unknown"  # time no record covers: never recorded, only derived
 BADPUT_CAUSES = (*tuple(c for c in PRECEDENCE if c != "productive"), UNKNOWN)
 # "stopped": the writer (one ckptd exec, one ckptd run) stopped recording.
 MARKS = frozenset({"notice", "commit", "interrupted", "finished", "stopped", "safe"})
+
+
+def notice_cause(source: str) -> str:
+    """The cause of an attempt a notice from ``source`` interrupted (an ``interrupted``
+    mark's detail): ``health`` for a health ``save-and-stop`` (source ``health``, or
+    ``node-N/health`` followed from another node), else ``notice``. Readers take any
+    detail: a ledger written before ``health`` reads as it did."""
+    return "health" if source == "health" or source.endswith("/health") else "notice"
+
+
 MAX_TEXT = 128
 # A chunk over this is not a ledger chunk (never parse it).
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
@@ -469,6 +479,7 @@ __all__ = [
     "is_trainer_attempt",
     "lost_span",
     "merge_records",
+    "notice_cause",
     "parse_chunk",
     "parse_record",
     "recording",

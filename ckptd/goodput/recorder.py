@@ -30,6 +30,7 @@ from ckptd.goodput.model import (
     goodput,
     lost_span,
     merge_records,
+    notice_cause,
     span,
 )
 from ckptd.goodput.step_report import StepRecord, read_steps
@@ -91,6 +92,8 @@ class GoodputRecorder:
         self.clock = clock
         self.log = get_logger(run=run_id)
         self.writer = f"{host}-{uuid.uuid4().hex[:8]}"
+        # The cause of an attempt the last notice ends: ``health`` for a health stop's.
+        self.notice_cause = "notice"
         self.journal = LedgerJournal(run_id, self.writer, repo, state_dir)
         self.stored: list[Record] = []  # the store's ledger as read at start-up
         self.attempt = self.writer
@@ -425,6 +428,7 @@ class GoodputRecorder:
 
     def noticed(self, at: float, source: str) -> None:
         self.mark("notice", at, source)
+        self.notice_cause = notice_cause(source)
 
     def flushed(self, at: float | None = None) -> None:
         """The notice's flush ended: waiting for the commit since the trainer stopped."""

@@ -293,7 +293,7 @@ class SidecarLedger:
         self.current, self.ended_at = None, ended
         drill = self.view.drill_noticed()
         if self.noticed_at is not None:
-            self.rec.exit_was("notice", interrupted=True)
+            self.rec.exit_was(self.rec.notice_cause, interrupted=True)
         elif drill is not None and current.started_at <= drill <= ended:
             # A drill's notice stopped it: the drill's cost, not a trainer gone.
             self.rec.exit_was("drill", interrupted=True)
@@ -361,7 +361,7 @@ class SidecarLedger:
             self.rec.take_report(read_steps(self.watch_dir).current)
             self.rec.trainer_exited(at=now, basis="process-start")
             self.current, self.ended_at = None, now
-            self.rec.exit_was("notice", interrupted=True)
+            self.rec.exit_was(self.rec.notice_cause, interrupted=True)
         if self.noticed_at is not None and not self.flushed:
             self._flushed(now)
         self.rec.stopped("stop")

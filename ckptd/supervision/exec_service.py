@@ -256,7 +256,7 @@ class SupervisedService(Service):
             self.goodput.interval("drill", began, self.clock.time(), "drill")
 
     def _trainer_ended(self, returncode: int, held: bool) -> None:
-        cause = "notice" if held else cause_of(returncode)
+        cause = self.goodput.notice_cause if held else cause_of(returncode)
         self.goodput.trainer_ended(cause, interrupted=held or returncode != 0)
 
     # -- restore before the first start -----------------------------------------------

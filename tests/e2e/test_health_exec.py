@@ -2,7 +2,8 @@
 degrading Xid in the kernel log (a file of ``/dev/kmsg`` records,
 tests/support/kernel_lines.py) is a notice: the real PyTorch trainer saves, the
 checkpoint commits, the trainer is not started again and ``ckptd exec`` exits 0, the
-code launchers act on, as after a cloud's notice."""
+code launchers act on, as after a cloud's notice. The run ledger says the attempt was
+interrupted by ``health``, a cause of its own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import json
 from pathlib import Path
 
 from ckptd.devtools.locals3 import LocalS3
+from ckptd.goodput.journal import read_ledger
+from ckptd.goodput.model import Mark, goodput
 from ckptd.repository import Repository, object_key
 from ckptd.storage import open_backend
 from tests.support import kernel_lines as k
@@ -65,3 +68,7 @@ def test_save_and_stop_is_a_notice_the_trainer_saves_and_exec_exits_0(
         for f in manifest.files
     }
     assert stored == local_files(node.ckpt / saved)
+    marks = [r for r in read_ledger(repo, RUN_ID) if isinstance(r, Mark)]
+    assert [m.detail for m in marks if m.kind == "notice"] == ["health"]
+    assert [m.detail for m in marks if m.kind == "interrupted"] == ["health"]
+    assert [i.cause for i in goodput(read_ledger(repo, RUN_ID)).interruptions] == ["health"]

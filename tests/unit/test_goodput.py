@@ -23,6 +23,7 @@ from ckptd.goodput.model import (
     goodput,
     lost_span,
     merge_records,
+    notice_cause,
     parse_chunk,
     run_end,
     time_at_step,
@@ -346,3 +347,22 @@ def test_the_restores_recorded_in_a_watch_dir_are_read_and_garbage_is_none(
     ]
     (tmp_path / RESTORED_RELPATH).write_text("{")
     assert read_restores(tmp_path, "run1") == []
+
+
+def test_a_health_stop_is_an_interruption_of_its_own_and_old_ledgers_read_as_before() -> None:
+    assert notice_cause("health") == notice_cause("node-0/health") == "health"
+    assert notice_cause("aws") == notice_cause("sigterm") == notice_cause("node-1/gcp") == "notice"
+    assert notice_cause("healthz") == "notice"
+    # One ledger chunk with both causes, as written before and after ``health`` existed.
+    body = chunk_bytes(
+        "run1",
+        "w",
+        [
+            iv("productive", 0, 10, attempt="w/1"),
+            Mark("m1", "n0", "w/1", "interrupted", 10.0, "notice", 5),
+            iv("productive", 20, 30, attempt="w/2"),
+            Mark("m2", "n0", "w/2", "interrupted", 30.0, "health", 9),
+        ],
+    )
+    records = parse_chunk(body)
+    assert [i.cause for i in goodput(records, now=30.0).interruptions] == ["notice", "health"]
