@@ -244,7 +244,7 @@ class PreemptionListener:
         if now < self._next_file_check:
             return False
         self._next_file_check = now + self._file_poll_interval
-        if self._notice_file_is_fresh():
+        if self._notice_file_is_fresh() and not (self._handled_ids and self._rewritten()):
             self._noticed = True
         return self._noticed
 
@@ -385,6 +385,22 @@ class PreemptionListener:
         if self._handled_file == (st.st_ino, st.st_mtime_ns):
             return False  # a save-only notice saved for; a new one is a new file (rename)
         return st.st_mtime >= self._since
+
+    def _rewritten(self) -> bool:
+        """Whether the fresh notice file is a save-only notice saved for, written anew
+        (the daemon restates a notice whose deadline moved): then it is no new notice,
+        and this file is not read again. Read only after a save-only notice."""
+        assert self._notice_file is not None
+        try:
+            with self._notice_file.open("rb") as f:
+                found = parse_notice(f.read())
+                st = os.fstat(f.fileno())
+        except OSError:
+            return False
+        if found is None or found.get("id") not in self._handled_ids:
+            return False
+        self._handled_file = (st.st_ino, st.st_mtime_ns)
+        return True
 
     def _start_http(self) -> None:
         self._http_thread = threading.Thread(

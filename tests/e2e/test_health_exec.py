@@ -7,8 +7,7 @@ interrupted by ``health``, a cause of its own."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Callable
 
 from ckptd.devtools.locals3 import LocalS3
 from ckptd.goodput.journal import read_ledger
@@ -16,8 +15,8 @@ from ckptd.goodput.model import Mark, goodput
 from ckptd.repository import Repository, object_key
 from ckptd.storage import open_backend
 from tests.support import kernel_lines as k
-from tests.support.exec_harness import ExecNode
-from tests.support.harness import RUN_ID, Env, TrainerSpec
+from tests.support.harness import RUN_ID, TrainerSpec
+from tests.support.health_exec import HealthExec
 from tests.support.writers import local_files
 
 SPEC = TrainerSpec(
@@ -32,25 +31,12 @@ SPEC = TrainerSpec(
 
 
 def test_save_and_stop_is_a_notice_the_trainer_saves_and_exec_exits_0(
-    tmp_path: Path, local_s3: LocalS3, s3_dest: str
+    health_exec: Callable[..., HealthExec], local_s3: LocalS3, s3_dest: str
 ) -> None:
-    kmsg = tmp_path / "kmsg"
-    kmsg.write_text("")
-    node = ExecNode(
-        tmp_path / "node",
-        SPEC,
-        Env(s3_dest, local_s3.endpoint_url),
-        extra_config="[health]\nenabled = true\npoll_interval_seconds = 0.2\n"
-        f'kmsg = {json.dumps(str(kmsg))}\npsi = ""\non_degrading = "save-and-stop"\n',
-    )
-    try:
-        node.start()
-        node.wait_progress(lambda d: d["step"] >= 5, 120, "step 5")
-        with kmsg.open("a") as out:
-            out.write(k.kmsg_record(1, k.XID_63) + "\n")
-        code = node.wait_exit(90)
-    finally:
-        node.close()
+    rig = health_exec(SPEC, health='on_degrading = "save-and-stop"\n')
+    node = rig.node
+    rig.kernel_logs(k.XID_63)
+    code = node.wait_exit(90)
     assert code == 0, node.log_tail()
     (event,) = node.events("health_event")
     assert (event["kind"], event["action"]) == ("xid-63", "save-and-stop")

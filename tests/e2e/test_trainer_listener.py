@@ -475,6 +475,9 @@ def test_a_health_save_is_heard_once_then_the_next_notice_is_heard_again(
     assert not listener.preempted()
     assert notice_path(tmp_path).exists()  # withdrawn only once its save commits
     assert not listener.preempted() and listener.notice() is None
+    # The same notice written anew (the daemon restates one whose deadline moved).
+    replace_notice(tmp_path, {**HEALTH_SAVE, "deadline": "2026-12-02T12:09:00Z"})
+    assert not listener.preempted() and listener.notice() is None
     second = {**HEALTH_SAVE, "id": "health:xid-63:2"}
     replace_notice(tmp_path, second)
     assert listener.preempted()
