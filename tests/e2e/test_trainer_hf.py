@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
 import pytest
 
 from ckptd.core import saves
+from tests.support.daemon import wait_until
 from tests.support.trainers.procs import Script, script_env
 
 pytest.importorskip("transformers")
@@ -67,3 +69,44 @@ def test_notice_file_in_output_dir_stops_the_trainer(tmp_path: Path) -> None:
     assert step < MAX_STEPS
     assert (output_dir / f"checkpoint-{step}" / "trainer_state.json").exists()
     assert result["notice"]["source"] == "gcp"
+
+
+def test_a_health_save_is_saved_and_training_goes_on_until_a_notice_that_stops_it(
+    tmp_path: Path,
+) -> None:
+    """A notice that asks for a save only (a health ``save``, docs/health.md): the
+    Trainer saves that step and trains on; the next notice (a signal with no notice of
+    its own: a stop) saves again and ends it."""
+    output_dir = tmp_path / "out"
+    script = Script(
+        tmp_path,
+        "hf_train",
+        *("--output-dir", str(output_dir), "--max-steps", str(MAX_STEPS)),
+        *("--save-steps", str(MAX_STEPS)),  # no regular save: each checkpoint is a notice's
+        env=script_env(tmp_path),
+    )
+    state = "trainer_state.json"  # written last: the checkpoint is whole
+    try:
+        script.wait_for_step(3, timeout=60)
+        notice = output_dir / ".ckptd" / "preemption.json"
+        notice.parent.mkdir(parents=True, exist_ok=True)
+        body = {"source": "health", "kind": "health-save", "id": "health:xid-63:1"}
+        tmp = notice.with_name("preemption.json.tmp")
+        tmp.write_text(json.dumps({**body, "detail": {"action": "save"}}))
+        os.replace(tmp, notice)
+        (first,) = wait_until(lambda: list(output_dir.glob(f"checkpoint-*/{state}")), 60, "save")
+        saved_at = int(first.parent.name.removeprefix("checkpoint-"))
+        script.wait_for_step(saved_at + 5, timeout=60)  # trains on past it
+        script.signal(signal.SIGUSR1)
+        assert script.wait_exit(timeout=60) == 0, script.log_tail()
+    finally:
+        script.kill()
+    result = script.result_json()
+    step = result["global_step"]
+    assert result["save_only_steps"] == [saved_at]
+    assert result["fired_at_step"] == step and step > saved_at + 5
+    checkpoints = sorted(p.name for p in output_dir.glob("checkpoint-*"))
+    assert checkpoints == sorted([f"checkpoint-{saved_at}", f"checkpoint-{step}"])
+    for at in (saved_at, step):
+        saved = json.loads((output_dir / f"checkpoint-{at}" / state).read_text())
+        assert saved["global_step"] == at

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 from pathlib import Path
 
 import pytest
 
 from ckptd.core import saves
+from tests.support.daemon import wait_until
 from tests.support.trainers.procs import Script, script_env
 
 torch = pytest.importorskip("torch")
@@ -80,3 +83,35 @@ def test_under_slurm_ckptd_handler_wins_over_lightning_requeue(tmp_path: Path) -
     # Lightning's requeue handler would have saved an hpc checkpoint and run scontrol.
     assert not list(tmp_path.rglob("hpc_ckpt_*.ckpt"))
     assert step < MAX_STEPS
+
+
+def test_a_health_save_is_saved_and_training_goes_on_until_a_notice_that_stops_it(
+    tmp_path: Path,
+) -> None:
+    """A notice that asks for a save only (a health ``save``, docs/health.md): the
+    checkpoint is saved and reported, the fit goes on; the next notice (a signal with no
+    notice of its own: a stop) saves again and ends it."""
+    root = tmp_path / "root"
+    script = Script(tmp_path, "lightning_train", "--root-dir", str(root), env=script_env(tmp_path))
+    try:
+        script.wait_for_step(3, timeout=60)
+        notice = root / ".ckptd" / "preemption.json"
+        notice.parent.mkdir(parents=True, exist_ok=True)
+        body = {"source": "health", "kind": "health-save", "id": "health:xid-63:1"}
+        tmp = notice.with_name("preemption.json.tmp")
+        tmp.write_text(json.dumps({**body, "detail": {"action": "save"}}))
+        os.replace(tmp, notice)
+        (first,) = wait_until(lambda: list(root.glob("preempt-step=*.ckpt")), 60, "the save")
+        saved_at = int(first.name.removeprefix("preempt-step=").removesuffix(".ckpt"))
+        script.wait_for_step(saved_at + 5, timeout=60)  # trains on past it
+        script.signal(signal.SIGUSR1)
+        assert script.wait_exit(timeout=60) == 0, script.log_tail()
+    finally:
+        script.kill()
+    result = script.result_json()
+    assert result["save_only_saves"] == [str(first)]
+    step = assert_preemption_checkpoint(script, root)
+    assert step > saved_at + 5
+    for path, at in ((first, saved_at), (root / f"preempt-step={step}.ckpt", step)):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        assert checkpoint["global_step"] == at

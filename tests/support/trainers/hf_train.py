@@ -66,6 +66,7 @@ def main() -> None:
             {
                 "global_step": trainer.state.global_step,
                 "fired_at_step": ckptd_callback.fired_at_step,
+                "save_only_steps": ckptd_callback.save_only_steps,
                 "notice": ckptd_callback.listener.notice(),
             }
         ),

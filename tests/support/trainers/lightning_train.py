@@ -87,6 +87,7 @@ def main() -> None:
             {
                 "global_step": trainer.global_step,
                 "saved_path": str(saved) if saved else None,
+                "save_only_saves": [str(path) for path in ckptd_callback.save_only_saves],
                 "handler_during_fit": progress.handler_during_fit,
                 "handler_after_fit": "ckptd"
                 if signal.getsignal(signal.SIGUSR1) == ckptd_callback.listener._on_signal
