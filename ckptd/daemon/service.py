@@ -382,7 +382,10 @@ class Service:
         if notice.source == "sigterm" and not await self.notices.sigterm_is_a_notice():
             self.request_stop()
             return
-        self.ledger.noticed(self.clock.time(), notice.source)
+        if notice.kind not in carried.ENDS_BY_ITSELF:
+            # Another node's drill or health save interrupts no attempt here (this
+            # node's own never come this way): the trainer saves and trains on.
+            self.ledger.noticed(self.clock.time(), notice.source)
         response = await self.notices.respond(notice, source)
         if notice.source == "sigterm":
             self.sigterm.set()  # the main loop flushes, then stops

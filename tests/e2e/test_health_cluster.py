@@ -5,7 +5,8 @@ its own weights file, no framework's whole layout); a degrading Xid in node 0's 
 (a file of ``/dev/kmsg`` records, tests/support/kernel_lines.py). Node 1 follows node 0's
 NOTICE, both trainers save the same step, the checkpoint commits from both parts byte for
 byte, and both nodes leave the save's emergency mode: the notice files go, the trainers
-train on."""
+train on. The run ledger (``ckptd run``'s, from what it observes) marks no notice and no
+interruption for it on either node."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 from ckptd.devtools.locals3 import LocalS3
+from ckptd.goodput.journal import read_ledger
+from ckptd.goodput.model import Mark
 from ckptd.repository import Repository, object_key
 from ckptd.storage import open_backend
 from ckptd.storage.base import NotFoundError
@@ -58,8 +61,14 @@ def test_a_health_save_on_one_node_is_saved_on_every_node_and_both_train_on(
                 state_dir=node / "state",
             )
             health = f'kmsg = "{kmsg}"' if rank == 0 else 'kmsg = ""'
+            # SIGTERM a plain stop (as on a node that stays): each daemon ships its ledger.
+            text = daemon.config.read_text()
+            assert '[preemption]\nprovider = "none"\n' in text
             daemon.config.write_text(
-                daemon.config.read_text()
+                text.replace(
+                    '[preemption]\nprovider = "none"\n',
+                    '[preemption]\nprovider = "none"\nsigterm = "stop"\n',
+                )
                 + f'[trainer]\npidfile = "{node / "trainer.pid"}"\n'
                 + f"[cluster]\nnodes = 2\nnode_rank = {rank}\npoll_interval_seconds = 0.2\n"
                 + f'[health]\nenabled = true\npoll_interval_seconds = 0.2\n{health}\npsi = ""\n'
@@ -92,6 +101,8 @@ def test_a_health_save_on_one_node_is_saved_on_every_node_and_both_train_on(
         for root in roots:
             assert len((root.parent / "signals").read_text().splitlines()) == 1
         assert json.loads(d1._get("/v1/preemption")) == {"notice": False}
+        for d in daemons:
+            assert d.stop(60) == 0, d.log_text()
     finally:
         for d in daemons:
             d.__exit__()
@@ -109,3 +120,6 @@ def test_a_health_save_on_one_node_is_saved_on_every_node_and_both_train_on(
     }
     assert sorted(stored) == ["model-n0.safetensors", "model-n1.safetensors", "trainer_state.json"]
     assert stored == expected
+    marks = [r for r in read_ledger(repo, "run") if isinstance(r, Mark)]
+    assert sum(m.kind == "stopped" for m in marks) == 2, marks  # both ledgers shipped
+    assert not [m for m in marks if m.kind in ("notice", "interrupted")], marks
