@@ -22,6 +22,8 @@
     <run>/DRILL-PERIOD.<period>.json            a scheduled drill's claim on its period:
                                                 created once, by the node that drills it
     <run>/.ckptd-peers/node-<rank>.json         a node's peer port and quota (``ckptd.peers``)
+    <run>/.ckptd-sharing/<session>/<node>.json  a node restoring one checkpoint with others
+                                                (``ckptd.peers.sharing``; deleted after)
 
 ``<checkpoint>`` is a *slot* (``ckptd.commit.slots``): the checkpoint's name, or
 ``<name>~<8 letters>`` for another content of that name; the manifest says the name.
@@ -89,6 +91,7 @@ from ckptd.storage.base import (
 )
 
 LEASE_DIR = ".ckptd-restoring"
+SHARING_DIR = ".ckptd-sharing"
 NOTICE_NAME = "NOTICE"
 CADENCE_NAME = "CADENCE"
 LEDGER_NAME = "GOODPUT"
@@ -138,6 +141,12 @@ def part_key(run_id: str, checkpoint: str, rank: int) -> str:
 
 def lease_prefix(run_id: str) -> str:
     return f"{run_id}/{LEASE_DIR}/"
+
+
+def sharing_key(run_id: str, session: str, node: str | None = None) -> str:
+    """A shared restore's record of ``node`` (``ckptd.peers.sharing``); without a node,
+    the prefix of the session's records."""
+    return f"{run_id}/{SHARING_DIR}/{session}/" + ("" if node is None else f"{node}.json")
 
 
 def peer_key(run_id: str, rank: int | None = None) -> str:
@@ -522,6 +531,7 @@ __all__ = [
     "NOTICE_MAX_BYTES",
     "NOTICE_NAME",
     "RANGE_BYTES",
+    "SHARING_DIR",
     "CommittedCheckpoint",
     "FileProblem",
     "ObjectMismatch",
@@ -548,5 +558,6 @@ __all__ = [
     "peer_key",
     "redirect_target",
     "run_prefix",
+    "sharing_key",
     "withdrawn_why",
 ]

@@ -111,6 +111,13 @@ class PeersConfig(Section):
         "peer that answers within this serves what the store has not started "
         f"(at most {RESTORE_WAIT_MAX_SECONDS:g}).",
     )
+    share_restores: bool = Field(
+        default=True,
+        description="Nodes of the run restoring the same checkpoint at once (a job replaced "
+        "whole) share it: each fetches a share from the store, verified, and reads the rest "
+        "from the others over the cluster network (`<run>/.ckptd-sharing/`; the restore "
+        "serves its verified files on a port of its own, on `listen`'s host).",
+    )
     announce_interval_seconds: float = Field(
         default=30.0,
         ge=1,

@@ -95,6 +95,10 @@ class PeerReader:
         conn.timeout = timeout
         return conn
 
+    def drop(self, address: str) -> None:
+        """Close this thread's connection to ``address`` (after an error on it)."""
+        self._drop(address)
+
     def _drop(self, address: str) -> None:
         pool = getattr(self._local, "pool", {})
         conn = pool.pop(address, None)
@@ -450,16 +454,6 @@ def credited(done: TierRestore, peers: PeersTier | None) -> TierRestore:
     )
 
 
-def with_peers(
-    settings: Settings, tiers: Sequence[TierStore], manifest: Manifest, log: Any
-) -> tuple[list[TierStore], PeersTier | None]:
-    """``tiers`` with the ``peers`` tier first for restoring ``manifest``'s checkpoint (its
-    slot), when any fresh peer is announced (``ckptd exec``'s restore), and that tier
-    (for ``credited``); else ``tiers`` and None."""
-    peers, _ = peers_tier(settings, tiers, manifest.run_id, manifest.checkpoint, None, log)
-    return ([peers.tier, *tiers], peers) if peers is not None else (list(tiers), None)
-
-
 __all__ = [
     "HOLDINGS_GRACE_SECONDS",
     "PEERS_TIER",
@@ -472,5 +466,4 @@ __all__ = [
     "credited",
     "fresh_peers",
     "peers_tier",
-    "with_peers",
 ]

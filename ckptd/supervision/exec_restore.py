@@ -17,12 +17,12 @@ from typing import Any
 from ckptd.config import Settings
 from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import Manifest, ManifestError
-from ckptd.peers.source import credited, with_peers
+from ckptd.peers.restore import restore_with_peers
 from ckptd.storage import StorageError
 from ckptd.storage.base import NotFoundError
 from ckptd.store.nearby import SHOWN, where_runs_are
 from ckptd.store.restore import RestoreError, RestoreRequest
-from ckptd.store.tiers import TierRestore, TierStore, newest_in_tiers, restore_from_tiers
+from ckptd.store.tiers import TierRestore, TierStore, newest_in_tiers
 
 
 class ExecError(CkptdError):
@@ -82,7 +82,6 @@ async def restore_into(
     """Restore ``manifest``'s checkpoint of ``run_id`` into ``watch_dir`` (its files
     missing there only), from peers first when they hold any of it, else from the first
     tier whose copy verifies. ExecError when none does."""
-    stores, peers = await asyncio.to_thread(with_peers, settings, stores, manifest, log)
     try:
         request = RestoreRequest(
             run_id,
@@ -94,8 +93,11 @@ async def restore_into(
             # Authenticated checkpoints: refused before the trainer loads a byte.
             keys=settings.authentication.key_ring(),
         )
-        done = await asyncio.to_thread(functools.partial(restore_from_tiers, stores, request))
-        return credited(done, peers)
+        # Peers first (replicas, and the other nodes restoring it), then the store.
+        done, _ = await asyncio.to_thread(
+            functools.partial(restore_with_peers, settings, stores, request, log)
+        )
+        return done
     except (RestoreError, StorageError, ManifestError) as exc:
         raise ExecError(f"restore of {run_id}/{manifest.checkpoint} failed: {exc}") from exc
 

@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from urllib.parse import urlsplit
@@ -210,6 +210,7 @@ async def _relay_body(
     on_bytes: Callable[[int], None],
     limit: int | None = None,
     tamper: Callable[[bytes], bytes] | None = None,
+    pace: Callable[[int], Awaitable[None]] | None = None,
 ) -> bool:
     """Copy one body from ``src`` to ``dst`` (None discards it), reporting payload bytes.
 
@@ -231,6 +232,8 @@ async def _relay_body(
                 data, tamper = tamper(data), None
             n -= len(data)
             seen += len(data)
+            if pace is not None:
+                await pace(len(data))
             if dst is not None:
                 dst.write(data)
                 await dst.drain()
@@ -348,6 +351,7 @@ class FaultProxy:
         self._queued: list[_Rule] = []
         self._deny: _Rule | None = None
         self._hold: tuple[float, HoldMatch] | None = None
+        self._gate: HoldMatch | None = None
         self._held = 0
         # ignore_create_only: the credentials requests are signed again with.
         self._no_create_only: tuple[str, str] | None = None
@@ -356,6 +360,8 @@ class FaultProxy:
         self._arrivals: list[tuple[str, str]] = []
         self._bytes_up: Counter[str] = Counter()
         self._bytes_down = 0
+        self._down_rate = 0.0  # bytes/s of every response body together; 0: unlimited
+        self._down_free_at = 0.0
         self._records: list[RequestRecord] = []
         self._faults = 0
         # Event loop thread.
@@ -532,6 +538,21 @@ class FaultProxy:
         with self._lock:
             return list(self._arrivals)
 
+    def close_gate(self, match: HoldMatch) -> None:
+        """Hold each request ``match`` accepts until ``open_gate`` (a start line for clients
+        that must begin together, whatever the machine's load)."""
+        with self._lock:
+            self._gate = match
+
+    def open_gate(self) -> None:
+        with self._lock:
+            self._gate = None
+
+    def _gated(self, method: str, target: str) -> bool:
+        path, _, query = target.partition("?")
+        with self._lock:
+            return self._gate is not None and self._gate(method, path, query)
+
     @property
     def held(self) -> int:
         """How many requests ``hold`` has delayed so far."""
@@ -640,6 +661,21 @@ class FaultProxy:
 
         return add
 
+    def set_down_rate(self, bytes_per_second: float) -> None:
+        """Pace every response body together at this rate (0: unlimited): the store's
+        link, shared by every client, as a slow uplink from a store would be."""
+        with self._lock:
+            self._down_rate = bytes_per_second
+
+    async def _pace(self, n: int) -> None:
+        rate = self._down_rate
+        if rate <= 0:
+            return
+        now = time.monotonic()
+        start = max(now, self._down_free_at)
+        self._down_free_at = start + n / rate
+        await asyncio.sleep(self._down_free_at - now)
+
     def _count_down(self, n: int) -> None:
         with self._lock:
             self._bytes_down += n
@@ -670,6 +706,8 @@ class FaultProxy:
                 fault = self._choose_fault(head.start[0], head.start[1].partition("?")[0])
                 if fault is None and (delay := self._hold_for(head.start[0], head.start[1])):
                     await asyncio.sleep(delay)
+                while self._gated(head.start[0], head.start[1]):
+                    await asyncio.sleep(0.02)
                 if fault is None or fault in _UPSTREAM_FAULTS:
                     head = self._without_create_only(head)
                     keep_alive = await self._forward(head, reader, writer, upstream, fault)
@@ -763,7 +801,7 @@ class FaultProxy:
         body_fault = fault if fault in BODY_KINDS else None
         self._record(RequestRecord(method, path, query, status, body_fault, sent, head.headers))
         writer.write(response.raw)
-        await _relay_body(up_reader, writer, resp_framing, self._count_down)
+        await _relay_body(up_reader, writer, resp_framing, self._count_down, pace=self._pace)
         await writer.drain()
         upstream_closes = resp_framing[0] == "eof" or _closes(response)
         if upstream_closes:

@@ -323,6 +323,7 @@ BAD_VALUES = [
     ("[peers]\ncopies = 0", "peers.copies"),
     ("[peers]\ncopies = 9", "peers.copies"),
     ('[peers]\nperiodic = "often"', "peers.periodic"),
+    ('[peers]\nshare_restores = "yes please"', "peers.share_restores"),
     ("[peers]\nrate_mbit = -1", "peers.rate_mbit"),
     ("[peers]\nemergency_rate_mbit = -1", "peers.emergency_rate_mbit"),
     ("[peers]\nfailure_domain = 5", "peers.failure_domain"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,24 +95,15 @@ def handle(args: argparse.Namespace) -> int:
         part=args.part,
         keys=settings.authentication.key_ring(),
     )
-    peers = None
-    if settings.peers.enabled and args.tier is None:
-        # Peers first, verified against the store's manifest; the store for the rest.
-        from ckptd.peers.source import peers_tier
-        from ckptd.runtime.logs import get_logger
-
-        peers, slot = peers_tier(
-            settings, tiers, args.run_id, request.checkpoint, args.part, get_logger()
-        )
-        if peers is not None:
-            tiers = [peers.tier, *tiers]
-            request = replace(request, checkpoint=slot)
     try:
-        done = restore_from_tiers(tiers, request)
-        if peers is not None:
-            from ckptd.peers.source import credited
+        if args.tier is None and settings.peers.enabled:
+            # Peers first, and the nodes restoring it too, each verified against the
+            # store's manifest; the store for the rest.
+            from ckptd.peers.restore import restore_with_peers
 
-            done = credited(done, peers)
+            done, tiers = restore_with_peers(settings, tiers, request, logs.get_logger())
+        else:
+            done = restore_from_tiers(tiers, request)
     except NotFoundError as exc:
         # A typo'd --run or --dest reads as nothing committed: say what is there instead.
         hint = where_runs_are(tiers[0].storage, tiers[0].config, args.run_id).message

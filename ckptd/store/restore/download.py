@@ -266,9 +266,10 @@ def download(
         fresh=fresh,
         mtime_ns=mtime_ns,
     )
+    order = request.order or list
     files = _FileDownloads(
         manifest,
-        [f for f in todo if f.size > SMALL_FILE_MAX],
+        order([f for f in todo if f.size > SMALL_FILE_MAX]),
         tree,
         durable,
         request,
@@ -276,7 +277,7 @@ def download(
         _Downloader(storage, request.concurrency, fsync_each=durable.per_file, mtime_ns=mtime_ns),
     )
     try:
-        small.run([f for f in todo if f.size <= SMALL_FILE_MAX], bar)
+        small.run(order([f for f in todo if f.size <= SMALL_FILE_MAX]), bar)
         if small.fatal is None:
             files.run(bar)
     finally:

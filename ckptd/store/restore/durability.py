@@ -121,12 +121,14 @@ class Durability:
         state: StateLog,
         on_file: Callable[[str], None] | None = None,
         *,
+        on_verified: Callable[[str], None] | None = None,
         per_file: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.staging_fd = staging_fd
         self.state = state
         self.on_file = on_file
+        self.on_verified = on_verified
         self.per_file = not syncfs_trusted(staging_fd) if per_file is None else per_file
         self.syncs = 0
         self._clock = clock
@@ -138,6 +140,9 @@ class Durability:
         """``entries`` were written whole, verified and closed (and, ``per_file``, fsynced)."""
         if not entries:
             return
+        if self.on_verified is not None:
+            for entry in entries:
+                self.on_verified(entry.path)
         if self.per_file:
             self._record(entries)
             return

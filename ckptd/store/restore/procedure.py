@@ -230,7 +230,9 @@ def _restore_into(
     try:
         state = StateLog(staging_fd, identity, fresh=records is None)
         try:
-            durable = Durability(staging_fd, state, request.on_file)
+            durable = Durability(
+                staging_fd, state, request.on_file, on_verified=request.on_verified
+            )
             mtime_ns = time.time_ns()  # every restored file's (``finalise``)
             todo, reused = still_to_fetch(manifest, tree, records)
             if reused:

@@ -11,6 +11,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from ckptd.core.errors import CkptdError
+from ckptd.core.manifest import ManifestFile
 from ckptd.core.signing import KeyRing
 from ckptd.repository import RANGE_BYTES, FileProblem
 
@@ -32,8 +33,11 @@ class RestoreRequest:
     None draws a bar when stderr is a terminal. ``take_lease`` False restores without
     a lease (read-only credentials, tests). ``environment`` is this node's (default
     ``ckptd.runtime.environment.describe()``). ``on_file`` is called with each path once
-    it is verified and recorded (tests). ``part`` restores only that node's part of a
-    many-node checkpoint. ``keys`` demands a signed manifest and checks every file's
+    it is verified and recorded (tests); ``on_verified`` as soon as it verified, before
+    it is durable (a shared restore serves it from then on).
+    ``order`` puts the files to fetch in the order they are fetched (a shared restore
+    starts each node at its own place; default: the manifest's). ``part`` restores only
+    that node's part of a many-node checkpoint. ``keys`` demands a signed manifest and checks every file's
     digest. (``ckptd.store.restore.procedure`` says what each implies.)
     """
 
@@ -48,6 +52,8 @@ class RestoreRequest:
     take_lease: bool = True
     environment: Mapping[str, str] | None = None
     on_file: Callable[[str], None] | None = None
+    on_verified: Callable[[str], None] | None = None
+    order: Callable[[Sequence[ManifestFile]], list[ManifestFile]] | None = None
     part: int | None = None
     keys: KeyRing | None = None
 
