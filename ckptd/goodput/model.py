@@ -9,6 +9,8 @@ noting that it did) counts once, and a chunk never shipped costs its records, no
 Two kinds of record:
 - an ``Interval``: a node spent ``[start, end)`` on ``cause`` (``CAUSES``), with the
   ``basis`` it was measured on and, for training, the steps ``[step_from, step_to]``;
+  a restore's carries where its bytes came from (``{"peer": N, "store": N}``: the
+  store's egress for it), when the writer knew;
 - a ``Mark``: something happened at ``at`` (``MARKS``: a notice, a commit, an
   interruption, the run's end, a writer's stop, an emergency checkpoint safe off the
   node, with ``peer:``/``store:`` and the checkpoint as its detail), drawn on the
@@ -83,12 +85,19 @@ class Interval:
     basis: str
     step_from: int | None = None
     step_to: int | None = None
+    peer_bytes: int | None = None  # a restore's: read from other nodes
+    store_bytes: int | None = None  # a restore's: read from the store
 
     @property
     def seconds(self) -> float:
         return self.end - self.start
 
     def to_json(self) -> dict[str, Any]:
+        sources = (
+            {}
+            if self.peer_bytes is None or self.store_bytes is None
+            else {"bytes": {"peer": self.peer_bytes, "store": self.store_bytes}}
+        )
         return {
             "id": self.id,
             "type": "interval",
@@ -99,6 +108,7 @@ class Interval:
             "end": round(self.end, 3),
             "basis": self.basis,
             "steps": None if self.step_from is None else [self.step_from, self.step_to],
+            **sources,
         }
 
 
@@ -163,7 +173,13 @@ def parse_record(doc: Any) -> Record | None:
             lo, hi = _step(steps[0]), _step(steps[1])
             if lo is None or hi is None or hi < lo:
                 lo = hi = None
-        return Interval(rid, node, attempt, cause, start, end, basis, lo, hi)
+        sources = doc.get("bytes")
+        peer = store = None
+        if isinstance(sources, dict):
+            peer, store = _step(sources.get("peer")), _step(sources.get("store"))
+            if peer is None or store is None:
+                peer = store = None
+        return Interval(rid, node, attempt, cause, start, end, basis, lo, hi, peer, store)
     if doc.get("type") == "mark":
         kind, at = _text(doc, "kind"), _time(doc, "at")
         if kind not in MARKS or at is None:

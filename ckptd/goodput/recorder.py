@@ -222,11 +222,19 @@ class GoodputRecorder:
     def run_finished(self) -> bool:
         return any(isinstance(r, Mark) and r.kind == "finished" for r in self.stored)
 
-    def restored(self, start: float, end: float, basis: str = "exec-restore") -> None:
-        """The restore before the first start."""
+    def restored(
+        self,
+        start: float,
+        end: float,
+        basis: str = "exec-restore",
+        *,
+        sources: tuple[int, int] | None = None,
+    ) -> None:
+        """The restore before the first start; ``sources``: its (peer, store) bytes."""
         if basis == "exec-restore":
             self.interval("startup", self.mark_at, start, "exec-start")
-        self.interval("restore", start, end, basis)
+        peer, store = sources if sources is not None else (None, None)
+        self.interval("restore", start, end, basis, peer_bytes=peer, store_bytes=store)
         self.mark_at = max(self.mark_at, end)
 
     def _left_behind(self, node: str, attempt: str, ended: float) -> float:

@@ -296,7 +296,9 @@ class SupervisedService(Service):
         )
         self.restored = restored_status(done)
         self.advisor.record_restore(self.run_id, manifest.checkpoint, skipped=done.result.skipped)
-        self.goodput.restored(restore_start, self.clock.time())
+        self.goodput.restored(
+            restore_start, self.clock.time(), sources=(done.peer_bytes, done.store_bytes)
+        )
         self.log.info("exec_restored", **self.restored)
 
     async def newest_complete(self, run_id: str) -> tuple[Path | None, int | None]:

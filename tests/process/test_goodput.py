@@ -214,6 +214,9 @@ def test_the_ledger_matches_what_the_trainer_did(
     assert g.ratio is not None
     assert abs(g.ratio - own) <= 0.02
     assert g.seconds["lost"] > 0 and g.seconds["restore"] > 0 and g.seconds["startup"] > 0
+    # The fresh node's restore says where its bytes came from: all from the store, peers off.
+    restores = [r for r in records if isinstance(r, Interval) and r.basis == "exec-restore"]
+    assert restores and all(r.peer_bytes == 0 and (r.store_bytes or 0) > 0 for r in restores)
 
     # ckptd report says the same, on the terminal and as JSON.
     dest = ["--dest", s3_dest, "--endpoint-url", local_s3.endpoint_url]

@@ -25,6 +25,7 @@ from ckptd.goodput.model import (
     merge_records,
     notice_cause,
     parse_chunk,
+    parse_record,
     run_end,
     time_at_step,
     timeline,
@@ -366,3 +367,17 @@ def test_a_health_stop_is_an_interruption_of_its_own_and_old_ledgers_read_as_bef
     )
     records = parse_chunk(body)
     assert [i.cause for i in goodput(records, now=30.0).interruptions] == ["notice", "health"]
+
+
+def test_a_restore_interval_keeps_where_its_bytes_came_from_and_older_ones_read_as_before() -> None:
+    iv = Interval("w:1", "node-0", "w", "restore", 10.0, 20.0, "exec-restore", None, None, 7, 3)
+    doc = json.loads(json.dumps(iv.to_json()))
+    assert doc["bytes"] == {"peer": 7, "store": 3}
+    back = parse_record(doc)
+    assert isinstance(back, Interval) and (back.peer_bytes, back.store_bytes) == (7, 3)
+    older = {k: v for k, v in doc.items() if k != "bytes"}
+    back = parse_record(older)
+    assert isinstance(back, Interval) and (back.peer_bytes, back.store_bytes) == (None, None)
+    assert "bytes" not in Interval("w:2", "n", "w", "restore", 1.0, 2.0, "x").to_json()
+    garbled = parse_record({**doc, "bytes": {"peer": -1, "store": "many"}})
+    assert isinstance(garbled, Interval) and garbled.peer_bytes is None
