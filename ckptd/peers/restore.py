@@ -47,12 +47,12 @@ def restore_with_peers(
         done = restore_from_tiers(used, request)
         return (credited(done, peers) if peers is not None else done), used
     used = sharing.tiers(used)
-    succeeded = False
+    serving = False  # whether the others may still need what this node verified
     try:
         done = restore_from_tiers(used, sharing.request(request))
-        succeeded = True
+        serving = not done.result.skipped  # a checkpoint found in place served nothing
     finally:
-        sharing.finish(linger=succeeded)
+        sharing.finish(linger=serving)
     return sharing.credit(done, peers, store_tier), used
 
 
