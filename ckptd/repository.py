@@ -6,7 +6,9 @@
                                                 redirect to the slot that is, or a
                                                 withdrawal: never committed)
     <run>/LATEST                                the newest committed step's pointer
-    <run>/.ckptd-restoring/<checkpoint>-<uuid>  a restore's lease (retention keeps off)
+    <run>/.ckptd-restoring/<checkpoint>-<uuid>  a restore's lease (retention keeps off),
+                                                or a protection with an ``until`` (a loss
+                                                spike's rollback target: ``why``, ``step``)
     <run>/NOTICE                                a preemption notice seen by any node
                                                 (many nodes only; overwritten by the next)
     <run>/<checkpoint>/ckptd.announce.json      many nodes: a save is complete on the
@@ -77,6 +79,7 @@ from ckptd.repository_bodies import (  # re-exported: the parsing half of this m
     is_withdrawal,
     lease_checkpoint,
     lease_is_fresh,
+    lease_why,
     parse_notice_document,
     redirect_target,
     withdrawn_why,
@@ -490,12 +493,25 @@ class Repository:
 
     # -- restore leases ------------------------------------------------------------------
 
-    def take_lease(self, run_id: str, checkpoint: str, *, now: float) -> str:
-        """Write a lease protecting ``checkpoint`` from retention; returns its key."""
+    def take_lease(
+        self,
+        run_id: str,
+        checkpoint: str,
+        *,
+        now: float,
+        until: float | None = None,
+        why: str = "",
+        detail: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Write a lease protecting ``checkpoint`` from retention; returns its key. A
+        restore's holds for the lease TTL; one with ``until`` (a protection: ``why``,
+        ``detail``) until then, released early by deleting it."""
         key = f"{lease_prefix(run_id)}{checkpoint}-{uuid.uuid4().hex}"
-        body = json.dumps(
-            {"checkpoint": checkpoint, "taken_at": now, "host": socket.gethostname()}
-        ).encode()
+        doc: dict[str, Any] = {"checkpoint": checkpoint, "taken_at": now}
+        doc["host"] = socket.gethostname()
+        if until is not None:
+            doc.update({**(detail or {}), "until": until, "why": why or "protected"})
+        body = json.dumps(doc).encode()
         self.storage.put_bytes(key, body, crc32c=checksum.crc32c(body))
         return key
 
@@ -508,19 +524,34 @@ class Repository:
         """``(checkpoints with a fresh lease, keys of stale leases)``."""
         fresh: set[str] = set()
         stale: list[str] = []
-        for info in self.storage.list_objects(lease_prefix(run_id)):
-            key_name = info.key.rsplit("/", 1)[-1]
-            try:
-                body = self.storage.get_bytes(info.key)
-            except NotFoundError:
-                continue  # released while we listed
-            name = lease_checkpoint(body, key_name)
+        for key, body in self._lease_bodies(run_id):
+            name = lease_checkpoint(body, key.rsplit("/", 1)[-1])
             if lease_is_fresh(body, now, ttl):
                 if name is not None:
                     fresh.add(name)
             else:
-                stale.append(info.key)
+                stale.append(key)
         return fresh, stale
+
+    def read_protections(self, run_id: str, *, now: float) -> dict[str, str]:
+        """The checkpoints a fresh protection (a lease with an ``until``) keeps, each with
+        why (``loss-spike``, ``non-finite``); restores' leases are not listed."""
+        found: dict[str, str] = {}
+        for key, body in self._lease_bodies(run_id):
+            why = lease_why(body)
+            name = lease_checkpoint(body, key.rsplit("/", 1)[-1])
+            if why != "restore" and name is not None and lease_is_fresh(body, now):
+                found[name] = why
+        return found
+
+    def _lease_bodies(self, run_id: str) -> list[tuple[str, bytes]]:
+        out = []
+        for info in self.storage.list_objects(lease_prefix(run_id)):
+            try:
+                out.append((info.key, self.storage.get_bytes(info.key)))
+            except NotFoundError:
+                continue  # released while we listed
+        return out
 
 
 __all__ = [
@@ -550,6 +581,7 @@ __all__ = [
     "lease_checkpoint",
     "lease_is_fresh",
     "lease_prefix",
+    "lease_why",
     "manifest_key",
     "notice_key",
     "object_key",

@@ -35,14 +35,28 @@ def lease_checkpoint(body: bytes, key_name: str) -> str | None:
 
 
 def lease_is_fresh(body: bytes, now: float, ttl: float = LEASE_TTL_SECONDS) -> bool:
-    """Whether a lease was taken less than ``ttl`` seconds before ``now``; a lease
-    whose time cannot be read counts as fresh (when unsure, keep)."""
+    """Whether a lease holds at ``now``: one with an ``until`` (a protection, e.g. a loss
+    spike's rollback target) until then, any other for ``ttl`` seconds from its
+    ``taken_at``; a lease whose time cannot be read counts as fresh (when unsure, keep)."""
     try:
         doc = json.loads(body)
+        if isinstance(doc, dict) and "until" in doc:
+            return now < float(doc["until"])
         taken = float(doc["taken_at"])
     except (ValueError, KeyError, TypeError):
         return True
     return now - taken < ttl
+
+
+def lease_why(body: bytes) -> str:
+    """Why a lease was taken: its ``why`` (``loss-spike``, ``non-finite``), else
+    ``restore`` (a restore's lease, which says no more)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return "restore"
+    why = doc.get("why") if isinstance(doc, dict) else None
+    return why if isinstance(why, str) and why else "restore"
 
 
 def parse_notice_document(body: bytes) -> dict[str, Any] | None:

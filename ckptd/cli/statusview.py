@@ -174,6 +174,26 @@ def health_text(health: Mapping[str, Any] | None) -> Text | None:
     return text
 
 
+def loss_text(doc: Mapping[str, Any]) -> list[Text]:
+    """Per run reporting its loss: the last one, whether a spike is open, the rollback
+    targets kept from retention for it."""
+    lines = []
+    for run, body in sorted((doc.get("loss") or {}).items()):
+        text = Text.assemble(
+            ("loss: ", "bold"), f"{run} {body.get('loss')} at step {body.get('step')}"
+        )
+        events = body.get("events") or []
+        if body.get("volatile") and events:
+            last = events[-1]
+            text.append(f"  {last.get('kind')} at step {last.get('step')}", style="bold red")
+        elif events:
+            text.append("  stable", style="green")
+        if body.get("protected"):
+            text.append(f"  kept for a rollback: {', '.join(body['protected'])}", style="yellow")
+        lines.append(text)
+    return lines
+
+
 def quiet_runs_text(doc: Mapping[str, Any]) -> list[Text]:
     """A run with no commit for over an hour: its watch dir and what was seen there."""
     lines = []
@@ -359,6 +379,8 @@ def render_status(doc: Mapping[str, Any], console: Console) -> None:
     health = health_text(doc.get("health"))
     if health is not None:
         console.print(health)
+    for line in loss_text(doc):
+        console.print(line)
     for line in advice_text(doc):
         console.print(line)
     for line in drills_text(doc):
@@ -409,6 +431,7 @@ __all__ = [
     "failures_text",
     "goodput_text",
     "health_text",
+    "loss_text",
     "progress_text",
     "render_status",
     "status_table",

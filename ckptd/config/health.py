@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from ckptd.config.base import Section, absolute_path, check_http_url
 
@@ -135,6 +135,40 @@ class HealthConfig(Section):
         default="report",
         description="What a warning event (a filesystem too full for the next save, say) does.",
     )
+    loss_window: int = Field(
+        default=50,
+        ge=2,
+        le=100_000,
+        description="The loss-spike rule's trailing window: the last this many losses the "
+        "trainer reported (`report_step(step, loss=...)`) judged normal; also how many "
+        "normal reports in a row end a spike (docs/health.md). Read whether or not "
+        "`enabled` is set.",
+    )
+    loss_z: float = Field(
+        default=6.0,
+        gt=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="A loss more than this many standard deviations above the window's mean "
+        "is a spike.",
+    )
+    loss_min_reports: int = Field(
+        default=20,
+        ge=2,
+        le=100_000,
+        description="No loss is judged a spike before the window holds this many (a "
+        "non-finite loss always is); at most `loss_window`.",
+    )
+    protect_hours: float = Field(
+        default=24.0,
+        ge=0,
+        le=24 * 365,
+        allow_inf_nan=False,
+        description="On a loss spike or a non-finite loss, the newest committed checkpoint "
+        "from before it is kept from retention (every node's and `ckptd prune`'s) this "
+        "long, or until the loss is back for `loss_window` reports; 0 = spikes are "
+        "counted, nothing is kept.",
+    )
     condition_file: Path | None = Field(
         default=None,
         description="Where the node's health condition is written as JSON for "
@@ -154,6 +188,14 @@ class HealthConfig(Section):
     def _dcgm_is_http(cls, value: str) -> str:
         if value:
             check_http_url(value, allow_path=True)
+        return value
+
+    @field_validator("loss_min_reports")
+    @classmethod
+    def _min_within_window(cls, value: int, info: ValidationInfo) -> int:
+        window = info.data.get("loss_window")
+        if isinstance(window, int) and value > window:
+            raise ValueError(f"must be at most loss_window ({window})")
         return value
 
     @field_validator("condition_file")

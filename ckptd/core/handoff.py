@@ -23,6 +23,8 @@ __all__ = [
     "ADVICE",
     "DAEMON_LOCK",
     "DIR",
+    "LOSSES",
+    "LOSS_LAYOUT",
     "NOTICE",
     "RESTORED",
     "RESUMED",
@@ -32,6 +34,8 @@ __all__ = [
     "STEP_COUNTER",
     "STEP_LAYOUT",
     "TRAINER_VARIABLES",
+    "LossReport",
+    "LossRingLayout",
     "StepCounterLayout",
     "StepRecord",
     "replace_json",
@@ -51,6 +55,9 @@ STEP_COUNTER = DIR / "steps.bin"
 # The same report as JSON, replaced atomically a few times a minute: only where the counter
 # cannot be mapped (a file system without shared writable mappings).
 STEPS = DIR / "steps.json"
+# The trainer's losses (``report_step(step, loss=...)``): a memory-mapped ring of the last
+# reports, each kept until ``LOSS_LAYOUT.SLOTS`` more came (layout: LOSS_LAYOUT below).
+LOSSES = DIR / "losses.bin"
 # What the trainer resumed from (a checkpoint's name, or none: from scratch), written once
 # at its start by the trainer helpers or, for its child, by ``ckptd exec``: the daemon
 # decides the trajectory of the trainer's saves from it (docs/design.md "Trajectories").
@@ -159,3 +166,64 @@ class StepCounterLayout:
 
 
 STEP_LAYOUT = StepCounterLayout()
+
+
+@dataclass(frozen=True)
+class LossReport:
+    """The ``n``-th loss report written to the ring: ``loss`` at ``step``."""
+
+    n: int
+    step: int
+    loss: float
+
+
+class LossRingLayout:
+    """The loss ring ``losses.bin`` (little-endian, ``SIZE`` bytes):
+
+    - header: ``MAGIC`` (8 bytes), the format (u32, ``FORMAT``), the ring's ``SLOTS`` (u32);
+    - ``count`` (u64): how many reports were ever written to this file;
+    - ``SLOTS`` records ``(tag, step, loss)`` (u64, i64, f64): report ``n`` (from 1) is
+      written whole into record ``(n - 1) % SLOTS`` with tag ``n``, and only then is
+      ``count`` set to ``n``. A trainer that opens the file goes on counting from it.
+
+    A reader remembers the last ``n`` it took and takes the records after it whose tag is
+    their ``n``: a record being overwritten, or one the ring lapped, is skipped, never
+    taken for another report."""
+
+    MAGIC = b"CKPTDLOS"
+    FORMAT = 1
+    SLOTS = 4096
+    HEADER = struct.Struct("<8sII")
+    COUNT = struct.Struct("<Q")
+    RECORD = struct.Struct("<Qqd")
+    SIZE = HEADER.size + COUNT.size + SLOTS * RECORD.size
+
+    def header(self) -> bytes:
+        return self.HEADER.pack(self.MAGIC, self.FORMAT, self.SLOTS)
+
+    def record(self, n: int) -> int:
+        """The offset of report ``n``'s record."""
+        return self.HEADER.size + self.COUNT.size + ((n - 1) % self.SLOTS) * self.RECORD.size
+
+    def count(self, data: bytes) -> int | None:
+        """The reports written, or None when ``data`` is not a ring of this format."""
+        if len(data) < self.SIZE or data[: self.HEADER.size] != self.header():
+            return None
+        return int(self.COUNT.unpack_from(data, self.HEADER.size)[0])
+
+    def decode(self, data: bytes, after: int) -> tuple[list[LossReport], int]:
+        """The reports after report ``after`` (oldest first) and the count to pass as
+        ``after`` next time; a count below ``after`` is a new file: read from its start."""
+        count = self.count(data)
+        if count is None:
+            return [], 0
+        first = (after if count >= after else 0) + 1
+        found = []
+        for n in range(max(first, count - self.SLOTS + 1), count + 1):
+            tag, step, loss = self.RECORD.unpack_from(data, self.record(n))
+            if tag == n:
+                found.append(LossReport(n, step, loss))
+        return found, count
+
+
+LOSS_LAYOUT = LossRingLayout()

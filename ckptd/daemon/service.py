@@ -45,6 +45,7 @@ from ckptd.daemon.drain import DRAIN_QUIET_SECONDS as DRAIN_QUIET_SECONDS  # ckp
 from ckptd.daemon.drain import Drain
 from ckptd.daemon.goodput import ledger_for
 from ckptd.daemon.health_loop import build_health
+from ckptd.daemon.loss_watch import build_loss_watch
 from ckptd.daemon.notice_loop import NoticeLoop, remove_stale_notice_files
 from ckptd.daemon.quiet import QuietRuns, sight
 from ckptd.daemon.sdnotify import SystemdNotifier, summarize
@@ -146,8 +147,9 @@ class Service:
             scheduled=not once,
         )
         self.ledger = ledger_for(self, once=once)
-        # [health]: the monitor, and the notice source of its save-and-stop events.
+        # [health]: the monitor, its save-and-stop events' notice source, the loss watch.
         self.health, self.health_source = build_health(self)
+        self.loss = build_loss_watch(self)
         self.drain = Drain(
             self.tiers, self.stop_event, timeout=shutdown_timeout, clock=clock, log=self.log
         )
@@ -311,6 +313,7 @@ class Service:
             background.append(sup("drill-schedule", self.drill_schedule.run))
         if self.health is not None:
             background.append(sup("health", self.health.run))
+        background.append(sup("loss", self.loss.run))
         self.ledger.begin()
         self.log.info("ckptd_ready", watching=self.watching)
         self.sd.ready(summarize(self.status()))
@@ -472,6 +475,7 @@ class Service:
             body["drill_schedule"] = self.drill_schedule.status()
         body.update({"peers": self.peering.status()} if self.peering is not None else {})
         body.update({"health": self.health.status()} if self.health is not None else {})
+        body.update({"loss": losses} if (losses := self.loss.status()) else {})
         self.quiet.annotate(body["runs"], self.clock.time(), self.metrics)
         self.ledger.annotate(body)
         return body

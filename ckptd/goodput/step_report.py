@@ -1,7 +1,8 @@
 """The daemon's side of the trainer's step report (``ckptd.trainer.report_step``): where the
 trainer is, read from ``<watch dir>/.ckptd/steps.bin`` (the step counter,
 ``ckptd.core.handoff.StepCounterLayout``), else from ``steps.json`` (the helpers' fallback
-where the counter cannot be mapped).
+where the counter cannot be mapped); and the losses reported with the steps, from the loss
+ring ``losses.bin`` (``ckptd.core.handoff.LossRingLayout``, ``read_losses``).
 
 Invariant: a report is believed only when whole: a counter slot is taken when two reads
 in a row agree (a read torn by the trainer's concurrent write is retried a few times,
@@ -16,14 +17,30 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.core.handoff import STEP_COUNTER, STEP_LAYOUT, STEPS, StepRecord
+from ckptd.core.handoff import (
+    LOSS_LAYOUT,
+    LOSSES,
+    STEP_COUNTER,
+    STEP_LAYOUT,
+    STEPS,
+    LossReport,
+    StepRecord,
+)
 
 STEP_COUNTER_RELPATH = STEP_COUNTER
 STEPS_RELPATH = STEPS
 # Reads of the counter before a poll gives up on a slot that keeps changing under it.
 READ_TRIES = 5
 
-__all__ = ["STEPS_RELPATH", "STEP_COUNTER_RELPATH", "StepRecord", "StepReports", "read_steps"]
+__all__ = [
+    "STEPS_RELPATH",
+    "STEP_COUNTER_RELPATH",
+    "LossReport",
+    "StepRecord",
+    "StepReports",
+    "read_losses",
+    "read_steps",
+]
 
 
 @dataclass(frozen=True)
@@ -90,3 +107,13 @@ def read_steps(watch_dir: Path) -> StepReports:
     if fallback is not None and (counter.current is None or fallback.at > counter.current.at):
         return StepReports(fallback, counter.current)
     return counter
+
+
+def read_losses(watch_dir: Path, after: int) -> tuple[list[LossReport], int]:
+    """The losses reported in ``watch_dir`` after report ``after`` (oldest first) and the
+    count to pass next time (``LossRingLayout.decode``); none without a ring."""
+    try:
+        data = (watch_dir / LOSSES).read_bytes()
+    except OSError:
+        return [], after
+    return LOSS_LAYOUT.decode(data, after)

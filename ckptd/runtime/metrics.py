@@ -458,6 +458,20 @@ class Metrics(PeerMetrics):
             ["run"],
             registry=r,
         )
+        self.loss_spikes = Counter(
+            "ckptd_loss_spikes",
+            "Loss spikes the trainer reported (report_step(step, loss=...)), by kind: spike"
+            " (a z-score over the window), non-finite; one per episode (docs/health.md).",
+            ["run", "kind"],
+            registry=r,
+        )
+        self.protected_checkpoints = Gauge(
+            "ckptd_protected_checkpoints",
+            "Checkpoints of the run this daemon keeps from retention as a loss spike's"
+            " rollback target, now.",
+            ["run"],
+            registry=r,
+        )
         # -- peer replication (ckptd.peers; docs/peers.md): ``PeerMetrics``, last --------
         super().__init__(r)
 

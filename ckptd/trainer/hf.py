@@ -13,6 +13,11 @@ The Trainer writes the checkpoint itself (``<output_dir>/checkpoint-<step>/``, w
 ``CkptdCallback(follow_advice=True)`` also saves on the daemon's advised interval
 (``ckptd.trainer.cadence``), beside or instead of ``save_steps``; either way the callback
 reports each save's blocking time to the daemon, which is what the advice is made of.
+
+The training loss the Trainer logs (every ``logging_steps``, already a Python float: the
+Trainer took it off the device for its log) goes to the daemon with the step
+(``report_step(step, loss=...)``, docs/health.md "The training's own health"); no step
+waits for the device for it.
 """
 
 from __future__ import annotations
@@ -91,6 +96,19 @@ class CkptdCallback(TrainerCallback):
             report_resumed(
                 f"checkpoint-{state.global_step}" if state.global_step else None, watch_dir=where
             )
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Pass the logged training loss on with its step (a float the Trainer made)."""
+        loss = (logs or {}).get("loss")
+        if isinstance(loss, float | int) and not isinstance(loss, bool):
+            report_step(state.global_step, loss=float(loss))
 
     def on_step_end(
         self,

@@ -11,6 +11,10 @@ The checkpoint is ``preempt-step=<global_step>.ckpt`` in the ``ModelCheckpoint``
 (else ``trainer.default_root_dir``), written by ``trainer.save_checkpoint``, which saves
 through an fsspec transaction (temporary file, then rename): the daemon never sees half.
 
+Each batch's loss (``training_step``'s ``loss``) goes to the daemon with the step
+(``report_step(step, loss=...)``, docs/health.md) when it is a Python number or a tensor
+in host memory: one on a GPU is left there, as reading it would wait for the device.
+
 Built on ``lightning.pytorch`` when installed, else ``pytorch_lightning``; Lightning calls
 callbacks by hook name, so the one class serves a Trainer of either package.
 """
@@ -114,7 +118,8 @@ class CkptdLightningCallback(Callback):
     ) -> None:
         """Save now and ask the trainer to stop, once, when a notice has arrived; train
         on after the save when the notice asks for a save only (a health ``save``)."""
-        report_step(trainer.global_step)  # for ckptd exec's goodput (cheap: see steps.py)
+        # For ckptd exec's goodput and the loss-spike rule (cheap: see steps.py).
+        report_step(trainer.global_step, loss=_host_loss(outputs))
         if self.saved_path is not None:
             return
         # Every rank runs this at every batch: the all-reduce inside is a collective, one
@@ -171,3 +176,15 @@ class CkptdLightningCallback(Callback):
                 "to keep both.",
                 signal.Signals(requeue_signal).name,
             )
+
+
+def _host_loss(outputs: Any) -> float | None:
+    """The batch's loss when reading it costs no device sync: a number, or a one-element
+    tensor in host memory; None otherwise (a GPU tensor, no loss)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if isinstance(loss, float | int) and not isinstance(loss, bool):
+        return float(loss)
+    device = getattr(loss, "device", None)
+    if getattr(device, "type", None) == "cpu" and getattr(loss, "numel", lambda: 0)() == 1:
+        return float(loss.detach())  # type: ignore[union-attr]
+    return None

@@ -15,6 +15,15 @@ Where the counter cannot be mapped (a file system without shared writable mappin
 report replaces ``steps.json`` instead (tmp + rename; the same fields as JSON) at most
 every ``CKPTD_STEP_REPORT_SECONDS`` (default 5; 0: every call).
 
+With ``loss=`` the report carries the step's training loss too (optional: a report
+without one is as before): written into ``<watch dir>/.ckptd/losses.bin``, a mapped ring of
+the last reports (``ckptd.core.handoff.LossRingLayout``; the same cost, two
+``pack_into``), which the daemon reads for its loss-spike rule (docs/health.md, "The
+training's own health"). Pass a Python float (``loss.item()`` where the trainer already
+takes it): a tensor on a GPU is turned into one here, which waits for the device. Where
+the counter cannot be mapped, the last loss rides in ``steps.json``'s optional ``loss``
+field (older readers ignore it).
+
 Only local rank 0 reports (every rank is at the same step). Never raises: a report that
 cannot be made is logged at debug level and the training goes on.
 """
@@ -23,14 +32,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import mmap
 import os
 import time
 from pathlib import Path
 
-from ckptd.core.handoff import STEP_COUNTER, STEP_LAYOUT, STEPS
+from ckptd.core.handoff import LOSS_LAYOUT, LOSSES, STEP_COUNTER, STEP_LAYOUT, STEPS
 
-__all__ = ["STEPS_RELPATH", "STEP_COUNTER_RELPATH", "report_step"]
+__all__ = ["LOSSES_RELPATH", "STEPS_RELPATH", "STEP_COUNTER_RELPATH", "report_step"]
+
+LOSSES_RELPATH = LOSSES
 
 STEP_COUNTER_RELPATH = STEP_COUNTER
 STEPS_RELPATH = STEPS
@@ -68,8 +80,13 @@ class _Counter:
         self.first_step, self.first_at = int(step), now
         self.view = memoryview(self.map)  # held for the process's life: never unmapped
         self.pack_record, self.pack_seq = layout.RECORD.pack_into, layout.SEQ.pack_into
+        self.losses_at = path.parent / LOSSES.name
+        self.ring: _LossRing | None = None
+        self.ring_failed = False
 
-    def write(self, step: int, now: float) -> None:
+    def write(self, step: int, now: float, loss: float | None = None) -> None:
+        if loss is not None:
+            self.write_loss(step, loss)
         n = self.seq + 1
         self.pack_record(
             self.view,
@@ -84,6 +101,49 @@ class _Counter:
         )
         self.pack_seq(self.view, self.seq_at, n)  # after the record: it names it
         self.seq = n
+
+    def write_loss(self, step: int, loss: float) -> None:
+        ring = self.ring
+        if ring is None:
+            if self.ring_failed:
+                return
+            try:
+                ring = self.ring = _LossRing(self.losses_at)
+            except (OSError, ValueError) as exc:  # losses are dropped, steps go on
+                log.debug("ckptd: cannot map the loss ring: %s", exc)
+                self.ring_failed = True
+                return
+        ring.write(step, loss)
+
+
+class _LossRing:
+    """The mapped loss ring (``ckptd.core.handoff.LossRingLayout``), counting on from the
+    reports already in it (another process's before this one)."""
+
+    def __init__(self, path: Path) -> None:
+        layout = LOSS_LAYOUT
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            before = os.pread(fd, layout.HEADER.size + layout.COUNT.size, 0)
+            if before[: layout.HEADER.size] != layout.header() or os.fstat(fd).st_size != (
+                layout.SIZE
+            ):
+                os.pwrite(fd, layout.header() + bytes(layout.COUNT.size), 0)
+                os.ftruncate(fd, layout.SIZE)
+            self.map = mmap.mmap(fd, layout.SIZE)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self.map)  # held for the process's life: never unmapped
+        self.count_at = layout.HEADER.size
+        (self.count,) = layout.COUNT.unpack_from(self.view, self.count_at)
+        self.pack_record, self.pack_count = layout.RECORD.pack_into, layout.COUNT.pack_into
+        self.record_at = layout.record
+
+    def write(self, step: int, loss: float) -> None:
+        n = self.count + 1
+        self.pack_record(self.view, self.record_at(n), n, step, loss)
+        self.pack_count(self.view, self.count_at, n)  # after the record: it names it
+        self.count = n
 
 
 def _own_start_ticks() -> int:
@@ -109,17 +169,19 @@ class _JsonReport:
             seconds = DEFAULT_REPORT_SECONDS
         self.every = max(0.0, seconds)
 
-    def write(self, step: int, now: float) -> None:
+    def write(self, step: int, now: float, loss: float | None = None) -> None:
         if now - self.written_at < self.every:
             return
         self.written_at = now
-        body = {
+        body: dict[str, object] = {
             "step": step,
             "at": now,
             "pid": os.getpid(),
             "first_step": self.first[0],
             "first_at": self.first[1],
         }
+        if loss is not None:
+            body["loss"] = loss if math.isfinite(loss) else str(loss)  # JSON has no NaN
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".steps.{os.getpid()}.tmp")
@@ -136,7 +198,7 @@ class _Nowhere:
     def __init__(self, *, final: bool) -> None:
         self.final = final
 
-    def write(self, step: int, now: float) -> None:
+    def write(self, step: int, now: float, loss: float | None = None) -> None:
         pass
 
 
@@ -177,10 +239,13 @@ def _make(watch_dir: str | os.PathLike[str] | None, step: int, now: float) -> _R
         return _JsonReport(Path(where) / STEPS_RELPATH, step, now)
 
 
-def report_step(step: int, watch_dir: str | os.PathLike[str] | None = None) -> None:
-    """Report that ``step`` steps are done (module doc); a no-op without a watch dir
-    (``watch_dir``, else ``CKPTD_WATCH_DIR``, set by ``ckptd exec``, else the one the
-    process-wide listener watches) or on a local rank other than 0."""
+def report_step(
+    step: int, watch_dir: str | os.PathLike[str] | None = None, *, loss: float | None = None
+) -> None:
+    """Report that ``step`` steps are done (module doc), with the step's training ``loss``
+    when given; a no-op without a watch dir (``watch_dir``, else ``CKPTD_WATCH_DIR``, set
+    by ``ckptd exec``, else the one the process-wide listener watches) or on a local rank
+    other than 0."""
     global _reporter, _given
     now = time.time()
     reporter = _reporter
@@ -192,4 +257,9 @@ def report_step(step: int, watch_dir: str | os.PathLike[str] | None = None) -> N
         reporter = _reporter = _make(watch_dir, step, now)
         _given = watch_dir
     # A plain int is the caller's usual step (int() of a numpy or torch scalar reads it).
-    reporter.write(step if type(step) is int else int(step), now)
+    if loss is not None and type(loss) is not float:
+        try:
+            loss = float(loss)
+        except (TypeError, ValueError):
+            loss = None
+    reporter.write(step if type(step) is int else int(step), now, loss)

@@ -348,6 +348,10 @@ BAD_VALUES = [
     ('[health]\non_fatal = "panic"', "health.on_fatal"),
     ('[health]\non_warning = "ignore"', "health.on_warning"),
     ('[health]\ncondition_file = "relative.json"', "health.condition_file"),
+    ("[health]\nloss_window = 1", "health.loss_window"),
+    ("[health]\nloss_z = 0", "health.loss_z"),
+    ("[health]\nloss_min_reports = 60", "health.loss_min_reports"),
+    ("[health]\nprotect_hours = -1", "health.protect_hours"),
     ('destination = "s3://bucket"', "destination"),
     ('[[watch]]\ndir = "/d/r"\n[[watch]]\ndir = "/e/r"', "watch[1].run_id"),
 ]

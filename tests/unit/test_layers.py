@@ -50,6 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ckptd.health.gpu",
             "ckptd.health.dcgm",
             "ckptd.health.diskstats",
+            "ckptd.health.loss",
         ),
     ),
     (

@@ -1,0 +1,198 @@
+"""The training's own health in the daemon: every watched run's reported losses
+(``ckptd.trainer.report_step(step, loss=...)``) judged by the loss-spike rule
+(``ckptd.health.loss``), and the rollback target kept.
+
+On a spike or a non-finite loss at step S, the newest committed checkpoint of the run's
+live trajectory whose step is below S is protected: a lease with an ``until`` under
+``<run>/.ckptd-restoring/`` (``Repository.take_lease``), which every node's retention and
+``ckptd prune`` honour as they honour a restore's, for ``[health] protect_hours``. When
+the loss is back (the rule's ``stable``) this daemon releases the protections it took;
+otherwise they run out by themselves, and retention removes them once stale. A spike
+before any checkpoint below its step is committed protects the first one that commits.
+
+Invariant: the watch never holds the daemon back and never deletes a checkpoint: a ring
+that cannot be read is no loss, and a store that fails a protection is logged and tried
+again at the next poll, for as long as the episode lasts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptd.commit.lineage import abandoned
+from ckptd.config.health import HealthConfig
+from ckptd.goodput.step_report import read_losses
+from ckptd.health.loss import LossEvent, LossRule, LossTracker
+from ckptd.repository import Repository
+from ckptd.runtime.clock import Clock
+from ckptd.runtime.metrics import Metrics
+
+__all__ = ["LossWatch", "RunLosses", "build_loss_watch"]
+
+# How often the rings are read; a ring holds 4096 reports, so a trainer at under ~1000
+# steps a second loses none between two reads.
+POLL_SECONDS = 2.0
+
+
+@dataclass
+class RunLosses:
+    """One run's losses as the watch follows them."""
+
+    dir: Path
+    tracker: LossTracker
+    after: int = 0  # the last report read from the ring
+    last: tuple[int, float] | None = None  # (step, loss) of the newest report
+    pending: LossEvent | None = None  # a spike whose target is not protected yet
+    protected: dict[str, str] = field(default_factory=dict)  # checkpoint -> lease key
+    spikes: list[dict[str, Any]] = field(default_factory=list)  # the last few events
+
+
+class LossWatch:
+    """Every watched run's losses (module doc)."""
+
+    def __init__(
+        self,
+        health: HealthConfig,
+        watch_dirs: Mapping[str, Path],
+        repo: Repository,
+        metrics: Metrics,
+        clock: Clock,
+        log: Any,
+    ) -> None:
+        rule = LossRule(health.loss_window, health.loss_z, health.loss_min_reports)
+        self.runs = {run: RunLosses(Path(d), LossTracker(rule)) for run, d in watch_dirs.items()}
+        self.protect_seconds = health.protect_hours * 3600.0
+        self.repo, self.metrics, self.clock, self.log = repo, metrics, clock, log
+        for run in self.runs:
+            metrics.protected_checkpoints.labels(run=run).set(0)
+            for kind in ("spike", "non-finite"):
+                metrics.loss_spikes.labels(run=run, kind=kind)
+
+    async def run(self, every: float = POLL_SECONDS) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(every)
+
+    async def poll(self) -> None:
+        """Read each run's new losses, judge them, and protect or release."""
+        for run_id, state in self.runs.items():
+            reports, state.after = await asyncio.to_thread(read_losses, state.dir, state.after)
+            for report in reports:
+                state.last = (report.step, report.loss)
+                event = state.tracker.observe(report.step, report.loss)
+                if event is not None:
+                    await self._on_event(run_id, state, event)
+            if state.pending is not None and self.protect_seconds > 0:
+                await self._protect(run_id, state, state.pending)
+
+    async def _on_event(self, run_id: str, state: RunLosses, event: LossEvent) -> None:
+        self.log.warning(
+            "loss_" + event.kind.replace("-", "_"),
+            run=run_id,
+            step=event.step,
+            loss=event.loss,
+            mean=event.mean,
+            std=event.std,
+            z=event.z,
+        )
+        state.spikes = [*state.spikes[-4:], _event_json(event, self.clock.time())]
+        if event.kind == "stable":
+            state.pending = None
+            await self._release(run_id, state)
+            return
+        self.metrics.loss_spikes.labels(run=run_id, kind=event.kind).inc()
+        state.pending = event  # protected at the end of this poll (or a later one)
+
+    async def _protect(self, run_id: str, state: RunLosses, event: LossEvent) -> None:
+        try:
+            target = await asyncio.to_thread(self._target, run_id, event.step)
+            if target is None:
+                return  # nothing below the spike committed yet: the next poll looks again
+            if target not in state.protected:
+                now = self.clock.time()
+                key = await asyncio.to_thread(
+                    self.repo.take_lease,
+                    run_id,
+                    target,
+                    now=now,
+                    until=now + self.protect_seconds,
+                    why="loss-spike" if event.kind == "spike" else "non-finite",
+                    detail={"step": event.step, "loss": repr(event.loss)},
+                )
+                state.protected[target] = key
+                self.log.warning(
+                    "rollback_target_protected",
+                    run=run_id,
+                    checkpoint=target,
+                    spike_step=event.step,
+                    hours=self.protect_seconds / 3600,
+                )
+            state.pending = None
+        except Exception as exc:  # noqa: BLE001 - the store's faults: tried again next poll
+            self.log.warning("rollback_target_not_protected", run=run_id, error=str(exc))
+        self.metrics.protected_checkpoints.labels(run=run_id).set(len(state.protected))
+
+    def _target(self, run_id: str, step: int) -> str | None:
+        """The newest committed checkpoint on the live line whose step is below ``step``."""
+        committed = [c.manifest for c in self.repo.list_committed(run_id)]
+        latest = self.repo.read_latest(run_id)
+        off_line = abandoned(committed, latest.checkpoint if latest is not None else None)
+        before = [
+            m
+            for m in committed
+            if m.step is not None and m.step < step and m.checkpoint not in off_line
+        ]
+        return before[-1].checkpoint if before else None
+
+    async def _release(self, run_id: str, state: RunLosses) -> None:
+        for name, key in list(state.protected.items()):
+            try:
+                await asyncio.to_thread(self.repo.release_lease, key)
+            except Exception as exc:  # noqa: BLE001 - it runs out by itself
+                self.log.warning("protection_not_released", run=run_id, error=str(exc))
+            else:
+                self.log.info("rollback_target_released", run=run_id, checkpoint=name)
+            del state.protected[name]
+        self.metrics.protected_checkpoints.labels(run=run_id).set(0)
+
+    def status(self) -> dict[str, Any]:
+        """Per run, for ``/v1/status`` ``loss`` (``ckptd status``'s line)."""
+        out = {}
+        for run_id, state in self.runs.items():
+            if state.last is None:
+                continue
+            out[run_id] = {
+                "step": state.last[0],
+                "loss": _number(state.last[1]),
+                "volatile": state.tracker.volatile,
+                "protected": sorted(state.protected),
+                "events": state.spikes,
+            }
+        return out
+
+
+def _number(value: float) -> float | str:
+    """A loss for JSON: NaN and infinities as text."""
+    return value if value == value and abs(value) != float("inf") else repr(value)
+
+
+def _event_json(event: LossEvent, now: float) -> dict[str, Any]:
+    return {"kind": event.kind, "step": event.step, "loss": _number(event.loss), "at": now}
+
+
+def build_loss_watch(service: Any) -> LossWatch:
+    """The watch of every run ``service`` (``ckptd.daemon.service``) ships, in its first
+    tier's store."""
+    runs = service.pipeline.runs
+    return LossWatch(
+        service.settings.health,
+        {run_id: Path(state.dir) for run_id, state in runs.items()},
+        service.pipeline.repo,
+        service.metrics,
+        service.clock,
+        service.log,
+    )
