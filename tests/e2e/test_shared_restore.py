@@ -14,6 +14,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -136,6 +137,12 @@ def scene(tmp_path: Path, s3_dest: str, local_s3: Any, fault_proxy: FaultProxy) 
     commit_files(settings, files)
     yield settings, files
     fault_proxy.open_gate()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Any, timeout: float, what: str) -> None:
@@ -285,3 +292,87 @@ def test_a_node_alone_restores_as_today_and_leaves_no_record(
     assert doc["peer_bytes"] == 0 and doc["store_bytes"] == total
     assert records(settings) == []
     assert NAME in os.listdir(tmp_path / "alone")
+
+
+EXEC_TRAINER = (
+    "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('CKPTD_RESUME_FROM', ''))"
+)
+
+
+def test_fresh_nodes_under_ckptd_exec_share_the_restore_before_the_trainer_starts(
+    tmp_path: Path, scene: Any, s3_dest: str, fault_proxy: FaultProxy
+) -> None:
+    """Two ``ckptd exec`` on fresh nodes (the job replaced whole): each trainer starts on
+    the whole checkpoint, byte for byte, and the store sent it about once."""
+    settings, files = scene
+    total = sum(len(v) for v in files.values())
+    fault_proxy.close_gate(object_gets)
+    fault_proxy.set_down_rate(4 * MiB)
+    procs, told = [], []
+    for rank in range(2):
+        node = tmp_path / f"exec-{rank}"
+        config = node_config(tmp_path, rank, 2, s3_dest, fault_proxy.url)
+        text = config.read_text().replace(
+            'listen = "127.0.0.1:9465"', f'listen = "127.0.0.1:{free_port()}"'
+        )
+        text += f'[metrics]\nlisten = "127.0.0.1:{free_port()}"\n'
+        watch = f'[[watch]]\ndir = {json.dumps(str(node / "run"))}\nrun_id = "run"\n'
+        config.write_text(watch + text + '[preemption]\nprovider = "none"\n')
+        told.append(node / "told.txt")
+        node.mkdir()
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ckptd",
+                    "exec",
+                    "--config",
+                    str(config),
+                    "--",
+                    sys.executable,
+                    "-c",
+                    EXEC_TRAINER,
+                    str(told[-1]),
+                ],
+                env=script_env(node),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+
+    def both_recorded() -> bool:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"exec exited {proc.returncode}: {proc.communicate()[1][-3000:]}"
+                )
+        return len(records(settings)) == 2
+
+    try:
+        wait_until(both_recorded, 120, "two records in the store")
+        fault_proxy.reset_counters()
+        fault_proxy.open_gate()
+        logs = []
+        for proc in procs:
+            _, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+            logs.append(err)
+        for rank in range(2):
+            assert_tree(tmp_path / f"exec-{rank}" / "run", files)
+            assert told[rank].read_text().endswith(NAME)  # the trainer resumed from it
+        restored = [
+            json.loads(line)
+            for err in logs
+            for line in err.splitlines()
+            if line.startswith("{") and '"exec_restored"' in line
+        ]
+        assert len(restored) == 2 and sum(r["store_bytes"] for r in restored) <= 1.1 * total
+        assert any(r["peer_bytes"] > 0 for r in restored), restored
+        assert fault_proxy.bytes_down <= 1.1 * total
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
