@@ -150,7 +150,14 @@ class PeerReader:
                 self._http_only.add(address)
             except (OSError, ValueError, PeerError) as exc:
                 raise PeerReadError(f"{address}: {exc!r}") from exc
-        target = f"/v1/peer/holdings/{hid}/files/{index}"
+        self.get_range(address, f"/v1/peer/holdings/{hid}/files/{index}", start, length, sink)
+
+    def get_range(
+        self, address: str, target: str, start: int, length: int, sink: RangeSink
+    ) -> None:
+        """``length`` bytes from ``start`` of what ``target`` serves, by a signed ranged
+        GET on the kept-alive connection; PeerReadError when ``address`` does not serve
+        them all."""
         response = self.request(address, target, {"Range": f"bytes={start}-{start + length - 1}"})
         try:
             if response.status not in (200, 206):

@@ -139,6 +139,22 @@ def scene(tmp_path: Path, s3_dest: str, local_s3: Any, fault_proxy: FaultProxy) 
     fault_proxy.open_gate()
 
 
+def start_together(
+    tmp: Path, settings: Settings, nodes: int, dest: str, proxy: FaultProxy
+) -> list[subprocess.Popen[str]]:
+    """``nodes`` restores started at once: their data waits (``proxy``'s gate) until every
+    one wrote its record, whatever the machine's load; the store's counters start then."""
+    proxy.close_gate(object_gets)
+    procs = [
+        start_restore(tmp, node_config(tmp, rank, nodes, dest, proxy.url), tmp / f"node-{rank}")
+        for rank in range(nodes)
+    ]
+    wait_until(lambda: len(records(settings)) == nodes, 120, f"{nodes} records in the store")
+    proxy.reset_counters()
+    proxy.open_gate()
+    return procs
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -157,20 +173,8 @@ def test_three_nodes_restoring_together_read_each_byte_from_the_store_once(
 ) -> None:
     settings, files = scene
     total = sum(len(v) for v in files.values())
-    # Started together: the data waits until all three have written their records.
-    fault_proxy.close_gate(object_gets)
     fault_proxy.set_down_rate(4 * MiB)
-    procs = [
-        start_restore(
-            tmp_path,
-            node_config(tmp_path, rank, 3, s3_dest, fault_proxy.url),
-            tmp_path / f"node-{rank}",
-        )
-        for rank in range(3)
-    ]
-    wait_until(lambda: len(records(settings)) == 3, 120, "three records in the store")
-    fault_proxy.reset_counters()
-    fault_proxy.open_gate()
+    procs = start_together(tmp_path, settings, 3, s3_dest, fault_proxy)
     docs = [finished(p)[0] for p in procs]
     for rank in range(3):
         assert_tree(tmp_path / f"node-{rank}", files)
@@ -188,19 +192,8 @@ def test_a_node_killed_mid_restore_has_its_share_taken_over(
     tmp_path: Path, scene: Any, s3_dest: str, fault_proxy: FaultProxy
 ) -> None:
     settings, files = scene
-    fault_proxy.close_gate(object_gets)
     fault_proxy.set_down_rate(2 * MiB)
-    procs = [
-        start_restore(
-            tmp_path,
-            node_config(tmp_path, rank, 3, s3_dest, fault_proxy.url),
-            tmp_path / f"node-{rank}",
-        )
-        for rank in range(3)
-    ]
-    wait_until(lambda: len(records(settings)) == 3, 120, "three records in the store")
-    fault_proxy.reset_counters()
-    fault_proxy.open_gate()
+    procs = start_together(tmp_path, settings, 3, s3_dest, fault_proxy)
     # Node 1 dies while the store is sending (a part of a file of its share in flight).
     wait_until(lambda: fault_proxy.bytes_down >= 3 * MiB, 120, "3 MiB out of the store")
     procs[1].send_signal(signal.SIGKILL)

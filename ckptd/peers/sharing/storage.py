@@ -12,7 +12,6 @@ again (the restore's next attempt reads that file from the store or another node
 
 from __future__ import annotations
 
-import http.client
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ckptd.core import checksum
 from ckptd.core.manifest import ManifestFile
 from ckptd.peers.source import PeerReader, PeerReadError
-from ckptd.storage.base import STREAM_PIECE, RangeSink, Storage
+from ckptd.storage.base import RangeSink, Storage
 from ckptd.storage.wrapper import StorageWrapper
 
 if TYPE_CHECKING:
@@ -88,30 +87,15 @@ class SharedStorage(StorageWrapper):
         self, address: str, number: int, start: int, length: int, sink: RangeSink
     ) -> int:
         """Read the range from ``address`` into ``sink``; returns its CRC-32C."""
-        target = f"/v1/share/{self.session.name}/files/{number}"
-        response = self.reader.request(
-            address, target, {"Range": f"bytes={start}-{start + length - 1}"}
-        )
         crc = 0
-        try:
-            if response.status not in (200, 206):
-                response.read()
-                raise PeerReadError(f"{address} answered {response.status} for {target}")
-            pos = 0
-            while pos < length:
-                piece = response.read(min(STREAM_PIECE, length - pos))
-                if not piece:
-                    raise PeerReadError(f"{address} ended {target} at {pos} of {length} bytes")
-                sink(pos, piece)
-                crc = checksum.crc32c(piece, crc)
-                pos += len(piece)
-            response.read()  # nothing may be left unread on a kept-alive connection
-        except (OSError, http.client.HTTPException) as exc:
-            self.reader.drop(address)
-            raise PeerReadError(f"{address}: {exc!r}") from exc
-        except PeerReadError:
-            self.reader.drop(address)
-            raise
+
+        def folded(pos: int, piece: bytes) -> None:
+            nonlocal crc
+            sink(pos, piece)
+            crc = checksum.crc32c(piece, crc)
+
+        target = f"/v1/share/{self.session.name}/files/{number}"
+        self.reader.get_range(address, target, start, length, folded)
         return crc
 
     def _check(self, number: int, start: int, length: int, crc: int, address: str) -> None:
