@@ -5,7 +5,9 @@
 On a spike or a non-finite loss at step S, the newest committed checkpoint of the run's
 live trajectory whose step is below S is protected: a lease with an ``until`` under
 ``<run>/.ckptd-restoring/`` (``Repository.take_lease``), which every node's retention and
-``ckptd prune`` honour as they honour a restore's, for ``[health] protect_hours``. When
+``ckptd prune`` honour as they honour a restore's, for ``[health] protect_hours``; a
+non-finite loss during a spike's episode protects the newest checkpoint below its own
+step too. The rings are read every ``[health] poll_interval_seconds``. When
 the loss is back (the rule's ``stable``) this daemon releases the protections it took;
 otherwise they run out by themselves, and retention removes them once stale. A spike
 before any checkpoint below its step is committed protects the first one that commits.
@@ -33,10 +35,6 @@ from ckptd.runtime.metrics import Metrics
 
 __all__ = ["LossWatch", "RunLosses", "build_loss_watch"]
 
-# How often the rings are read; a ring holds 4096 reports, so a trainer at under ~1000
-# steps a second loses none between two reads.
-POLL_SECONDS = 2.0
-
 
 @dataclass
 class RunLosses:
@@ -46,7 +44,7 @@ class RunLosses:
     tracker: LossTracker
     after: int = 0  # the last report read from the ring
     last: tuple[int, float] | None = None  # (step, loss) of the newest report
-    pending: LossEvent | None = None  # a spike whose target is not protected yet
+    pending: list[LossEvent] = field(default_factory=list)  # targets not protected yet
     protected: dict[str, str] = field(default_factory=dict)  # checkpoint -> lease key
     spikes: list[dict[str, Any]] = field(default_factory=list)  # the last few events
 
@@ -66,16 +64,19 @@ class LossWatch:
         rule = LossRule(health.loss_window, health.loss_z, health.loss_min_reports)
         self.runs = {run: RunLosses(Path(d), LossTracker(rule)) for run, d in watch_dirs.items()}
         self.protect_seconds = health.protect_hours * 3600.0
+        # Read as often as the health sources; a ring holds 4096 reports, so a trainer at
+        # under ~1000 steps a second loses none between two reads at the default 2 s.
+        self.every = health.poll_interval_seconds
         self.repo, self.metrics, self.clock, self.log = repo, metrics, clock, log
         for run in self.runs:
             metrics.protected_checkpoints.labels(run=run).set(0)
             for kind in ("spike", "non-finite"):
                 metrics.loss_spikes.labels(run=run, kind=kind)
 
-    async def run(self, every: float = POLL_SECONDS) -> None:
+    async def run(self) -> None:
         while True:
             await self.poll()
-            await asyncio.sleep(every)
+            await asyncio.sleep(self.every)
 
     async def poll(self) -> None:
         """Read each run's new losses, judge them, and protect or release."""
@@ -86,8 +87,8 @@ class LossWatch:
                 event = state.tracker.observe(report.step, report.loss)
                 if event is not None:
                     await self._on_event(run_id, state, event)
-            if state.pending is not None and self.protect_seconds > 0:
-                await self._protect(run_id, state, state.pending)
+            for event in list(state.pending) if self.protect_seconds > 0 else []:
+                await self._protect(run_id, state, event)
 
     async def _on_event(self, run_id: str, state: RunLosses, event: LossEvent) -> None:
         self.log.warning(
@@ -101,11 +102,11 @@ class LossWatch:
         )
         state.spikes = [*state.spikes[-4:], _event_json(event, self.clock.time())]
         if event.kind == "stable":
-            state.pending = None
+            state.pending.clear()
             await self._release(run_id, state)
             return
         self.metrics.loss_spikes.labels(run=run_id, kind=event.kind).inc()
-        state.pending = event  # protected at the end of this poll (or a later one)
+        state.pending.append(event)  # protected at the end of this poll (or a later one)
 
     async def _protect(self, run_id: str, state: RunLosses, event: LossEvent) -> None:
         try:
@@ -131,7 +132,7 @@ class LossWatch:
                     spike_step=event.step,
                     hours=self.protect_seconds / 3600,
                 )
-            state.pending = None
+            state.pending.remove(event)
         except Exception as exc:  # noqa: BLE001 - the store's faults: tried again next poll
             self.log.warning("rollback_target_not_protected", run=run_id, error=str(exc))
         self.metrics.protected_checkpoints.labels(run=run_id).set(len(state.protected))

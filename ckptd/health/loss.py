@@ -10,8 +10,9 @@ The rule, report by report:
   upward: a loss that falls is no fault. The floor keeps a nearly flat loss (std near 0)
   from turning a wiggle of a thousandth into a spike;
 - the first spike or non-finite loss opens an *episode* (one event, however many bad
-  reports follow); reports judged bad stay out of the window, so the baseline is the
-  loss from before the spike;
+  reports of its kind follow; a first non-finite loss in a spike's episode is one more
+  event: the training got worse); reports judged bad stay out of the window, so the
+  baseline is the loss from before the spike;
 - the episode ends ``stable`` after ``window`` reports in a row judged normal against
   that baseline (the loss came back); or, when the loss settles at a new level (the
   episode's last ``window`` reports all finite and bad), the window starts again from
@@ -73,6 +74,7 @@ class LossTracker:
         self.rule = rule
         self.window: deque[float] = deque(maxlen=rule.window)
         self.episode: LossEvent | None = None  # the event that opened the current one
+        self.kinds: set[str] = set()  # the kinds of event it made
         self.calm = 0  # reports in a row judged normal during an episode
         self.bad: deque[float] = deque(maxlen=rule.window)  # the episode's finite bad ones
         self.reports = 0
@@ -126,7 +128,10 @@ class LossTracker:
         return base if base is not None else (0.0, 0.0)
 
     def _open(self, event: LossEvent) -> LossEvent | None:
-        if self.episode is not None:
+        if self.episode is None:
+            self.episode, self.kinds = event, {event.kind}
+            return event
+        if event.kind in self.kinds:
             return None
-        self.episode = event
+        self.kinds.add(event.kind)
         return event

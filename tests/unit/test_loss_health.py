@@ -51,8 +51,12 @@ def test_a_jump_far_above_the_window_is_one_spike_at_its_step() -> None:
     event = tracker.observe(100, 9.0)
     assert event is not None and event.kind == "spike" and event.step == 100
     assert event.z is not None and event.z > 6 and 1.8 < event.mean < 2.0
-    # The next bad reports belong to the same episode: no second event.
-    assert tracker.observe(101, 8.0) is None and tracker.observe(102, float("nan")) is None
+    # The next bad reports belong to the same episode: no second event of a kind...
+    assert tracker.observe(101, 8.0) is None and tracker.observe(102, 9.5) is None
+    # ... but the first NaN in it is one: the training got worse.
+    nan = tracker.observe(103, float("nan"))
+    assert nan is not None and nan.kind == "non-finite" and nan.step == 103
+    assert tracker.observe(104, float("nan")) is None and tracker.observe(105, 9.0) is None
     assert tracker.volatile
 
 
@@ -258,3 +262,71 @@ def test_a_spike_before_any_checkpoint_below_it_protects_the_first_that_commits(
     commit(repo, 30)  # another node's, say: below the NaN's step
     asyncio.run(loss.poll())
     assert repo.read_protections("run", now=SYSTEM_CLOCK.time()) == {"checkpoint-30": "non-finite"}
+
+
+# -- the callbacks and the status line -----------------------------------------------------
+
+
+def test_the_hf_callback_passes_the_logged_loss_on_with_its_step(
+    tmp_path: Path, fresh_reporter: Any
+) -> None:
+    from transformers import TrainerControl, TrainerState
+
+    import ckptd.trainer
+    from ckptd.trainer.hf import CkptdCallback
+
+    ckptd.trainer.install(tmp_path)  # what the callback uses: the process-wide listener
+    try:
+        callback = CkptdCallback()
+        state = TrainerState()
+        state.global_step = 7
+        logs: dict[str, Any] = {"loss": 2.5, "epoch": 0.1}
+        callback.on_log(None, state, TrainerControl(), logs=logs)  # type: ignore[arg-type]
+        logs = {"eval_loss": 9.0}  # no training loss: nothing
+        callback.on_log(None, state, TrainerControl(), logs=logs)  # type: ignore[arg-type]
+    finally:
+        ckptd.trainer.uninstall()
+    reports, _ = read_losses(tmp_path, 0)
+    assert [(r.step, r.loss) for r in reports] == [(7, 2.5)]
+
+
+def test_the_lightning_callback_reads_a_loss_only_where_it_costs_no_device_sync() -> None:
+    import torch
+
+    from ckptd.trainer.lightning import _host_loss
+
+    assert _host_loss({"loss": torch.tensor(1.5, requires_grad=True) * 1}) == 1.5
+    assert _host_loss(torch.tensor([2.0])) == 2.0 and _host_loss({"loss": 3}) == 3.0
+    assert _host_loss(None) is None and _host_loss(torch.zeros(3)) is None
+
+    class OnGpu:  # what a CUDA tensor shows: its device
+        device = type("device", (), {"type": "cuda"})()
+
+        def numel(self) -> int:
+            return 1
+
+        def detach(self) -> Any:
+            raise AssertionError("read off the device")
+
+    assert _host_loss({"loss": OnGpu()}) is None
+
+
+def test_ckptd_status_has_a_loss_line_with_the_spike_and_what_it_keeps() -> None:
+    from ckptd.cli.statusview import loss_text
+
+    doc = {
+        "loss": {
+            "run": {
+                "step": 112,
+                "loss": "nan",
+                "volatile": True,
+                "protected": ["step-60"],
+                "events": [{"kind": "spike", "step": 70}, {"kind": "non-finite", "step": 110}],
+            }
+        }
+    }
+    (line,) = loss_text(doc)
+    assert line.plain == (
+        "loss: run nan at step 112  non-finite at step 110  kept for a rollback: step-60"
+    )
+    assert loss_text({}) == []
