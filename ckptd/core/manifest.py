@@ -191,6 +191,9 @@ class Manifest(BaseModel):
     name: str | None = None
     trajectory: Trajectory | None = None
     parent: Parent | Literal["scratch"] | None = None
+    # Saved after the trainer reported a non-finite loss (docs/health.md): why, in words;
+    # absent otherwise. Older readers ignore it.
+    suspect: str | None = None
 
     @field_validator("format")
     @classmethod
@@ -256,7 +259,10 @@ class Manifest(BaseModel):
         return (json.dumps(self.to_document(), indent=2, sort_keys=False) + "\n").encode()
 
 
-_OPTIONAL = ("nodes", "save", "digest", "key_id", "signature", "name", "trajectory", "parent")
+_OPTIONAL = (
+    *("nodes", "save", "digest", "key_id", "signature"),
+    *("name", "trajectory", "parent", "suspect"),
+)
 SIGNATURE_DOMAIN = b"ckptd.manifest.signature/1\n"
 
 
@@ -312,6 +318,7 @@ def build_manifest(
     name: str | None = None,
     trajectory: Trajectory | None = None,
     parent: Parent | Literal["scratch"] | None = None,
+    suspect: str | None = None,
 ) -> Manifest:
     """A manifest from ``(path, size, crc32c hex)`` triples; times are epoch seconds.
     ``digests`` (path -> hex, of ``digest_algorithm``) go with an authenticated one."""
@@ -334,6 +341,7 @@ def build_manifest(
         name=name if name is not None and name != checkpoint else None,
         trajectory=trajectory if trajectory is not None and trajectory != ROOT_TRAJECTORY else None,
         parent=parent,
+        suspect=suspect or None,
     )
 
 

@@ -7,7 +7,10 @@ live trajectory whose step is below S is protected: a lease with an ``until`` un
 ``<run>/.ckptd-restoring/`` (``Repository.take_lease``), which every node's retention and
 ``ckptd prune`` honour as they honour a restore's, for ``[health] protect_hours``; a
 non-finite loss during a spike's episode protects the newest checkpoint below its own
-step too. The rings are read every ``[health] poll_interval_seconds``. When
+step too, and each checkpoint committed from its step on (until the episode ends, or
+the trainer reports a step below it: it rolled back) is ``suspect`` in its manifest
+(``suspect``: each tier's shipper asks ``suspect`` before it commits, which reads the
+ring first). The rings are read every ``[health] poll_interval_seconds``. When
 the loss is back (the rule's ``stable``) this daemon releases the protections it took;
 otherwise they run out by themselves, and retention removes them once stale. A spike
 before any checkpoint below its step is committed protects the first one that commits.
@@ -47,6 +50,8 @@ class RunLosses:
     pending: list[LossEvent] = field(default_factory=list)  # targets not protected yet
     protected: dict[str, str] = field(default_factory=dict)  # checkpoint -> lease key
     spikes: list[dict[str, Any]] = field(default_factory=list)  # the last few events
+    nonfinite_at: int | None = None  # the step of the open episode's first non-finite loss
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reader of the ring
 
 
 class LossWatch:
@@ -81,14 +86,33 @@ class LossWatch:
     async def poll(self) -> None:
         """Read each run's new losses, judge them, and protect or release."""
         for run_id, state in self.runs.items():
+            await self._catch_up(run_id, state)
+            for event in list(state.pending) if self.protect_seconds > 0 else []:
+                await self._protect(run_id, state, event)
+
+    async def _catch_up(self, run_id: str, state: RunLosses) -> None:
+        async with state.lock:
             reports, state.after = await asyncio.to_thread(read_losses, state.dir, state.after)
             for report in reports:
                 state.last = (report.step, report.loss)
+                if state.nonfinite_at is not None and report.step < state.nonfinite_at:
+                    state.nonfinite_at = None  # the trainer went back to before it: a rollback
                 event = state.tracker.observe(report.step, report.loss)
                 if event is not None:
                     await self._on_event(run_id, state, event)
-            for event in list(state.pending) if self.protect_seconds > 0 else []:
-                await self._protect(run_id, state, event)
+
+    async def suspect(self, run_id: str, step: int | None) -> str | None:
+        """Why a checkpoint of ``run_id`` at ``step`` being committed now is suspect: saved
+        at or after a non-finite loss of the open episode (the ring read first, so a NaN
+        reported before the save is seen); None otherwise, and for a run not watched."""
+        state = self.runs.get(run_id)
+        if state is None or step is None:
+            return None
+        await self._catch_up(run_id, state)
+        since = state.nonfinite_at
+        if since is None or step < since:
+            return None
+        return f"saved after a non-finite loss at step {since}"
 
     async def _on_event(self, run_id: str, state: RunLosses, event: LossEvent) -> None:
         self.log.warning(
@@ -101,8 +125,11 @@ class LossWatch:
             z=event.z,
         )
         state.spikes = [*state.spikes[-4:], _event_json(event, self.clock.time())]
+        if event.kind == "non-finite":
+            state.nonfinite_at = event.step
         if event.kind == "stable":
             state.pending.clear()
+            state.nonfinite_at = None
             await self._release(run_id, state)
             return
         self.metrics.loss_spikes.labels(run=run_id, kind=event.kind).inc()
@@ -170,6 +197,7 @@ class LossWatch:
                 "step": state.last[0],
                 "loss": _number(state.last[1]),
                 "volatile": state.tracker.volatile,
+                "suspect_from_step": state.nonfinite_at,
                 "protected": sorted(state.protected),
                 "events": state.spikes,
             }
@@ -187,9 +215,9 @@ def _event_json(event: LossEvent, now: float) -> dict[str, Any]:
 
 def build_loss_watch(service: Any) -> LossWatch:
     """The watch of every run ``service`` (``ckptd.daemon.service``) ships, in its first
-    tier's store."""
+    tier's store; every tier's shipper asks it whether a checkpoint is suspect."""
     runs = service.pipeline.runs
-    return LossWatch(
+    watch = LossWatch(
         service.settings.health,
         {run_id: Path(state.dir) for run_id, state in runs.items()},
         service.pipeline.repo,
@@ -197,3 +225,6 @@ def build_loss_watch(service: Any) -> LossWatch:
         service.clock,
         service.log,
     )
+    for tier in service.tiers:
+        tier.pipeline.shipper.suspect_of = watch.suspect
+    return watch

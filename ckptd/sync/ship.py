@@ -29,6 +29,7 @@ import asyncio
 import functools
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
@@ -162,6 +163,8 @@ class Shipper:
         self.host = socket.gethostname()
         self.environment = describe()
         self.files = CheckpointFiles(repo, transfers, journal, file_slots=file_slots, small=small)
+        # (run, step) -> why a checkpoint is suspect, or None (the daemon's loss watch).
+        self.suspect_of: Callable[[str, int | None], Awaitable[str | None]] | None = None
 
     async def ship(self, request: ShipRequest) -> ShipResult:
         """Upload, verify and commit ``request``'s checkpoint (module doc)."""
@@ -192,10 +195,12 @@ class Shipper:
             if cluster is not None:
                 return await self._part_and_commit(request, cluster, files, started, log)
             assert request.slot is not None
+            step = step_of(name)
+            suspect = None if self.suspect_of is None else await self.suspect_of(run, step)
             manifest = build_manifest(
                 run_id=run,
                 checkpoint=request.slot.slot,
-                step=step_of(name),
+                step=step,
                 layout=request.verdict.layout,
                 host=self.host,
                 created_at=request.listing.newest_mtime_ns / 1e9,
@@ -205,6 +210,7 @@ class Shipper:
                 name=name,
                 trajectory=request.trajectory,
                 parent=request.parent,
+                suspect=suspect,
                 **self._digests(files),
             )
             if self.keys is not None:

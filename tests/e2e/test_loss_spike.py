@@ -97,6 +97,11 @@ def test_a_loss_spike_keeps_its_rollback_target_through_retention_and_the_rollba
             for f in manifest.files
         }
         assert set(stored) == {"state.pt", "COMPLETE"} and stored == before
+        # Saved after the NaN: suspect in the manifest; before it: not.
+        why = "saved after a non-finite loss at step 110"
+        assert [repo.resolve(RUN_ID, f"step-{s}").suspect for s in (120, 140)] == [why, why]
+        assert repo.resolve(RUN_ID, next(iter(protected))).suspect is None
+        assert manifest.suspect is None
         metrics = daemon_metrics(daemon)
         assert 'ckptd_loss_spikes_total{kind="spike",run="run"} 1.0' in metrics
         assert 'ckptd_loss_spikes_total{kind="non-finite",run="run"} 1.0' in metrics
@@ -133,6 +138,13 @@ def rollback(
         port=free_port(),
         **where,
     )
+    listed = run_cli("list", "--run", RUN_ID, config=config)
+    assert listed.returncode == 0, listed.stderr
+    # RUN CHECKPOINT STEP SIZE COMMITTED (UTC, ends in Z) STATE
+    rows = listed.stdout.splitlines()[1:]
+    states = {line.split()[1]: line.rsplit("Z", 1)[1].split() for line in rows}
+    assert states["step-140"] == ["latest", "suspect"] and states["step-120"] == ["suspect"]
+    assert states["step-60"] == [], listed.stdout
     done = run_cli(
         "restore", "--run", RUN_ID, "--checkpoint", "step-60", "--to", str(ckpt), config=config
     )
@@ -153,6 +165,6 @@ def rollback(
 
     manifest = wait_until(forked, 120, "the rollback's step-80 as LATEST", details=daemon.log_text)
     assert manifest.lineage.forked_from.checkpoint == "step-60"
-    assert manifest.lineage.id != ""
+    assert manifest.lineage.id != "" and manifest.suspect is None
     stored = repo.storage.get_bytes(object_key(RUN_ID, manifest.checkpoint, "state.pt"))
     assert stored == (ckpt / "step-80" / "state.pt").read_bytes()

@@ -330,3 +330,24 @@ def test_ckptd_status_has_a_loss_line_with_the_spike_and_what_it_keeps() -> None
         "loss: run nan at step 112  non-finite at step 110  kept for a rollback: step-60"
     )
     assert loss_text({}) == []
+
+
+def test_a_checkpoint_saved_after_a_nan_is_suspect_until_the_trainer_goes_back(
+    tmp_path: Path, fresh_reporter: Any
+) -> None:
+    from ckptd.config.health import HealthConfig
+
+    repo = Repository(FileStorage(tmp_path / "store"))
+    watch = tmp_path / "run"
+    loss = LossWatch(HealthConfig(), {"run": watch}, repo, Metrics(), SYSTEM_CLOCK, Log())
+
+    async def asked(step: int) -> str | None:
+        return await loss.suspect("run", step)
+
+    steps.report_step(39, watch, loss=1.0)
+    assert asyncio.run(asked(40)) is None
+    steps.report_step(40, watch, loss=float("nan"))  # not polled yet: the question reads it
+    assert asyncio.run(asked(40)) == "saved after a non-finite loss at step 40"
+    assert asyncio.run(asked(39)) is None and asyncio.run(loss.suspect("other", 50)) is None
+    steps.report_step(20, watch, loss=1.0)  # resumed from before the NaN: a rollback
+    assert asyncio.run(asked(60)) is None

@@ -50,6 +50,7 @@ def _row(checkpoint: TieredCheckpoint) -> dict[str, Any]:
         "name": m.local_name,
         "trajectory": m.lineage.id,
         "abandoned": checkpoint.abandoned,
+        "suspect": m.suspect,
         "step": m.step,
         "total_bytes": m.total_bytes,
         "files": len(m.files),
@@ -83,6 +84,8 @@ def _print_table(tiers: Sequence[TierStore], checkpoints: Sequence[TieredCheckpo
         step = "-" if m.step is None else str(m.step)
         # LATEST's; off the live trajectory (a rollback abandoned it); or neither.
         latest = "latest" if c.latest else "abandoned" if c.abandoned else ""
+        # Saved after a non-finite loss (docs/health.md).
+        latest = f"{latest} suspect".strip() if m.suspect else latest
         line = (
             f"{c.run:<16} {m.checkpoint:<28} {step:>8} {human_bytes(m.total_bytes):>12} "
             f"{m.committed_at:<21} {latest}"
