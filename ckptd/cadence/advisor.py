@@ -51,6 +51,7 @@ from ckptd.cadence.model import (
     advise,
     merge_history,
     restore_interruption,
+    while_volatile,
 )
 from ckptd.config import Settings
 from ckptd.core import handoff, saves
@@ -110,6 +111,7 @@ class RunCadence:
     advice: Advice | None = None
     published: dict[str, Any] | None = None
     history_state: str = "reading"  # the store's history: reading | read | unreadable
+    volatile: bool = False  # the trainer's loss spiked and is not back (ckptd.health.loss)
 
     @property
     def unsaved(self) -> bool:
@@ -202,9 +204,19 @@ class CadenceAdvisor:
 
     # -- advice --------------------------------------------------------------------------
 
+    def set_volatile(self, run: str, volatile: bool) -> None:
+        """The run's loss turned volatile (a spike, a non-finite loss) or came back: the
+        advice shortens meanwhile (``cadence.model.while_volatile``); published at the
+        next flush."""
+        state = self.runs.get(run)
+        if state is not None and state.volatile != volatile:
+            state.volatile = volatile
+            self.refresh(run)
+
     def refresh(self, run: str) -> Advice:
         state = self.runs[run]
-        state.advice = advise(state.view(), self.policy, self.others)
+        advice = advise(state.view(), self.policy, self.others)
+        state.advice = while_volatile(advice, self.policy.bounds) if state.volatile else advice
         self.metrics.advised_interval.labels(run=run).set(state.advice.interval_seconds)
         return state.advice
 

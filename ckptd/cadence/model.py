@@ -512,6 +512,25 @@ def current_interval(saves: Sequence[SaveRecord], save_seconds: float) -> float 
     return max(0.0, statistics.median(gaps) - save_seconds)
 
 
+# The interval's share while the loss is volatile: the rollback target that much nearer.
+VOLATILE_FACTOR = 0.5
+
+
+def while_volatile(advice: Advice, bounds: Bounds) -> Advice:
+    """``advice`` while the run's loss is volatile: both intervals times ``VOLATILE_FACTOR``,
+    never below the bounds' floor or the upload's (``advised_interval``); basis "loss"."""
+    floor = max(bounds.min_interval, advice.upload_seconds - advice.save_seconds)
+    t, r = (
+        min(x, max(floor, x * VOLATILE_FACTOR))
+        for x in (advice.interval_seconds, advice.restart_interval_seconds)
+    )
+    cost = expected_cost(t, advice.save_seconds, advice.mtbf_seconds, advice.upload_seconds)
+    basis = {**advice.basis, "loss": "volatile"}
+    return replace(
+        advice, interval_seconds=t, restart_interval_seconds=r, basis=basis, advised=cost
+    )
+
+
 def advise(history: History, policy: CadencePolicy, others: OtherRuns = NO_OTHER_RUNS) -> Advice:
     """The advised cadence for a run with ``history``, and ``others``' on the same store."""
     save, upload, save_basis, used = recent_costs(history.saves)
@@ -550,6 +569,7 @@ __all__ = [
     "MERGE_SECONDS",
     "NO_OTHER_RUNS",
     "PRIOR_WEIGHT",
+    "VOLATILE_FACTOR",
     "Advice",
     "Bounds",
     "CadenceCost",
@@ -574,5 +594,6 @@ __all__ = [
     "recent_costs",
     "restart_interval",
     "restore_interruption",
+    "while_volatile",
     "young_interval",
 ]

@@ -23,7 +23,7 @@ again at the next poll, for as long as the episode lasts.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,8 @@ class LossWatch:
         # under ~1000 steps a second loses none between two reads at the default 2 s.
         self.every = health.poll_interval_seconds
         self.repo, self.metrics, self.clock, self.log = repo, metrics, clock, log
+        # Told when a run's loss turns volatile or comes back (the cadence advisor).
+        self.on_volatile: Callable[[str, bool], None] = lambda run, volatile: None
         for run in self.runs:
             metrics.protected_checkpoints.labels(run=run).set(0)
             for kind in ("spike", "non-finite"):
@@ -100,6 +102,8 @@ class LossWatch:
                 event = state.tracker.observe(report.step, report.loss)
                 if event is not None:
                     await self._on_event(run_id, state, event)
+            if reports:
+                self.on_volatile(run_id, state.tracker.volatile)
 
     async def suspect(self, run_id: str, step: int | None) -> str | None:
         """Why a checkpoint of ``run_id`` at ``step`` being committed now is suspect: saved
@@ -227,4 +231,5 @@ def build_loss_watch(service: Any) -> LossWatch:
     )
     for tier in service.tiers:
         tier.pipeline.shipper.suspect_of = watch.suspect
+    watch.on_volatile = service.advisor.set_volatile
     return watch

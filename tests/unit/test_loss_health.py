@@ -351,3 +351,60 @@ def test_a_checkpoint_saved_after_a_nan_is_suspect_until_the_trainer_goes_back(
     assert asyncio.run(asked(39)) is None and asyncio.run(loss.suspect("other", 50)) is None
     steps.report_step(20, watch, loss=1.0)  # resumed from before the NaN: a rollback
     assert asyncio.run(asked(60)) is None
+
+
+# -- the cadence while the loss is volatile -------------------------------------------------
+
+
+def test_the_advice_halves_while_the_loss_is_volatile_within_its_floors() -> None:
+    from ckptd.cadence.model import Bounds, History, SaveRecord, advise, while_volatile
+    from ckptd.cadence.model import CadencePolicy as Policy
+
+    saves = (SaveRecord("checkpoint-1", 0.0, 30.0, 10.0, "trainer"),)  # 30 s a save
+    usual = advise(History("run", saves=saves), Policy())
+    short = while_volatile(usual, Bounds())
+    assert short.interval_seconds == usual.interval_seconds / 2 > 60
+    assert short.basis == {**usual.basis, "loss": "volatile"}
+    assert short.advised.interval_seconds == short.interval_seconds
+    floored = while_volatile(usual, Bounds(min_interval=usual.interval_seconds * 0.9))
+    assert floored.interval_seconds == usual.interval_seconds * 0.9
+    never_longer = while_volatile(usual, Bounds(min_interval=usual.interval_seconds * 2))
+    assert never_longer.interval_seconds == usual.interval_seconds
+
+
+def test_a_spike_shortens_the_runs_advice_until_the_loss_is_back(
+    tmp_path: Path, fresh_reporter: Any
+) -> None:
+    from ckptd.cadence.advisor import CadenceAdvisor
+    from ckptd.config import load_settings
+    from ckptd.config.health import HealthConfig
+
+    watch = tmp_path / "run"
+    settings = load_settings(
+        None,
+        overrides={
+            "destination": {"url": f"file://{tmp_path / 'store'}"},
+            "watch": [{"dir": str(watch), "run_id": "run"}],
+        },
+    )
+    repo = Repository(FileStorage(tmp_path / "store"))
+    advisor = CadenceAdvisor(settings, repo, Metrics(), {"run": watch})
+    advisor.record_save("run", "checkpoint-1", 0.0, 30.0, 10.0, emergency=False)
+    usual = advisor.refresh("run").interval_seconds
+    assert usual > 120  # room to halve above the 60 s floor
+    health = HealthConfig(loss_window=30, loss_min_reports=20)
+    loss = LossWatch(health, {"run": watch}, repo, Metrics(), SYSTEM_CLOCK, Log())
+    loss.on_volatile = advisor.set_volatile
+    losses = noisy(100)
+    for step in range(1, 26):
+        steps.report_step(step, watch, loss=losses[step])
+    steps.report_step(26, watch, loss=40.0)
+    asyncio.run(loss.poll())
+    advice = advisor.advice_json()["runs"]["run"]
+    assert advice["interval_seconds"] == round(usual / 2, 3)
+    assert advice["basis"]["loss"] == "volatile"
+    for step in range(27, 60):
+        steps.report_step(step, watch, loss=losses[step])
+    asyncio.run(loss.poll())
+    advice = advisor.advice_json()["runs"]["run"]
+    assert advice["interval_seconds"] == round(usual, 3) and "loss" not in advice["basis"]
