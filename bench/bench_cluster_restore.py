@@ -1,7 +1,7 @@
 """A 4-node cluster restore that reads each byte from the store once (#46, bench (b)).
 
 ```sh
-.venv/bin/python bench/bench_cluster_restore.py             # 2 GiB, 3 rounds (~10 min)
+.venv/bin/python bench/bench_cluster_restore.py             # 2 GiB, 3 rounds (~12 min)
 .venv/bin/python bench/bench_cluster_restore.py --smoke     # 64 MiB, 1 round (~30 s)
 .venv/bin/python bench/bench_cluster_restore.py --log-dir bench/results/cluster-restore
 ```
@@ -178,9 +178,13 @@ def run_case(
     digests: dict[str, str],
     logs: Path,
     label: str,
+    restore_root: Path | None = None,
 ) -> Outcome:
     """The four restores at once; their trees checked, then deleted."""
-    targets = [node.root / "restored" for node in nodes]
+    targets = [
+        (restore_root / f"node-{node.rank}") if restore_root else (node.root / "restored")
+        for node in nodes
+    ]
     for to in targets:
         shutil.rmtree(to, ignore_errors=True)
     subprocess.run(["sync"], check=False)
@@ -248,57 +252,70 @@ def run_case(
 
 
 def measure(work: Path, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    prefix = f"cluster-{secrets.token_hex(3)}"
+    restore_root = None
+    if args.restore_dir:
+        restore_root = Path(args.restore_dir) / f"ckptd-bench-cluster-restore-{prefix}"
+    # The store's link unshaped while the checkpoint goes in; shaped for the restores.
+    try:
+        with peer_rig(work, store=Shape(), prefix=prefix) as pr:
+            return _measure(pr, work, args, logs, restore_root)
+    finally:
+        if restore_root is not None:
+            shutil.rmtree(restore_root, ignore_errors=True)
+
+
+def _measure(
+    pr: PeerRig, work: Path, args: argparse.Namespace, logs: Path, restore_root: Path | None
+) -> dict[str, Any]:
     node_shape, store_shape = Shape(args.node_mbit), Shape(args.store_mbit)
     total = args.mib * MIB
-    prefix = f"cluster-{secrets.token_hex(3)}"
-    # The store's link unshaped while the checkpoint goes in; shaped for the restores.
-    with peer_rig(work, store=Shape(), prefix=prefix) as pr:
-        started = time.monotonic()
-        digests = commit_checkpoint(pr, work, total, args.shards)
-        committed = sum(
-            o["Size"]
-            for o in pr.client()
-            .list_objects_v2(Bucket=BUCKET, Prefix=f"{pr.prefix}/{RUN_ID}/{NAME}/")
-            .get("Contents", [])
-            if not o["Key"].endswith(".json")
+    started = time.monotonic()
+    digests = commit_checkpoint(pr, work, total, args.shards)
+    committed = sum(
+        o["Size"]
+        for o in pr.client()
+        .list_objects_v2(Bucket=BUCKET, Prefix=f"{pr.prefix}/{RUN_ID}/{NAME}/")
+        .get("Contents", [])
+        if not o["Key"].endswith(".json")
+    )
+    print(f"  committed {committed / MIB:.0f} MiB in {time.monotonic() - started:.1f} s")
+    pr.rig.reshape(pr.store_host, store_shape)
+    nodes = [
+        pr.add_node(
+            rank, nodes=NODES, shape=node_shape, start=False, peers={"share_restores": True}
         )
-        print(f"  committed {committed / MIB:.0f} MiB in {time.monotonic() - started:.1f} s")
-        pr.rig.reshape(pr.store_host, store_shape)
-        nodes = [
-            pr.add_node(
-                rank, nodes=NODES, shape=node_shape, start=False, peers={"share_restores": True}
+        for rank in range(NODES)
+    ]
+    shared = [n.config for n in nodes]
+    alone = []
+    for node in nodes:
+        path = node.root / "store-only.toml"
+        text = node.config.read_text()
+        assert "[peers]\nenabled = true" in text
+        path.write_text(text.replace("[peers]\nenabled = true", "[peers]\nenabled = false"))
+        alone.append(path)
+    mib = 16 if args.smoke else 64
+    links = {
+        "store -> node": pr.rig.measure(pr.store_host, nodes[0].host, mib=mib),
+        "node -> store": pr.rig.measure(nodes[1].host, pr.store_host, mib=mib),
+        "node -> node": pr.rig.measure(nodes[2].host, nodes[3].host, mib=mib * 4),
+    }
+    print("  links: " + ", ".join(f"{k} {v:.0f} Mbit/s" for k, v in links.items()))
+    outcomes: dict[str, list[Outcome]] = {c: [] for c in CASES}
+    for round_ in range(args.rounds):
+        k = round_ % len(CASES)
+        for case in CASES[k:] + CASES[:k]:
+            label = f"r{round_ + 1}-{'shared' if case == SHARED else 'every'}"
+            configs = shared if case == SHARED else alone
+            got = run_case(pr, nodes, configs, digests, logs, label, restore_root)
+            outcomes[case].append(got)
+            print(
+                f"  round {round_ + 1} {case}: {got.wall:.1f} s "
+                f"(nodes {', '.join(f'{w:.1f}' for w in got.node_walls)}), "
+                f"store sent {got.store_tx / committed:.2f}x",
+                flush=True,
             )
-            for rank in range(NODES)
-        ]
-        shared = [n.config for n in nodes]
-        alone = []
-        for node in nodes:
-            path = node.root / "store-only.toml"
-            text = node.config.read_text()
-            assert "[peers]\nenabled = true" in text
-            path.write_text(text.replace("[peers]\nenabled = true", "[peers]\nenabled = false"))
-            alone.append(path)
-        mib = 16 if args.smoke else 64
-        links = {
-            "store -> node": pr.rig.measure(pr.store_host, nodes[0].host, mib=mib),
-            "node -> store": pr.rig.measure(nodes[1].host, pr.store_host, mib=mib),
-            "node -> node": pr.rig.measure(nodes[2].host, nodes[3].host, mib=mib * 4),
-        }
-        print("  links: " + ", ".join(f"{k} {v:.0f} Mbit/s" for k, v in links.items()))
-        outcomes: dict[str, list[Outcome]] = {c: [] for c in CASES}
-        for round_ in range(args.rounds):
-            k = round_ % len(CASES)
-            for case in CASES[k:] + CASES[:k]:
-                label = f"r{round_ + 1}-{'shared' if case == SHARED else 'every'}"
-                configs = shared if case == SHARED else alone
-                got = run_case(pr, nodes, configs, digests, logs, label)
-                outcomes[case].append(got)
-                print(
-                    f"  round {round_ + 1} {case}: {got.wall:.1f} s "
-                    f"(nodes {', '.join(f'{w:.1f}' for w in got.node_walls)}), "
-                    f"store sent {got.store_tx / committed:.2f}x",
-                    flush=True,
-                )
     return {
         "committed_bytes": committed,
         "links_mbit": links,
@@ -365,6 +382,12 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="64 MiB, one round")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--log-dir", default=None, help="keep the restores' stderr here")
+    parser.add_argument(
+        "--restore-dir",
+        default=None,
+        help="restore the nodes' trees under this directory (e.g. /dev/shm: a disk per "
+        "node, where the default puts all four on this machine's one disk)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.mib, args.rounds = 64, 1
@@ -374,7 +397,8 @@ def main() -> int:
     print(
         f"{args.mib} MiB checkpoint ({args.shards} shards + .metadata), {NODES} nodes, "
         f"node links {args.node_mbit:g} Mbit/s, store link {args.store_mbit:g} Mbit/s "
-        f"(both ways), {args.rounds} round(s)",
+        f"(both ways), {args.rounds} round(s), the nodes' trees restored under "
+        f"{args.restore_dir or 'the work directory (this machine has one disk)'}",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-cluster-restore-") as tmp:
