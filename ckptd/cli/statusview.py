@@ -188,6 +188,8 @@ def loss_text(doc: Mapping[str, Any]) -> list[Text]:
             text.append(f"  {last.get('kind')} at step {last.get('step')}", style="bold red")
         elif events:
             text.append("  stable", style="green")
+        if body.get("suspect_from_step") is not None:
+            text.append(f"  saves from step {body['suspect_from_step']} suspect", style="red")
         if body.get("protected"):
             text.append(f"  kept for a rollback: {', '.join(body['protected'])}", style="yellow")
         lines.append(text)

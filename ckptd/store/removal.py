@@ -140,6 +140,12 @@ def plan_removal(
             "or goes with the last one)"
         )
     leased, _ = repo.read_leases(run_id, now=time.time() if now is None else now)
+    kept = repo.read_protections(run_id, now=time.time() if now is None else now)
+    if (held := sorted(going & set(kept))) and not force:
+        raise RemovalRefusedError(
+            f"{where}: {', '.join(held)} is kept as a rollback target ({kept[held[0]]}: "
+            f"docs/health.md, a lease under {lease_prefix(run_id)}): --force to remove it"
+        )
     reading = sorted(going & leased)
     if reading and not force:
         raise RemovalRefusedError(

@@ -321,13 +321,15 @@ def test_ckptd_status_has_a_loss_line_with_the_spike_and_what_it_keeps() -> None
                 "loss": "nan",
                 "volatile": True,
                 "protected": ["step-60"],
+                "suspect_from_step": 110,
                 "events": [{"kind": "spike", "step": 70}, {"kind": "non-finite", "step": 110}],
             }
         }
     }
     (line,) = loss_text(doc)
     assert line.plain == (
-        "loss: run nan at step 112  non-finite at step 110  kept for a rollback: step-60"
+        "loss: run nan at step 112  non-finite at step 110  saves from step 110 suspect"
+        "  kept for a rollback: step-60"
     )
     assert loss_text({}) == []
 
@@ -408,3 +410,15 @@ def test_a_spike_shortens_the_runs_advice_until_the_loss_is_back(
     asyncio.run(loss.poll())
     advice = advisor.advice_json()["runs"]["run"]
     assert advice["interval_seconds"] == round(usual, 3) and "loss" not in advice["basis"]
+
+
+def test_ckptd_rm_refuses_a_rollback_target_without_force(tmp_path: Path) -> None:
+    from ckptd.store.removal import RemovalRefusedError, plan_removal
+
+    repo = Repository(FileStorage(tmp_path / "store"))
+    for step in (10, 20):
+        commit(repo, step)
+    repo.take_lease("run", "checkpoint-10", now=0.0, until=4e9, why="loss-spike")
+    with pytest.raises(RemovalRefusedError, match="kept as a rollback target"):
+        plan_removal(repo, "run", "checkpoint-10", now=1000.0)
+    assert plan_removal(repo, "run", "checkpoint-10", now=1000.0, force=True) is not None
