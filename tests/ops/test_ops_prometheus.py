@@ -41,6 +41,7 @@ ALERTS = {
     "CkptdNodeUnhealthy",
     "CkptdHealthSourceDown",
     "CkptdDiskTooFullForNextSave",
+    "CkptdLossSpike",
     "CkptdDown",
 }
 
