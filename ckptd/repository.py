@@ -533,15 +533,19 @@ class Repository:
                 stale.append(key)
         return fresh, stale
 
-    def read_protections(self, run_id: str, *, now: float) -> dict[str, str]:
+    def read_protections(
+        self, run_id: str, *, now: float, keys: dict[str, str] | None = None
+    ) -> dict[str, str]:
         """The checkpoints a fresh protection (a lease with an ``until``) keeps, each with
-        why (``loss-spike``, ``non-finite``); restores' leases are not listed."""
+        why (``loss-spike``, ``non-finite``), and into ``keys`` its lease's key; restores'
+        leases are not listed."""
         found: dict[str, str] = {}
         for key, body in self._lease_bodies(run_id):
             why = lease_why(body)
             name = lease_checkpoint(body, key.rsplit("/", 1)[-1])
             if why != "restore" and name is not None and lease_is_fresh(body, now):
                 found[name] = why
+                (keys if keys is not None else {})[name] = key
         return found
 
     def _lease_bodies(self, run_id: str) -> list[tuple[str, bytes]]:

@@ -12,7 +12,9 @@ the trainer reports a step below it: it rolled back) is ``suspect`` in its manif
 (``suspect``: each tier's shipper asks ``suspect`` before it commits, which reads the
 ring first). The rings are read every ``[health] poll_interval_seconds``. When
 the loss is back (the rule's ``stable``) this daemon releases the protections it took;
-otherwise they run out by themselves, and retention removes them once stale. A spike
+otherwise they run out by themselves, and retention removes them once stale. A target
+protected already (by this daemon before a restart, which reads the ring again from its
+start, or by another node's) is adopted, not protected twice: its ``until`` stands. A spike
 before any checkpoint below its step is committed protects the first one that commits.
 
 Invariant: the watch never holds the daemon back and never deletes a checkpoint: a ring
@@ -23,6 +25,7 @@ again at the next poll, for as long as the episode lasts.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +55,7 @@ class RunLosses:
     spikes: list[dict[str, Any]] = field(default_factory=list)  # the last few events
     nonfinite_at: int | None = None  # the step of the open episode's first non-finite loss
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reader of the ring
+    release_due: bool = False  # the loss came back: release the protections
 
 
 class LossWatch:
@@ -101,9 +105,12 @@ class LossWatch:
                     state.nonfinite_at = None  # the trainer went back to before it: a rollback
                 event = state.tracker.observe(report.step, report.loss)
                 if event is not None:
-                    await self._on_event(run_id, state, event)
+                    self._on_event(run_id, state, event)
             if reports:
                 self.on_volatile(run_id, state.tracker.volatile)
+        if state.release_due:
+            state.release_due = False
+            await self._release(run_id, state)
 
     async def suspect(self, run_id: str, step: int | None) -> str | None:
         """Why a checkpoint of ``run_id`` at ``step`` being committed now is suspect: saved
@@ -118,7 +125,7 @@ class LossWatch:
             return None
         return f"saved after a non-finite loss at step {since}"
 
-    async def _on_event(self, run_id: str, state: RunLosses, event: LossEvent) -> None:
+    def _on_event(self, run_id: str, state: RunLosses, event: LossEvent) -> None:
         self.log.warning(
             "loss_" + event.kind.replace("-", "_"),
             run=run_id,
@@ -134,7 +141,7 @@ class LossWatch:
         if event.kind == "stable":
             state.pending.clear()
             state.nonfinite_at = None
-            await self._release(run_id, state)
+            state.release_due = True  # after the ring's lock: a commit may be waiting on it
             return
         self.metrics.loss_spikes.labels(run=run_id, kind=event.kind).inc()
         state.pending.append(event)  # protected at the end of this poll (or a later one)
@@ -144,8 +151,13 @@ class LossWatch:
             target = await asyncio.to_thread(self._target, run_id, event.step)
             if target is None:
                 return  # nothing below the spike committed yet: the next poll looks again
-            if target not in state.protected:
-                now = self.clock.time()
+            now = self.clock.time()
+            held: dict[str, str] = {}
+            read = functools.partial(self.repo.read_protections, run_id, now=now, keys=held)
+            await asyncio.to_thread(read)
+            if target in held:  # this daemon's before a restart, or another node's: adopted
+                state.protected.setdefault(target, held[target])
+            elif target not in state.protected:
                 key = await asyncio.to_thread(
                     self.repo.take_lease,
                     run_id,

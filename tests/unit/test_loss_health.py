@@ -422,3 +422,28 @@ def test_ckptd_rm_refuses_a_rollback_target_without_force(tmp_path: Path) -> Non
     with pytest.raises(RemovalRefusedError, match="kept as a rollback target"):
         plan_removal(repo, "run", "checkpoint-10", now=1000.0)
     assert plan_removal(repo, "run", "checkpoint-10", now=1000.0, force=True) is not None
+
+
+def test_a_restarted_daemon_adopts_the_protection_it_took_and_releases_it_later(
+    tmp_path: Path, fresh_reporter: Any
+) -> None:
+    from ckptd.config.health import HealthConfig
+    from ckptd.repository import lease_prefix
+
+    repo = Repository(FileStorage(tmp_path / "store"))
+    watch = tmp_path / "run"
+    commit(repo, 20)
+    health = HealthConfig(loss_window=30, loss_min_reports=20)
+    losses = noisy(100)
+    for step in range(1, 26):
+        steps.report_step(step, watch, loss=losses[step])
+    steps.report_step(26, watch, loss=40.0)
+    for _ in range(2):  # the daemon, then the same after a restart: the ring read again
+        watch_ = LossWatch(health, {"run": watch}, repo, Metrics(), SYSTEM_CLOCK, Log())
+        asyncio.run(watch_.poll())
+        assert watch_.status()["run"]["protected"] == ["checkpoint-20"]
+    assert len(list(repo.storage.list_objects(lease_prefix("run")))) == 1
+    for step in range(27, 60):
+        steps.report_step(step, watch, loss=losses[step])
+    asyncio.run(watch_.poll())
+    assert list(repo.storage.list_objects(lease_prefix("run"))) == []
