@@ -10,7 +10,9 @@ non-finite loss during a spike's episode protects the newest checkpoint below it
 step too, and each checkpoint committed from its step on (until the episode ends, or
 the trainer reports a step below it: it rolled back) is ``suspect`` in its manifest
 (``suspect``: each tier's shipper asks ``suspect`` before it commits, which reads the
-ring first). The rings are read every ``[health] poll_interval_seconds``. When
+ring first). The rings are read every ``[health] poll_interval_seconds`` (where a
+trainer could not map one, the last loss of its ``steps.json``: a sample every few
+seconds). When
 the loss is back (the rule's ``stable``) this daemon releases the protections it took;
 otherwise they run out by themselves, and retention removes them once stale. A target
 protected already (by this daemon before a restart, which reads the ring again from its
@@ -33,7 +35,7 @@ from typing import Any
 
 from ckptd.commit.lineage import abandoned
 from ckptd.config.health import HealthConfig
-from ckptd.goodput.step_report import read_losses
+from ckptd.goodput.step_report import read_json_loss, read_losses
 from ckptd.health.loss import LossEvent, LossRule, LossTracker
 from ckptd.repository import Repository
 from ckptd.runtime.clock import Clock
@@ -56,6 +58,7 @@ class RunLosses:
     nonfinite_at: int | None = None  # the step of the open episode's first non-finite loss
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reader of the ring
     release_due: bool = False  # the loss came back: release the protections
+    json_seen: int = 0  # the steps.json loss last taken (its time, in microseconds)
 
 
 class LossWatch:
@@ -99,6 +102,10 @@ class LossWatch:
     async def _catch_up(self, run_id: str, state: RunLosses) -> None:
         async with state.lock:
             reports, state.after = await asyncio.to_thread(read_losses, state.dir, state.after)
+            if not reports and not state.after:  # no ring: the steps.json fallback's, sampled
+                sample = await asyncio.to_thread(read_json_loss, state.dir)
+                if sample is not None and sample.n != state.json_seen:
+                    state.json_seen, reports = sample.n, [sample]
             for report in reports:
                 state.last = (report.step, report.loss)
                 if state.nonfinite_at is not None and report.step < state.nonfinite_at:

@@ -38,6 +38,7 @@ __all__ = [
     "LossReport",
     "StepRecord",
     "StepReports",
+    "read_json_loss",
     "read_losses",
     "read_steps",
 ]
@@ -117,3 +118,21 @@ def read_losses(watch_dir: Path, after: int) -> tuple[list[LossReport], int]:
     except OSError:
         return [], after
     return LOSS_LAYOUT.decode(data, after)
+
+
+def read_json_loss(watch_dir: Path) -> LossReport | None:
+    """The fallback's last loss (``steps.json``'s optional ``loss``, ``"nan"``, ``"inf"``
+    or ``"-inf"`` as text), as a report numbered by its time; None without one. Sampled:
+    the helper replaces the file at most every few seconds."""
+    try:
+        doc = json.loads((watch_dir / STEPS_RELPATH).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    loss = doc.get("loss")
+    loss = float(loss) if loss in ("nan", "inf", "-inf") else _number(loss)
+    step, at = _int(doc.get("step")), _number(doc.get("at"))
+    if step is None or at is None or loss is None:
+        return None
+    return LossReport(int(at * 1e6), step, loss)

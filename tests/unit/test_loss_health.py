@@ -447,3 +447,24 @@ def test_a_restarted_daemon_adopts_the_protection_it_took_and_releases_it_later(
         steps.report_step(step, watch, loss=losses[step])
     asyncio.run(watch_.poll())
     assert list(repo.storage.list_objects(lease_prefix("run"))) == []
+
+
+def test_where_no_ring_could_be_mapped_the_steps_json_loss_is_sampled(tmp_path: Path) -> None:
+    from ckptd.config.health import HealthConfig
+    from ckptd.goodput.step_report import read_json_loss
+
+    repo = Repository(FileStorage(tmp_path / "store"))
+    watch = tmp_path / "run"
+    report = steps._JsonReport(watch / steps.STEPS_RELPATH, 1, 0.0)
+    report.every = 0
+    loss = LossWatch(HealthConfig(), {"run": watch}, repo, Metrics(), SYSTEM_CLOCK, Log())
+    report.write(7, 1.5, 0.25)
+    asyncio.run(loss.poll())
+    asyncio.run(loss.poll())  # the same sample: not judged twice
+    assert loss.runs["run"].tracker.reports == 1 and loss.status()["run"]["loss"] == 0.25
+    report.write(8, 2.5, float("inf"))
+    sample = read_json_loss(watch)
+    assert sample is not None and (sample.step, sample.loss) == (8, float("inf"))
+    assert asyncio.run(loss.suspect("run", 8)) == "saved after a non-finite loss at step 8"
+    report.write(9, 3.5)  # a report without a loss
+    assert read_json_loss(watch) is None
