@@ -5,19 +5,24 @@
 On a spike or a non-finite loss at step S, the newest committed checkpoint of the run's
 live trajectory whose step is below S is protected: a lease with an ``until`` under
 ``<run>/.ckptd-restoring/`` (``Repository.take_lease``), which every node's retention and
-``ckptd prune`` honour as they honour a restore's, for ``[health] protect_hours``; a
-non-finite loss during a spike's episode protects the newest checkpoint below its own
-step too, and each checkpoint committed from its step on (until the episode ends, or
-the trainer reports a step below it: it rolled back) is ``suspect`` in its manifest
-(``suspect``: each tier's shipper asks ``suspect`` before it commits, which reads the
-ring first). The rings are read every ``[health] poll_interval_seconds`` (where a
-trainer could not map one, the last loss of its ``steps.json``: a sample every few
-seconds). When
-the loss is back (the rule's ``stable``) this daemon releases the protections it took;
-otherwise they run out by themselves, and retention removes them once stale. A target
-protected already (by this daemon before a restart, which reads the ring again from its
-start, or by another node's) is adopted, not protected twice: its ``until`` stands. A spike
-before any checkpoint below its step is committed protects the first one that commits.
+``ckptd prune`` honour as they honour a restore's, for ``[health] protect_hours``. A
+non-finite loss in a spike's episode protects the newest checkpoint below its own step
+too. A spike before any checkpoint below its step is committed protects the first one
+that commits. When the loss is back (the rule's ``stable``) this daemon releases the
+protections it took; otherwise they run out by themselves, and retention removes them
+once stale. A target protected already (by this daemon before a restart, which reads the
+ring again from its start, or by another node's) is adopted, not protected twice: its
+``until`` stands.
+
+From a non-finite loss at step N until the episode ends, or until the trainer reports a
+step below N (it rolled back), each checkpoint committed at step N or later is
+``suspect`` in its manifest: each tier's shipper asks ``suspect`` before it commits, which
+reads the ring first. The watch also tells the cadence advisor when the loss turns
+volatile and when it is back (``on_volatile``).
+
+The rings are read every ``[health] poll_interval_seconds``; where a trainer could not
+map one, the last loss of its ``steps.json`` is judged instead (a sample every few
+seconds).
 
 Invariant: the watch never holds the daemon back and never deletes a checkpoint: a ring
 that cannot be read is no loss, and a store that fails a protection is logged and tried
@@ -126,7 +131,10 @@ class LossWatch:
         state = self.runs.get(run_id)
         if state is None or step is None:
             return None
-        await self._catch_up(run_id, state)
+        try:
+            await self._catch_up(run_id, state)
+        except Exception as exc:  # noqa: BLE001 - a commit never fails for the loss watch
+            self.log.warning("loss_ring_unread", run=run_id, error=str(exc))
         since = state.nonfinite_at
         if since is None or step < since:
             return None
