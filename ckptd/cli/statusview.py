@@ -331,6 +331,8 @@ def advice_text(doc: Mapping[str, Any]) -> list[Text]:
             f"  (save {float(a.get('save_seconds', 0)):.1f}s {basis.get('save', '?')}, "
             f"MTBF {human_seconds(float(a.get('mtbf_seconds', 0)))} {basis.get('mtbf', '?')})"
         )
+        if basis.get("loss") == "volatile":  # halved while the loss is (docs/health.md)
+            text.append("  halved: loss volatile", "yellow")
         if a.get("history") in ("reading", "unreadable"):  # the store's: prior till then
             text.append(f"  store history {a['history']}", "yellow")
         cost = a.get("expected_cost") or {}

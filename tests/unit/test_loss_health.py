@@ -468,3 +468,15 @@ def test_where_no_ring_could_be_mapped_the_steps_json_loss_is_sampled(tmp_path: 
     assert asyncio.run(loss.suspect("run", 8)) == "saved after a non-finite loss at step 8"
     report.write(9, 3.5)  # a report without a loss
     assert read_json_loss(watch) is None
+
+
+def test_ckptd_status_says_the_cadence_is_halved_while_the_loss_is_volatile() -> None:
+    from ckptd.cli.statusview import advice_text
+
+    advice = {"interval_seconds": 600, "save_seconds": 30, "mtbf_seconds": 86400}
+    calm = {"basis": {"save": "trainer", "mtbf": "prior"}, **advice}
+    volatile = {"basis": {"save": "trainer", "mtbf": "prior", "loss": "volatile"}, **advice}
+    (line,) = advice_text({"advice": {"run": volatile}})
+    assert "halved: loss volatile" in line.plain
+    (line,) = advice_text({"advice": {"run": calm}})
+    assert "halved" not in line.plain
