@@ -97,11 +97,24 @@ def test_claims_are_held_to_this_nodes_share_while_the_others_are_expected() -> 
     assert b.source(0, now=0) == ("store", "")
     assert b.source(1, now=0) == ("store", "")  # 200 of 600 bytes: a third
     assert b.source(2, now=0) == ("wait", "")
-    b.kept(0)  # one of its claims verified: room for the next
-    assert b.source(2, now=0.5) == ("store", "")
-    # Alone once the others had their time to come: every file may be claimed.
+    b.kept(0)  # verified, but while the others may still come it counts all the same
+    assert b.source(2, now=0.5) == ("wait", "")
+    # Alone once the others had their time to come: only what is in flight counts.
+    assert b.source(2, now=2.5) == ("store", "")
     assert b.source(3, now=2.5) == ("store", "")
+    b.kept(1)
     assert b.source(4, now=2.5) == ("store", "")
+
+
+def test_once_the_others_are_met_claims_in_flight_are_held_to_the_share() -> None:
+    b = board([100] * 6)
+    b.heard(A, state(), now=0)
+    b.heard(B, state(), now=0)
+    assert b.source(0, now=1) == ("store", "")
+    assert b.source(1, now=1) == ("store", "")
+    assert b.source(2, now=1) == ("wait", "")  # 200 of 600 bytes in flight: a third
+    b.kept(0)
+    assert b.source(2, now=1) == ("store", "")
 
 
 def test_a_file_larger_than_the_share_is_still_claimed_when_nothing_else_is() -> None:

@@ -14,9 +14,9 @@ the rest from a node that has it (``source``):
 3. a file no live participant claims, or whose claimer has made no progress on it for
    ``stall_seconds``, is claimed by this node and fetched from the store, unless what this
    node has claimed and not yet verified would then pass its share of the checkpoint
-   (its bytes over the live participants; over at least ``expected`` until
-   ``expect_until``, while the others have yet to be met): then it waits for its claims
-   to verify. So
+   (its bytes over the live participants): then it waits for its claims to verify.
+   Until ``expect_until`` (while the others have yet to be met) the share is of at least
+   ``expected`` participants and counts every file this node claimed, verified or not. So
    nodes that start together, each at its own place in the checkpoint, claim apart, and
    none claims all the files at once before it has heard the others;
 4. else (another node is fetching it, and moving) this node waits for that node.
@@ -32,7 +32,7 @@ node verifies every file it keeps.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -108,6 +108,7 @@ class ShareBoard:
         self.expected = 1
         self.expect_until = 0.0
         self.claims: dict[int, int] = {}  # this node's: file -> bytes fetched from the store
+        self.from_store: set[int] = set()  # every file it claimed (its fetch not failed)
         self.verified: set[int] = set()
         self.done = False
         self.peers: dict[str, Seen] = {}
@@ -125,6 +126,7 @@ class ShareBoard:
     def release(self, number: int) -> None:
         """A claimed file's fetch failed: another node may take it at once."""
         self.claims.pop(number, None)
+        self.from_store.discard(number)
         self.version += 1
 
     def kept(self, number: int) -> None:
@@ -203,12 +205,16 @@ class ShareBoard:
             if number in seen.claims and self.live(address, now) and moving:
                 return ("wait", "")
         sharing = 1 + sum(1 for a in self.peers if self.live(a, now))
+        counted: Collection[int] = self.claims.keys()
         if now < self.expect_until:
-            sharing = max(sharing, self.expected)
-        pending = sum(self.sizes[n] for n in self.claims)
-        if self.claims and pending + self.sizes[number] > sum(self.sizes) / sharing:
+            # Before the others could be heard: all this node took from the store counts,
+            # so one that started first does not take more than its share meanwhile.
+            sharing, counted = max(sharing, self.expected), self.from_store
+        used = sum(self.sizes[n] for n in counted)
+        if counted and used + self.sizes[number] > sum(self.sizes) / sharing:
             return ("wait", "")
         self.claims[number] = 0
+        self.from_store.add(number)
         self.version += 1
         return ("store", "")
 
