@@ -102,7 +102,9 @@ class HealthConfig(Section):
         le=86400,
         allow_inf_nan=False,
         description="The store unreachable for longer than this is a degrading event: the "
-        "trainer saves locally, and the checkpoint ships once the store is back.",
+        "trainer saves locally, and the checkpoint ships once the store is back. So is "
+        "every peer of the run unreachable this long, with `[peers]` on (a node cut off "
+        "from its cluster network).",
     )
     save_interval_seconds: float = Field(
         default=600.0,

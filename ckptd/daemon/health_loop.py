@@ -13,7 +13,10 @@ the trainer save, reusing the responder rather than a second way to signal it.
 - ``report``: the log line, the metrics, the condition file.
 
 The store's reachability is the monitor's own probe (``StoreProbe``), not the tier set's
-checks, whose answer waits for the client's timeouts.
+checks, whose answer waits for the client's timeouts. With ``[peers]`` on, the run's
+peers are probed the same way (``ask_peers``: each fresh announced peer's signed
+``/v1/peer/hello``): none answering for ``unreachable_seconds`` is this node cut off from
+its cluster network (``peers-unreachable``), whose collectives are about to fail.
 
 Invariant: the monitor decides, this module only carries out; a save is never started
 while the responder acts on a notice or the first tier's pipeline is not idle.
@@ -128,6 +131,8 @@ class DaemonActions:
         # long is the store unreachable.
         every = min(PROBE_SECONDS, health.unreachable_seconds / 3)
         self.probe = StoreProbe(service.storage.probe, every, service.clock.monotonic)
+        self.peer_addresses: list[str] = []  # the fresh announced peers, as of the last poll
+        self.peer_probe = StoreProbe(self._ask_peers, every, service.clock.monotonic)
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.service.clock.time(), UTC)
@@ -150,6 +155,42 @@ class DaemonActions:
 
     def store(self) -> tuple[bool, str]:
         return self.probe.reading()
+
+    def peers(self) -> tuple[bool, str] | None:
+        peering = self.service.peering
+        if peering is None:
+            return None
+        self.peer_addresses = peering.peer_addresses()  # read here, on the event loop
+        return self.peer_probe.reading() if self.peer_addresses else None
+
+    def _ask_peers(self) -> None:
+        """Every peer's ``/v1/peer/hello``, signed, at once; returns at the first answer,
+        raises when none answered (in the probe's thread)."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        from ckptd.peers.liveness import CONNECT_SECONDS
+        from ckptd.peers.source import PeerReader
+
+        reader = PeerReader(self.service.peering.token)
+
+        def hello(address: str) -> str:
+            try:
+                response = reader.request(address, "/v1/peer/hello", timeout=CONNECT_SECONDS)
+                response.read()
+                return "" if response.status == 200 else f"{address} answered {response.status}"
+            except Exception as exc:  # noqa: BLE001 - any failure is that peer not answering
+                return str(exc) or type(exc).__name__
+            finally:
+                reader.drop(address)
+
+        addresses = list(self.peer_addresses)
+        errors = []
+        with ThreadPoolExecutor(max_workers=min(16, len(addresses) or 1)) as pool:
+            for done in as_completed([pool.submit(hello, a) for a in addresses]):
+                if not done.result():
+                    return
+                errors.append(done.result())
+        raise OSError("no peer answered: " + "; ".join(errors[:3]))
 
     def runs(self) -> dict[str, RunView]:
         out = {}

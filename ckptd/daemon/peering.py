@@ -92,7 +92,7 @@ class Peering:
         self.started_at = clock.time()
         self.notice_until: float | None = None  # Unix time: this node's own notice ends
         self._announcing: set[asyncio.Task[None]] = set()
-        token = read_peer_token(peers)
+        self.token = token = read_peer_token(peers)
         state_dir = Path(settings.state.dir)
         self.store = ReplicaStore(peers.replica_dir(state_dir), peers.quota_bytes, self.log)
         self.own = OwnParts()
@@ -331,6 +331,13 @@ class Peering:
         self.store.close()
 
     # -- what it shows -------------------------------------------------------------------------
+
+    def peer_addresses(self) -> list[str]:
+        """The fresh announced peers' addresses, of every run (the health monitor's)."""
+        rank = self.settings.cluster.rank
+        return sorted(
+            {a.address for run in self.discovery.runs for a in self.discovery.fresh(run, rank)}
+        )
 
     def status(self) -> dict[str, Any]:
         """``/v1/status``'s ``peers``."""

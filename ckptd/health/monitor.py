@@ -62,6 +62,11 @@ class Actions(Protocol):
         """Whether the store answered its last check, and its error if not."""
         ...
 
+    def peers(self) -> tuple[bool, str] | None:
+        """Whether any of the run's peers answered its last check (None: no peers, or
+        none announced), and why not."""
+        ...
+
     def runs(self) -> dict[str, RunView]: ...
 
     async def save(self, event: HealthEvent) -> bool:
@@ -106,6 +111,12 @@ class HealthMonitor:
         self.limit = SaveLimit()
         self.kmsg = KmsgReader(config.kmsg) if config.kmsg else None
         self.reach = Reachability(config.unreachable_seconds)
+        self.peer_reach = Reachability(
+            config.unreachable_seconds,
+            source="peers",
+            kind="peers-unreachable",
+            what="every peer of the run",
+        )
         self.gpus = GpuWatch("dcgm", config.gpu_temperature_celsius)
         self.nvml = NvmlReader() if config.nvml else None
         self.nvml_gpus = GpuWatch("nvml", config.gpu_temperature_celsius)
@@ -227,9 +238,15 @@ class HealthMonitor:
         lost = self.reach.reading(reachable, error, self.wall())
         if lost is not None:
             read.append(("store", lost))
+        peers = self.actions.peers()
+        cut = self.peer_reach.reading(*(peers or (True, "")), self.wall())
+        if cut is not None:
+            read.append(("peers", cut))
         keys = {key for key, _ in read if key}
         if self.reach.lost and "store" in self.active:
             keys.add("store")  # an outage lasts until the store answers
+        if self.peer_reach.lost and "peers" in self.active:
+            keys.add("peers")  # ... and a node cut off, until a peer does
         for key in [k for k in self.active if k not in keys]:
             ended = self.active.pop(key)
             self.log.info("health_condition_ended", source=ended.source, kind=ended.kind)

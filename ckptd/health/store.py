@@ -1,4 +1,5 @@
-"""The store's reachability, read as a health event: lost for longer than a set time.
+"""The store's reachability (and the run's peers'), read as a health event: lost for
+longer than a set time.
 
 Invariant: pure. Each reading (reachable or not) comes with the time it was taken; one
 outage gives one event, when it has lasted ``threshold`` seconds, and the next only
@@ -15,8 +16,16 @@ SOURCE = "store"
 class Reachability:
     """Since when the store has been unreachable, and whether this outage was reported."""
 
-    def __init__(self, threshold: float) -> None:
+    def __init__(
+        self,
+        threshold: float,
+        *,
+        source: str = SOURCE,
+        kind: str = "store-unreachable",
+        what: str = "the store",
+    ) -> None:
         self.threshold = threshold
+        self.source, self.kind, self.what = source, kind, what
         self.lost_since: float | None = None
         self.reported = False
 
@@ -32,10 +41,10 @@ class Reachability:
             return None
         self.reported = True
         return HealthEvent(
-            SOURCE,
-            "store-unreachable",
+            self.source,
+            self.kind,
             "degrading",
-            f"the store has been unreachable for {lost_for:.0f} s: {error or 'no answer'}",
+            f"{self.what} has been unreachable for {lost_for:.0f} s: {error or 'no answer'}",
             at,
             {"lost_since": self.lost_since, "error": error},
         )
