@@ -72,6 +72,15 @@ class HealthConfig(Section):
         allow_inf_nan=False,
         description="A GPU hotter than this (`dcgm_url`, `nvml`) is a warning event.",
     )
+    gpu_corrected_ecc_per_minute: float = Field(
+        default=60.0,
+        ge=0,
+        le=1_000_000,
+        allow_inf_nan=False,
+        description="A GPU's single-bit (corrected) ECC errors growing faster than this "
+        "many a minute between two polls (`dcgm_url`, `nvml`) is a degrading event: "
+        "climbing corrected errors come before uncorrectable ones. 0 = no bound.",
+    )
     memory_full_avg10_percent: float = Field(
         default=20.0,
         gt=0,

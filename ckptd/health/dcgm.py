@@ -28,6 +28,7 @@ from ckptd.health.gpu import GpuReading
 FIELDS = {
     "DCGM_FI_DEV_XID_ERRORS": "xid",
     "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": "dbe_total",
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": "sbe_total",
     "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": "remapped_uncorrectable",
     "DCGM_FI_DEV_ROW_REMAP_FAILURE": "remap_failure",
     "DCGM_FI_DEV_THERMAL_VIOLATION": "thermal_throttle_us",

@@ -9,6 +9,10 @@ first reading of a GPU sets its baseline and is never an event.
 - the last Xid changed to a code: ``xid-N``, its severity from ``ckptd.health.xid``;
 - double-bit ECC errors or uncorrectable remapped rows grew: degrading (``ecc-dbe``,
   ``row-remap``);
+- single-bit (corrected) ECC errors growing faster than ``corrected_per_minute`` between
+  two polls: degrading, lasting (``ecc-sbe-rate``): corrected errors that climb are the
+  warning a memory fault gives before it is uncorrectable, and the save is taken while
+  the GPU still computes right;
 - row remapping failed: degrading, lasting (``row-remap-failure``); a remapping pending
   (NVML): a warning, lasting (``row-remap-pending``);
 - thermal or power throttling grew since the last poll, or the temperature is above
@@ -35,6 +39,7 @@ class GpuReading:
     uuid: str = ""
     xid: int | None = None
     dbe_total: float | None = None
+    sbe_total: float | None = None  # single-bit (corrected) ECC errors
     remapped_uncorrectable: float | None = None
     remap_failure: float | None = None
     remap_pending: float | None = None
@@ -50,20 +55,29 @@ def _grew(now: float | None, before: float | None) -> float:
 class GpuWatch:
     """The previous reading of each GPU; ``events`` turns a poll's readings into events."""
 
-    def __init__(self, source: str, temperature_bound: float) -> None:
+    def __init__(
+        self, source: str, temperature_bound: float, corrected_per_minute: float = 0.0
+    ) -> None:
         self.source = source
         self.temperature_bound = temperature_bound
+        self.corrected_per_minute = corrected_per_minute  # 0: no bound
         self.last: dict[str, GpuReading] = {}
+        self.last_at: dict[str, float] = {}
 
     def events(self, readings: list[GpuReading], at: float) -> list[tuple[str, HealthEvent]]:
         """(key, event) per fault (key "") and per lasting condition (its key)."""
         found: list[tuple[str, HealthEvent]] = []
         for now in readings:
-            before = self.last.get(now.gpu)
-            self.last[now.gpu] = now
-            if before is not None:
-                found += self._compare(before, now, at)
+            before, since = self.last.get(now.gpu), self.last_at.get(now.gpu)
+            self.last[now.gpu], self.last_at[now.gpu] = now, at
+            if before is not None and since is not None:
+                found += self._compare(before, now, at, at - since)
         return found
+
+    def _corrected_rate(self, before: GpuReading, now: GpuReading, seconds: float) -> float:
+        """Corrected ECC errors a minute between the two polls (0 without both counts)."""
+        grew = _grew(now.sbe_total, before.sbe_total)
+        return grew * 60.0 / seconds if grew and seconds > 0 else 0.0
 
     def _event(
         self,
@@ -84,7 +98,7 @@ class GpuWatch:
         )
 
     def _compare(
-        self, before: GpuReading, now: GpuReading, at: float
+        self, before: GpuReading, now: GpuReading, at: float, seconds: float
     ) -> list[tuple[str, HealthEvent]]:
         found: list[tuple[str, HealthEvent]] = []
         if now.xid and now.xid != before.xid:
@@ -124,7 +138,14 @@ class GpuWatch:
                     ),
                 )
             )
+        rate = self._corrected_rate(before, now, seconds)
         lasting = [
+            (
+                "ecc-sbe-rate",
+                "degrading",
+                bool(self.corrected_per_minute) and rate > self.corrected_per_minute,
+                f"{rate:.0f} corrected ECC errors a minute, above {self.corrected_per_minute:g}",
+            ),
             ("row-remap-failure", "degrading", bool(now.remap_failure), "row remapping failed"),
             (
                 "row-remap-pending",

@@ -117,9 +117,10 @@ class HealthMonitor:
             kind="peers-unreachable",
             what="every peer of the run",
         )
-        self.gpus = GpuWatch("dcgm", config.gpu_temperature_celsius)
+        corrected = config.gpu_corrected_ecc_per_minute
+        self.gpus = GpuWatch("dcgm", config.gpu_temperature_celsius, corrected)
         self.nvml = NvmlReader() if config.nvml else None
-        self.nvml_gpus = GpuWatch("nvml", config.gpu_temperature_celsius)
+        self.nvml_gpus = GpuWatch("nvml", config.gpu_temperature_celsius, corrected)
         self.cgroup_events: dict[str, int] | None = None
         self.io: dict[str, diskstats.IoCounts | None] = {}  # each run's device, last poll
         self.active: dict[str, HealthEvent] = {}  # lasting conditions, by key

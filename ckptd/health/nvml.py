@@ -4,7 +4,8 @@ node that runs no DCGM exporter.
 Per GPU, the calls NVML documents (the NVML API reference, "Device Queries"):
 
 - ``nvmlDeviceGetTotalEccErrors(h, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC)``:
-  double-bit (uncorrectable) ECC errors since the driver loaded;
+  double-bit (uncorrectable) ECC errors since the driver loaded; with
+  ``NVML_MEMORY_ERROR_TYPE_CORRECTED``, the single-bit (corrected) ones, whose rate is read;
 - ``nvmlDeviceGetRemappedRows(h)``: (rows remapped for correctable errors, for
   uncorrectable ones, a remapping pending, a remapping failed);
 - ``nvmlDeviceGetViolationStatus(h, NVML_PERF_POLICY_THERMAL | NVML_PERF_POLICY_POWER)``:
@@ -89,6 +90,13 @@ class NvmlReader:
                 ask(
                     lambda: nvml.nvmlDeviceGetTotalEccErrors(
                         handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+                    )
+                )
+            ),
+            sbe_total=_number(
+                ask(
+                    lambda: nvml.nvmlDeviceGetTotalEccErrors(
+                        handle, nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_VOLATILE_ECC
                     )
                 )
             ),

@@ -255,3 +255,24 @@ def test_nvml_enabled_without_its_module_is_said_in_one_line_once_and_again_when
         ("info", "health_source_readable"),
     ]
     assert metrics.registry.get_sample_value("ckptd_health_source_up", {"source": "nvml"}) == 1
+
+
+def test_nvml_corrected_ecc_errors_climbing_faster_than_the_bound_are_degrading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pynvml: None
+) -> None:
+    from ckptd.health.gpu import GpuWatch
+    from ckptd.health.nvml import NvmlReader
+
+    state = tmp_path / "nvml.json"
+    monkeypatch.setenv("NVML_STANDIN_STATE", str(state))
+    monkeypatch.syspath_prepend(str(STANDIN))
+    _nvml_state(state, sbe=1000)  # GPU 0's corrected count unsupported: never judged
+    reader, watch = NvmlReader(), GpuWatch("nvml", 90.0, corrected_per_minute=60)
+    first = reader.readings()
+    assert first[0].sbe_total is None and first[1].sbe_total == 1000.0
+    assert watch.events(first, 0.0) == []  # the baseline, however high
+    _nvml_state(state, sbe=1030)  # 30 in 60 s: within the bound
+    assert watch.events(reader.readings(), 60.0) == []
+    _nvml_state(state, sbe=1130)  # 100 in 60 s: above it
+    found = {(key, e.kind, e.severity) for key, e in watch.events(reader.readings(), 120.0)}
+    assert found == {("nvml:ecc-sbe-rate:1", "ecc-sbe-rate", "degrading")}

@@ -338,6 +338,7 @@ BAD_VALUES = [
     ('[health]\ndcgm_url = "localhost:9400"', "health.dcgm_url"),
     ('[health]\nnvml = "when there is one"', "health.nvml"),
     ("[health]\ngpu_temperature_celsius = 200", "health.gpu_temperature_celsius"),
+    ("[health]\ngpu_corrected_ecc_per_minute = -1", "health.gpu_corrected_ecc_per_minute"),
     ("[health]\nmemory_full_avg10_percent = 0", "health.memory_full_avg10_percent"),
     ("[health]\nmemory_use_ratio = 1.5", "health.memory_use_ratio"),
     ("[health]\ndisk_free_factor = 0.5", "health.disk_free_factor"),

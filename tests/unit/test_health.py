@@ -284,3 +284,19 @@ def test_the_device_latency_is_the_time_spent_over_the_ios_completed_between_pol
     assert latency_seconds(before, after) == (10 + 240) / 50 / 1000  # 5 ms per I/O
     assert latency_seconds(after, after) is None  # no I/O: no latency to tell
     assert device_counts(DISKSTATS.format(r=1, rms=1, w=1, wms=1), 0, 42) is None  # tmpfs
+
+
+def test_a_dcgm_exporters_corrected_ecc_rate_is_read_per_minute_between_polls() -> None:
+    from ckptd.health.dcgm import parse_exporter
+    from ckptd.health.gpu import GpuWatch
+
+    watch = GpuWatch("dcgm", 90.0, corrected_per_minute=60)
+    assert watch.events(parse_exporter(_exporter(DCGM_FI_DEV_ECC_SBE_VOL_TOTAL=5)), 0.0) == []
+    # 15 in 10 s is 90 a minute: above 60.
+    found = watch.events(parse_exporter(_exporter(DCGM_FI_DEV_ECC_SBE_VOL_TOTAL=20)), 10.0)
+    assert [(key, e.kind) for key, e in found] == [("dcgm:ecc-sbe-rate:1", "ecc-sbe-rate")]
+    assert "90 corrected ECC errors a minute" in found[0][1].message
+    # No bound: the same climb says nothing.
+    quiet = GpuWatch("dcgm", 90.0)
+    quiet.events(parse_exporter(_exporter(DCGM_FI_DEV_ECC_SBE_VOL_TOTAL=5)), 0.0)
+    assert quiet.events(parse_exporter(_exporter(DCGM_FI_DEV_ECC_SBE_VOL_TOTAL=500)), 10.0) == []

@@ -22,6 +22,7 @@ FIELDS = [
     ("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C)."),
     ("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered."),
     ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", "Total number of double-bit volatile ECC errors."),
+    ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", "Total number of single-bit volatile ECC errors."),
     (
         "DCGM_FI_DEV_THERMAL_VIOLATION",
         "counter",
@@ -43,6 +44,7 @@ QUIET = {
     "DCGM_FI_DEV_GPU_TEMP": 41,
     "DCGM_FI_DEV_XID_ERRORS": 0,
     "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": 0,
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": 0,
     "DCGM_FI_DEV_THERMAL_VIOLATION": 0,
     "DCGM_FI_DEV_POWER_VIOLATION": 0,
     "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": 0,

@@ -86,9 +86,13 @@ def nvmlDeviceGetUUID(handle: int) -> str:
 
 
 def nvmlDeviceGetTotalEccErrors(handle: int, error_type: int, counter_type: int) -> int:
-    if (error_type, counter_type) != (NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC):
+    if counter_type != NVML_VOLATILE_ECC:
         raise NVMLError_NotSupported("Not Supported")
-    return int(_field(handle, "dbe"))
+    if error_type == NVML_MEMORY_ERROR_TYPE_CORRECTED:
+        return int(_field(handle, "sbe"))
+    if error_type == NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+        return int(_field(handle, "dbe"))
+    raise NVMLError_NotSupported("Not Supported")
 
 
 def nvmlDeviceGetRemappedRows(handle: int) -> tuple[int, int, int, int]:
