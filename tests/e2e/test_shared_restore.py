@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 
 from ckptd.config import Settings
+from ckptd.devtools.locals3 import free_port
 from ckptd.peers.sharing import rendezvous
 from ckptd.peers.sharing.server import Served, ShareServer, _Handler
 from ckptd.repository import Repository, sharing_key
@@ -153,12 +153,6 @@ def start_together(
     proxy.reset_counters()
     proxy.open_gate()
     return procs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Any, timeout: float, what: str) -> None:
