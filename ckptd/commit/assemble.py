@@ -316,6 +316,7 @@ def _commit_union(
         environment=committer.environment,
         nodes=committer.nodes,
         save=announcement.save,
+        suspect=merged.suspect,
         digests=(
             {f.path: f.digest for f in merged.files if f.digest} if keys is not None else None
         ),

@@ -100,7 +100,7 @@ def save_id(fingerprint: Iterable[tuple[str, int, int]]) -> str:
 
 # Fields added with slots and trajectories: absent when unset, as a manifest's optional
 # ones, so an announcement without them is as it was.
-_OPTIONAL = ("slot", "canonical", "writer", "trajectory", "parent", "objects")
+_OPTIONAL = ("slot", "canonical", "writer", "trajectory", "parent", "objects", "suspect")
 
 
 class _Model(BaseModel):
@@ -176,6 +176,9 @@ class Part(_Model):
     # commits only over these very objects, never over another writer's bytes written
     # at the same key since. Absent (an older node): held to the size alone.
     objects: dict[str, str] | None = None
+    # Why this node's share is suspect (its trainer reported a non-finite loss before
+    # the save: ``ckptd.health.loss``); absent otherwise, and from an older node.
+    suspect: str | None = None
 
     @field_validator("format")
     @classmethod
@@ -238,6 +241,8 @@ class Merged:
     # Path -> the object identities the parts recorded for it (several nodes may write
     # one path with the same bytes); a path no part recorded one for is absent.
     objects: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # The first part's (by rank) reason the save is suspect: the whole checkpoint is.
+    suspect: str | None = None
 
 
 MergeVerdict = Waiting | Conflict | Merged
@@ -285,6 +290,9 @@ def merge_parts(announcement: Announcement, parts: Mapping[int, Part], nodes: in
         tuple(files),
         min(p.created_at for p in current.values()),
         {path: frozenset(ids) for path, ids in written.items()},
+        next(
+            (f"node {r}: {current[r].suspect}" for r in sorted(current) if current[r].suspect), None
+        ),
     )
 
 

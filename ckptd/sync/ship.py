@@ -410,6 +410,7 @@ class Shipper:
         found = await asyncio.to_thread(
             identities, self.repo, run, request.slot.slot, [r.path for r in files]
         )
+        suspect = None if self.suspect_of is None else await self.suspect_of(run, step_of(name))
         part = Part(
             run_id=run,
             checkpoint=name,
@@ -430,6 +431,7 @@ class Shipper:
             objects={
                 r.path: identity for r in files if (identity := _identity_of(r, found[r.path]))
             },
+            suspect=suspect,
         )
         await asyncio.to_thread(write_part, self.repo, part, request.slot.slot)
         log.info("part_written", save=cluster.save, files=len(files), bytes=part.total_bytes)

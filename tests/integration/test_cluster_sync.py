@@ -271,6 +271,26 @@ async def test_dcp_checkpoint_commits_whole_only_once_every_node_has_shipped(
         )
 
 
+async def test_a_save_one_node_took_after_a_non_finite_loss_commits_whole_and_suspect(
+    pair: tuple[Node, Node, Repository],
+) -> None:
+    n0, n1, repo = pair
+    dcp_save(n0, n1)
+    age(n0.root)
+    age(n1.root)
+    p0, p1 = await n0.start(), await n1.start()
+
+    async def nan_on_node_1(run: str, step: int | None) -> str | None:
+        return f"a non-finite loss at step {step}"
+
+    p1.shipper.suspect_of = nan_on_node_1  # as the daemon's loss watch on node 1 would say
+    assert p0.shipper.suspect_of is None
+    await drive([n0, n1], lambda: repo.read_manifest(RUN, "step-10") is not None)
+    assert_committed_whole(repo, "step-10", union(n0, n1, "step-10"))
+    manifest = repo.read_manifest(RUN, "step-10")
+    assert manifest is not None and manifest.suspect == "node 1: a non-finite loss at step 10"
+
+
 @pytest.mark.parametrize("shape", [deepspeed_save, megatron_save, hf_save])
 async def test_each_frameworks_shape_commits_both_nodes_files(
     pair: tuple[Node, Node, Repository], shape: Callable[[Node, Node], str]

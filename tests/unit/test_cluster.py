@@ -286,3 +286,19 @@ def test_a_node_never_follows_its_own_earlier_save() -> None:
     own_old = ann("feed0001", rank=1, record_ns=905 * 10**9)
     verdict, role, state = _judge(1, SHARDS, own_old, complete=False)
     assert not verdict.complete and role is None and "step-10" in state.awaiting
+
+
+def test_a_suspect_part_makes_the_whole_checkpoint_suspect_and_older_parts_read_as_sound() -> None:
+    sound = part(0, [("a", 1, "00000001")])
+    nan = part(1, [("b", 2, "00000002")]).model_copy(
+        update={"suspect": "a non-finite loss at step 9"}
+    )
+    verdict = merge_parts(ann(), {0: sound, 1: nan}, 2)
+    assert isinstance(verdict, Merged)
+    assert verdict.suspect == "node 1: a non-finite loss at step 9"
+    # Written and read back as a node writes it; a sound part carries no field at all,
+    # so an older committer reads it as before.
+    assert parse_part(nan.to_bytes()).suspect == "a non-finite loss at step 9"
+    assert "suspect" not in json.loads(sound.to_bytes())
+    both_sound = merge_parts(ann(), {0: sound, 1: part(1, [("b", 2, "00000002")])}, 2)
+    assert isinstance(both_sound, Merged) and both_sound.suspect is None
