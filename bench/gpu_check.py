@@ -23,6 +23,9 @@ autocast only slows the tiny model), deterministic algorithms on:
    ``max_steps`` (start → first resumed step timed). Its final weights must be
    bit-identical to the reference, as must those of run 2.
 
+On a GPU it then reads the health monitor's NVML source (#47) on the real device and
+times a poll (``nvml_poll``: wall and CPU per poll, median of 200).
+
 Prints one table and writes the figures to ``--json`` (default
 ``bench/results/gpu_check-<device>.json``). Exit 1 when a final differs or a step fails.
 """
@@ -262,6 +265,32 @@ def machine(device: str) -> dict[str, Any]:
     return info
 
 
+def nvml_poll(polls: int = 200) -> dict[str, Any]:
+    """#47's NVML source on this machine's real GPUs: what one poll reads (per GPU, the
+    fields the device answered), and its cost: the median wall and the CPU of a poll
+    (``ckptd.health.nvml.NvmlReader.readings``, as the health monitor calls it)."""
+    from ckptd.health.nvml import NvmlReader
+
+    reader = NvmlReader()
+    first = reader.readings()
+    if reader.unreadable is not None:
+        return {"readable": False, "why": reader.unreadable}
+    walls = []
+    cpu_start = time.process_time()
+    for _ in range(polls):
+        began = time.perf_counter()
+        reader.readings()
+        walls.append(time.perf_counter() - began)
+    cpu = time.process_time() - cpu_start
+    return {
+        "readable": True,
+        "gpus": [{k: v for k, v in vars(r).items() if v is not None and v != ""} for r in first],
+        "polls": polls,
+        "wall_ms_per_poll": round(statistics.median(walls) * 1000, 3),
+        "cpu_ms_per_poll": round(cpu / polls * 1000, 3),
+    }
+
+
 def table(info: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     where = info.get("gpu") or f"CPU ({info['cpus']} cores)"
     lines = [
@@ -323,6 +352,9 @@ def main() -> int:
             imds.stop_thread()
             server.stop()
     report = table(info, rows)
+    if options.device != "cpu":
+        info["nvml"] = nvml_poll()
+        report += "\n\nNVML (the health source, #47): " + json.dumps(info["nvml"])
     print(report)
     path = options.json or REPO / "bench" / "results" / f"gpu_check-{options.device}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -276,3 +276,23 @@ def test_nvml_corrected_ecc_errors_climbing_faster_than_the_bound_are_degrading(
     _nvml_state(state, sbe=1130)  # 100 in 60 s: above it
     found = {(key, e.kind, e.severity) for key, e in watch.events(reader.readings(), 120.0)}
     assert found == {("nvml:ecc-sbe-rate:1", "ecc-sbe-rate", "degrading")}
+
+
+def test_the_gpu_checks_nvml_step_reads_each_gpu_and_times_a_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pynvml: None
+) -> None:
+    """What bench/gpu_check.py reports of NVML on a lent GPU, through the stand-in here."""
+    import importlib
+    import sys
+
+    state = tmp_path / "nvml.json"
+    monkeypatch.setenv("NVML_STANDIN_STATE", str(state))
+    monkeypatch.syspath_prepend(str(STANDIN))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    _nvml_state(state, sbe=7)
+    sys.modules.pop("gpu_check", None)
+    gpu_check = importlib.import_module("gpu_check")
+    got = gpu_check.nvml_poll(polls=5)
+    assert got["readable"] and got["polls"] == 5
+    assert [g["gpu"] for g in got["gpus"]] == ["0", "1"] and got["gpus"][1]["sbe_total"] == 7.0
+    assert got["wall_ms_per_poll"] >= 0 and got["cpu_ms_per_poll"] >= 0
