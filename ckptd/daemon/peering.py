@@ -33,7 +33,6 @@ import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from ckptd.commit.assemble import Committer
 from ckptd.config import Settings
@@ -43,7 +42,7 @@ from ckptd.config.peers import read_peer_token
 from ckptd.notices.model import Notice
 from ckptd.notices.zone import failure_domain
 from ckptd.peers.client import PeerClient
-from ckptd.peers.discovery import Discovery, route_address
+from ckptd.peers.discovery import Discovery, advertised_address
 from ckptd.peers.liveness import UNBOUNDED_NOTICE_SECONDS
 from ckptd.peers.model import PeerAnnouncement
 from ckptd.peers.own import OwnParts
@@ -271,17 +270,11 @@ class Peering:
     def _advertised(self, bound: int) -> str:
         """``host:port`` the others reach this node at (module doc); ConfigError naming
         ``peers.advertise`` when this node cannot tell."""
-        peers = self.settings.peers
-        listen_host, _ = parse_listen(peers.listen)
-        route = ""
-        if not peers.advertise and listen_host in ("0.0.0.0", "::"):
-            endpoint = self.settings.destination.endpoint_url or "https://s3.amazonaws.com"
-            route = route_address(urlsplit(endpoint).hostname or "")
-        found = peers.advertised(route)
+        found = advertised_address(self.settings)
         if not found:
             raise ConfigError(
                 "peers.advertise",
-                f"this node's address for its peers is unknown ({peers.listen} names none and "
+                f"this node's address for its peers is unknown ({self.settings.peers.listen} names none and "
                 "no route to the store gives one): set peers.advertise to its cluster address",
             )
         host, _, port = found.rpartition(":")

@@ -26,7 +26,10 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
+from ckptd.config import Settings
+from ckptd.config.base import parse_listen
 from ckptd.peers.model import PeerAnnouncement, parse_peer_announcement
 from ckptd.peers.placement import NoticeMark, notice_mark, stale_after
 from ckptd.repository import Repository, peer_key
@@ -57,6 +60,19 @@ def read_announcements(repo: Repository, run: str) -> list[PeerAnnouncement]:
         if announcement is not None and announcement.run_id == run:
             found.append(announcement)
     return found
+
+
+def advertised_address(settings: Settings) -> str:
+    """``host:port`` the other nodes reach this node's peer port at: ``[peers]
+    advertise``, else the listen address when it names one, else this node's address on
+    its route to the store (``route_address``); "" when it cannot tell."""
+    peers = settings.peers
+    listen_host, _ = parse_listen(peers.listen)
+    route = ""
+    if not peers.advertise and listen_host in ("0.0.0.0", "::"):
+        endpoint = settings.destination.endpoint_url or "https://s3.amazonaws.com"
+        route = route_address(urlsplit(endpoint).hostname or "")
+    return peers.advertised(route)
 
 
 def route_address(host: str) -> str:
@@ -171,6 +187,7 @@ __all__ = [
     "FRESH_SECONDS",
     "REFRESH_WAIT_SECONDS",
     "Discovery",
+    "advertised_address",
     "read_announcements",
     "route_address",
     "write_announcement",

@@ -66,6 +66,12 @@ def withdraw(repo: Repository, key: str) -> None:
     repo.storage.delete([key])
 
 
+def is_address(text: str) -> bool:
+    """Whether ``text`` is a ``host:port`` a participant may be asked at."""
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and len(text) <= 300
+
+
 def parse_record(body: bytes) -> Participant | None:
     """The participant a record names, or None when it is no record of this format."""
     if len(body) > RECORD_MAX_BYTES:
@@ -79,8 +85,7 @@ def parse_record(body: bytes) -> Participant | None:
     node, address, started = doc.get("node"), doc.get("address"), doc.get("started_at")
     if not (isinstance(node, str) and _NODE.match(node) and isinstance(address, str)):
         return None
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not isinstance(started, int | float):
+    if not is_address(address) or not isinstance(started, int | float):
         return None
     return Participant(node, address, float(started))
 
@@ -106,6 +111,7 @@ __all__ = [
     "STALE_SECONDS",
     "Participant",
     "announce",
+    "is_address",
     "new_node",
     "parse_record",
     "participants",

@@ -34,13 +34,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from ckptd.config import Settings
 from ckptd.config.base import parse_listen
 from ckptd.config.peers import read_peer_token
 from ckptd.core.manifest import Manifest, ManifestError, ManifestFile
-from ckptd.peers.discovery import route_address
+from ckptd.peers.discovery import advertised_address
 from ckptd.peers.sharing import rendezvous
 from ckptd.peers.sharing.board import ShareBoard
 from ckptd.peers.sharing.server import Served, ShareServer, open_beneath
@@ -65,11 +64,6 @@ EXPECT_SECONDS = 2.0
 STALL_SECONDS = 10.0
 LINGER_IDLE_SECONDS = 30.0
 LINGER_MAX_SECONDS = 600.0
-
-
-def _is_address(text: str) -> bool:
-    host, _, port = text.rpartition(":")
-    return bool(host) and port.isdigit() and len(text) <= 300
 
 
 class ShareSession:
@@ -185,7 +179,7 @@ class ShareSession:
         """This node's state, once its version passes ``after`` or ``HOLD_SECONDS``
         passed (a poll is held open until there is news: no round trip per change), with
         the participants it knows; ``asker`` (the poller's address) is met."""
-        if asker and _is_address(asker):
+        if asker and rendezvous.is_address(asker):
             self.met([asker])
         deadline = self.clock() + HOLD_SECONDS
         with self._cond:
@@ -254,7 +248,7 @@ class ShareSession:
                     return
                 continue
             named = doc.get("peers", []) if isinstance(doc, dict) else []
-            self.met([a for a in named if isinstance(a, str) and _is_address(a)])
+            self.met([a for a in named if isinstance(a, str) and rendezvous.is_address(a)])
             with self._cond:
                 try:
                     self.board.heard(address, doc, self.clock())
@@ -347,18 +341,6 @@ class Sharing:
         self.session.finish(linger=linger)
 
 
-def advertised_host(settings: Settings) -> str:
-    """The host the others reach this node at (as the peer port advertises), or ""."""
-    peers = settings.peers
-    listen_host, _ = parse_listen(peers.listen)
-    route = ""
-    if not peers.advertise and listen_host in ("0.0.0.0", "::"):
-        endpoint = settings.destination.endpoint_url or "https://s3.amazonaws.com"
-        route = route_address(urlsplit(endpoint).hostname or "")
-    found = peers.advertised(route)
-    return found.rpartition(":")[0] if found else ""
-
-
 def start_sharing(
     settings: Settings,
     tiers: Sequence[TierStore],
@@ -372,7 +354,7 @@ def start_sharing(
     the first tier) into ``target_dir`` (module doc); None when it cannot share."""
     if not (settings.peers.enabled and settings.peers.share_restores and tiers):
         return None
-    host = advertised_host(settings)
+    host = advertised_address(settings).rpartition(":")[0]
     if not host:
         log.warning("restore_share_skipped", error="no address to advertise (peers.advertise)")
         return None
