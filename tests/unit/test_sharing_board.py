@@ -91,19 +91,20 @@ def test_one_that_served_bad_bytes_is_never_read_from_again() -> None:
     assert b.source(0, now=1) == ("store", "")
 
 
-def test_claims_are_held_to_this_nodes_share_while_the_others_are_expected() -> None:
+def test_a_node_alone_claims_at_once_and_one_beside_others_only_once_it_heard_them() -> None:
+    alone = board([100] * 6)
+    assert [alone.source(n, now=0) for n in range(6)] == [("store", "")] * 6
     b = board([100] * 6)
-    b.expected, b.expect_until = 3, 2.0
-    assert b.source(0, now=0) == ("store", "")
-    assert b.source(1, now=0) == ("store", "")  # 200 of 600 bytes: a third
-    assert b.source(2, now=0) == ("wait", "")
-    b.kept(0)  # verified, but while the others may still come it counts all the same
-    assert b.source(2, now=0.5) == ("wait", "")
-    # Alone once the others had their time to come: only what is in flight counts.
-    assert b.source(2, now=2.5) == ("store", "")
-    assert b.source(3, now=2.5) == ("store", "")
-    b.kept(1)
-    assert b.source(4, now=2.5) == ("store", "")
+    b.join(A, now=0)  # its record listed: not heard yet
+    assert b.source(0, now=0) == ("wait", "")
+    b.heard(A, state(claims={0: 0}), now=0.01)
+    assert b.source(0, now=0.01) == ("wait", "")  # A fetches it: wait for A
+    assert b.source(3, now=0.01) == ("store", "")
+    # One that never answers holds nothing back once it is gone.
+    c = board([100] * 6)
+    c.join(A, now=0)
+    assert c.source(0, now=1) == ("wait", "")
+    assert c.source(0, now=SILENT_SECONDS + 0.1) == ("store", "")
 
 
 def test_once_the_others_are_met_claims_in_flight_are_held_to_the_share() -> None:

@@ -14,11 +14,12 @@ the rest from a node that has it (``source``):
 3. a file no live participant claims, or whose claimer has made no progress on it for
    ``stall_seconds``, is claimed by this node and fetched from the store, unless what this
    node has claimed and not yet verified would then pass its share of the checkpoint
-   (its bytes over the live participants): then it waits for its claims to verify.
-   Until ``expect_until`` (while the others have yet to be met) the share is of at least
-   ``expected`` participants and counts every file this node claimed, verified or not. So
-   nodes that start together, each at its own place in the checkpoint, claim apart, and
-   none claims all the files at once before it has heard the others;
+   (its bytes over the live participants, or over ``expected``, the run's nodes, when
+   more): then it waits for its claims to verify. Nor
+   does it claim while a live participant it knows of has not answered once yet: a node
+   that starts beside others claims nothing they hold or claim before it has heard them
+   (a poll's answer, milliseconds), and one alone (none known) claims at once. So nodes
+   that start together, each at its own place in the checkpoint, claim apart;
 4. else (another node is fetching it, and moving) this node waits for that node.
 
 A participant is gone once its port refused ``GONE_AFTER_REFUSALS`` polls in a row (its
@@ -32,7 +33,7 @@ node verifies every file it keeps.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -53,6 +54,7 @@ class Seen:
     claims: dict[int, int] = field(default_factory=dict)  # file -> bytes fetched
     moved_at: dict[int, float] = field(default_factory=dict)  # file -> its bytes last grew
     done: bool = False
+    heard: bool = False  # it answered a poll at least once
     refusals: int = 0  # polls in a row its port refused
     answered_at: float = 0.0  # its last answer (or when it was met)
     progress_at: float = 0.0  # when its verified files or claimed bytes last grew
@@ -104,11 +106,8 @@ class ShareBoard:
         self.sizes = list(sizes)
         self.files = len(self.sizes)
         self.stall_seconds = stall_seconds
-        # The participants likely to come (the run's nodes), counted until then.
-        self.expected = 1
-        self.expect_until = 0.0
+        self.expected = 1  # the run's nodes: a share is never more than theirs
         self.claims: dict[int, int] = {}  # this node's: file -> bytes fetched from the store
-        self.from_store: set[int] = set()  # every file it claimed (its fetch not failed)
         self.verified: set[int] = set()
         self.done = False
         self.peers: dict[str, Seen] = {}
@@ -126,7 +125,6 @@ class ShareBoard:
     def release(self, number: int) -> None:
         """A claimed file's fetch failed: another node may take it at once."""
         self.claims.pop(number, None)
-        self.from_store.discard(number)
         self.version += 1
 
     def kept(self, number: int) -> None:
@@ -166,7 +164,7 @@ class ShareBoard:
         if any(at == now for at in moved.values()):
             seen.progress_at = now
         seen.verified, seen.claims, seen.moved_at, seen.done = verified, claims, moved, done
-        seen.refusals, seen.answered_at = 0, now
+        seen.refusals, seen.answered_at, seen.heard = 0, now, True
 
     def unanswered(self, address: str, now: float, *, refused: bool) -> None:
         """A poll of ``address`` failed: ``refused`` (its port is closed), or not
@@ -204,17 +202,14 @@ class ShareBoard:
             moving = now - seen.moved_at.get(number, now) <= self.stall_seconds
             if number in seen.claims and self.live(address, now) and moving:
                 return ("wait", "")
-        sharing = 1 + sum(1 for a in self.peers if self.live(a, now))
-        counted: Collection[int] = self.claims.keys()
-        if now < self.expect_until:
-            # Before the others could be heard: all this node took from the store counts,
-            # so one that started first does not take more than its share meanwhile.
-            sharing, counted = max(sharing, self.expected), self.from_store
-        used = sum(self.sizes[n] for n in counted)
-        if counted and used + self.sizes[number] > sum(self.sizes) / sharing:
+        live = [s for a, s in self.peers.items() if self.live(a, now)]
+        if any(not s.heard for s in live):
+            return ("wait", "")  # what it holds or claims is not known yet
+        pending = sum(self.sizes[n] for n in self.claims)
+        share = sum(self.sizes) / max(1 + len(live), self.expected)
+        if self.claims and pending + self.sizes[number] > share:
             return ("wait", "")
         self.claims[number] = 0
-        self.from_store.add(number)
         self.version += 1
         return ("store", "")
 

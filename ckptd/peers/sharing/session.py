@@ -57,9 +57,6 @@ POLL_SECONDS = 0.2  # after a poll failed, and the longest a waiting read sleeps
 POLL_TIMEOUT = 3.0  # beyond HOLD_SECONDS: an answer later than that is a failed poll
 HOLD_SECONDS = 1.0
 LIST_SECONDS = 0.5
-#: How long a node counts on the run's other nodes coming to share (its claims held to a
-#: share of ``cluster.nodes``) before it counts only those it met.
-EXPECT_SECONDS = 2.0
 #: A claim that has not grown for this long is taken over (a node stopped, or stuck).
 STALL_SECONDS = 10.0
 LINGER_IDLE_SECONDS = 30.0
@@ -399,8 +396,7 @@ def start_sharing(
         if cluster.node_rank is not None
         else (place, max(out_of, cluster.nodes))
     )
-    session.board.expected = settings.cluster.nodes
-    session.board.expect_until = session.clock() + EXPECT_SECONDS
+    session.board.expected = cluster.nodes
     session.start_polling()
     log.info(
         "restore_share_joined",
