@@ -107,21 +107,7 @@ def commit_checkpoint(pr: PeerRig, work: Path, total: int, shards: int) -> dict[
     """``ckptd run --once`` from the test host: the checkpoint committed in the store."""
     watch, state = work / "writer" / "run", work / "writer" / "state"
     digests = write_checkpoint(watch / NAME, total, shards)
-    config = work / "writer" / "ckptd.toml"
-    config.write_text(
-        f'[[watch]]\ndir = "{watch}"\nrun_id = "{RUN_ID}"\nlayout = "dcp"\n'
-        f'[destination]\nurl = "{pr.dest}"\nendpoint_url = "{pr.s3.endpoint_url}"\n'
-        f'[state]\ndir = "{state}"\n[preemption]\nprovider = "none"\n'
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "ckptd", "run", "--once", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **S3_ENV},
-        timeout=1200,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr[-2000:])
+    pr.ship_once(watch, state, timeout=1200)
     shutil.rmtree(watch, ignore_errors=True)  # the writer's disk: not needed any more
     return digests
 

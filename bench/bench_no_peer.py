@@ -83,21 +83,7 @@ def commit_checkpoint(pr: PeerRig, work: Path, mib: int) -> None:
     """``ckptd run --once`` from the test host: one checkpoint committed in the store."""
     watch, state = work / "writer" / "run", work / "writer" / "state"
     write_checkpoint(watch / "step-10", mib * MIB)
-    config = work / "writer" / "ckptd.toml"
-    config.write_text(
-        f'[[watch]]\ndir = "{watch}"\nrun_id = "{RUN_ID}"\nlayout = "dcp"\n'
-        f'[destination]\nurl = "{pr.dest}"\nendpoint_url = "{pr.s3.endpoint_url}"\n'
-        f'[state]\ndir = "{state}"\n[preemption]\nprovider = "none"\n'
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "ckptd", "run", "--once", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **S3_ENV},
-        timeout=600,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr[-2000:])
+    pr.ship_once(watch, state, timeout=600)
 
 
 def announce(pr: PeerRig, hosts: list[Host]) -> None:

@@ -108,6 +108,25 @@ class PeerRig:
     def dest(self) -> str:
         return f"s3://{BUCKET}/{self.prefix}"
 
+    def ship_once(self, watch: Path, state: Path, timeout: float) -> None:
+        """``ckptd run --once`` from the test host: every checkpoint in ``watch`` (run
+        ``RUN_ID``, DCP) committed in the rig's store; RuntimeError with its stderr if not."""
+        config = state.parent / "ckptd.toml"
+        config.write_text(
+            f'[[watch]]\ndir = "{watch}"\nrun_id = "{RUN_ID}"\nlayout = "dcp"\n'
+            f'[destination]\nurl = "{self.dest}"\nendpoint_url = "{self.s3.endpoint_url}"\n'
+            f'[state]\ndir = "{state}"\n[preemption]\nprovider = "none"\n'
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", "ckptd", "run", "--once", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **S3_ENV},
+            timeout=timeout,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-2000:])
+
     def client(self) -> Any:
         return boto3.client(
             "s3",
