@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from ckptd.core import saves
 from tests.support.daemon import wait_until
+from tests.support.notice_file import HEALTH_SAVE, replace_notice
 from tests.support.trainers.procs import Script, script_env
 
 pytest.importorskip("transformers")
@@ -88,12 +88,7 @@ def test_a_health_save_is_saved_and_training_goes_on_until_a_notice_that_stops_i
     state = "trainer_state.json"  # written last: the checkpoint is whole
     try:
         script.wait_for_step(3, timeout=60)
-        notice = output_dir / ".ckptd" / "preemption.json"
-        notice.parent.mkdir(parents=True, exist_ok=True)
-        body = {"source": "health", "kind": "health-save", "id": "health:xid-63:1"}
-        tmp = notice.with_name("preemption.json.tmp")
-        tmp.write_text(json.dumps({**body, "detail": {"action": "save"}}))
-        os.replace(tmp, notice)
+        replace_notice(output_dir, HEALTH_SAVE)  # a health save: save, then train on
         (first,) = wait_until(lambda: list(output_dir.glob(f"checkpoint-*/{state}")), 60, "save")
         saved_at = int(first.parent.name.removeprefix("checkpoint-"))
         script.wait_for_step(saved_at + 5, timeout=60)  # trains on past it

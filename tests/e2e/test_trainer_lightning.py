@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 from pathlib import Path
 
@@ -11,6 +9,7 @@ import pytest
 
 from ckptd.core import saves
 from tests.support.daemon import wait_until
+from tests.support.notice_file import HEALTH_SAVE, replace_notice
 from tests.support.trainers.procs import Script, script_env
 
 torch = pytest.importorskip("torch")
@@ -95,12 +94,7 @@ def test_a_health_save_is_saved_and_training_goes_on_until_a_notice_that_stops_i
     script = Script(tmp_path, "lightning_train", "--root-dir", str(root), env=script_env(tmp_path))
     try:
         script.wait_for_step(3, timeout=60)
-        notice = root / ".ckptd" / "preemption.json"
-        notice.parent.mkdir(parents=True, exist_ok=True)
-        body = {"source": "health", "kind": "health-save", "id": "health:xid-63:1"}
-        tmp = notice.with_name("preemption.json.tmp")
-        tmp.write_text(json.dumps({**body, "detail": {"action": "save"}}))
-        os.replace(tmp, notice)
+        replace_notice(root, HEALTH_SAVE)  # a health save: save, then train on
         (first,) = wait_until(lambda: list(root.glob("preempt-step=*.ckpt")), 60, "the save")
         saved_at = int(first.name.removeprefix("preempt-step=").removesuffix(".ckpt"))
         script.wait_for_step(saved_at + 5, timeout=60)  # trains on past it

@@ -19,6 +19,7 @@ import pytest
 import ckptd.trainer
 from ckptd.trainer import PreemptionListener, notice_path, parse_notice, parse_signal
 from tests.support.daemon import wait_until
+from tests.support.notice_file import HEALTH_SAVE, replace_notice
 from tests.support.trainers.procs import REPO, Script, script_env
 
 NOTICE = {
@@ -430,24 +431,6 @@ def test_plain_loop_honours_the_configured_signal(tmp_path: Path) -> None:
 
 
 # -- save-only notices (a health save: save, then train on) ----------------------------
-
-HEALTH_SAVE = {
-    "source": "health",
-    "kind": "health-save",
-    "id": "health:xid-63:1",
-    "deadline": None,
-    "noticed_at": None,
-    "detail": {"action": "save", "event": "xid-63"},
-}
-
-
-def replace_notice(watch_dir: Path, body: dict[str, object]) -> None:
-    """As the daemon writes it: a temporary name renamed over the notice file."""
-    path = notice_path(watch_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(body))
-    os.replace(tmp, path)
 
 
 def test_save_only_tells_a_health_save_from_a_notice_that_ends_the_node() -> None:

@@ -26,23 +26,9 @@ from pathlib import Path
 import torch
 
 import ckptd.trainer
+from tests.support.trainers.tiny_torch import build, save  # the drill's tiny trainer's
 
 GO_TIMEOUT = 180.0
-
-
-def build() -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
-    return model, torch.optim.SGD(model.parameters(), lr=0.05)
-
-
-def save(
-    directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int
-) -> None:
-    directory.mkdir()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-    torch.save(state, directory / "state.pt")
-    (directory / "COMPLETE").write_text(str(step))  # last: the checkpoint is whole
 
 
 def resume(
@@ -72,7 +58,7 @@ def main() -> None:
     p.add_argument("--resume", default="")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    model, optimizer = build()
+    model, optimizer = build(lr=0.05)
     step, finite = 0, True
     if args.resume:
         step, finite = resume(args.dir, args.resume, model, optimizer)

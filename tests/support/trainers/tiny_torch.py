@@ -15,10 +15,10 @@ import torch
 import ckptd.trainer
 
 
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(lr: float = 0.01) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
-    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, torch.optim.SGD(model.parameters(), lr=lr)
 
 
 def save(
