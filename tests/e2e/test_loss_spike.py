@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,16 @@ def start_trainer(ckpt: Path, out: Path, *args: str) -> subprocess.Popen[bytes]:
     )
 
 
+def open_gate(daemon: Daemon, step: int, file: Path) -> None:
+    """Touch ``file`` once ``step-<step>`` committed (a trainer's ``--gate`` waits on it)."""
+    wait_until(
+        lambda: daemon.events_named("checkpoint_committed", checkpoint=f"step-{step}"),
+        120,
+        f"step-{step} committed",
+    )
+    file.touch()
+
+
 def finished(proc: subprocess.Popen[bytes], out: Path, timeout: float) -> dict[str, Any]:
     proc.wait(timeout)
     assert proc.returncode == 0, out.with_suffix(".log").read_text()
@@ -56,10 +67,16 @@ def test_a_loss_spike_keeps_its_rollback_target_through_retention_and_the_rollba
     repo = Repository(open_backend(s3_dest, endpoint_url=local_s3.endpoint_url))
     go, first_out = tmp_path / "go", tmp_path / "first.json"
     spiked = ["--steps", "140", "--save-every", "20", "--spike-at", "70", "--nan-at", "110"]
+    # The spike and the NaN each wait until the saves before them committed: what they
+    # protect is then the newest below them, however loaded the machine.
+    gates = {60: tmp_path / "60-committed", 100: tmp_path / "100-committed"}
+    spiked += [f"--gate={step + 10}:{file}" for step, file in gates.items()]
     trainer = None
     try:
         daemon.start()
         trainer = start_trainer(ckpt, first_out, *spiked, "--go", str(go))
+        for step, file in gates.items():
+            threading.Thread(target=open_gate, args=(daemon, step, file), daemon=True).start()
         # The trainer waits at its spike (step 70) until the daemon has acted.
         wait_until(
             lambda: repo.read_protections(RUN_ID, now=time.time()),

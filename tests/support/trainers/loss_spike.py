@@ -47,6 +47,14 @@ def resume(
     return step, finite
 
 
+def wait_for(path: Path) -> None:
+    deadline = time.monotonic() + GO_TIMEOUT
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {path.name} within the deadline")
+        time.sleep(0.05)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", type=Path, required=True)
@@ -55,6 +63,9 @@ def main() -> None:
     p.add_argument("--spike-at", type=int, default=0)
     p.add_argument("--nan-at", type=int, default=0)
     p.add_argument("--go", type=Path, default=None)
+    # STEP:FILE: before step STEP, wait for FILE (the test says the saves before it have
+    # committed: the target a spike protects does not depend on the machine's load).
+    p.add_argument("--gate", action="append", default=[])
     p.add_argument("--resume", default="")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -67,8 +78,11 @@ def main() -> None:
     start = step
     data = torch.Generator().manual_seed(step)
     saved, losses = [], {}
+    gates = {int(at): Path(file) for at, _, file in (g.partition(":") for g in args.gate)}
     while step < args.steps:
         step += 1
+        if step in gates:
+            wait_for(gates[step])
         if step == args.spike_at:
             with torch.no_grad():
                 model.weight.add_(30.0)
@@ -88,11 +102,7 @@ def main() -> None:
             save(args.dir / f"step-{step}", model, optimizer, step)
             saved.append(step)
         if step == args.spike_at and args.go is not None:
-            deadline = time.monotonic() + GO_TIMEOUT
-            while not args.go.exists():
-                if time.monotonic() > deadline:
-                    raise SystemExit("no --go within the deadline")
-                time.sleep(0.05)
+            wait_for(args.go)
         time.sleep(0.005)
     result = {"saved": saved, "resumed_at": start, "finite": finite}
     result.update({"last_loss": repr(losses.get(step)), "resumed_from": args.resume or None})
