@@ -2,18 +2,25 @@
 trace, one row per policy, one row per interruption) and the timeline, one self-contained
 HTML page drawn with plotly as ``ckptd report`` draws a run (its colours and markers).
 
-Nothing here reads a file or a clock: the trace and the figures are arguments, the text
-is the result. Every table states the scale, since every time in it is scaled.
+The tables and the timeline read no file and no clock: the trace and the figures are
+arguments, the text is the result. ``write`` alone touches the disk: it reads a campaign's
+directory and writes ``report.md``, ``timeline.html`` and ``figures.json`` into it. Every
+table states the scale, since every time in it is scaled.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import statistics
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
-from _fleet_figures import KINDS, PolicyFigures
-from _fleet_trace import WINDOWS, Trace
-
+from bench._fleet_figures import KINDS, PolicyFigures, campaign_figures, load_policy_log
+from bench._fleet_trace import WINDOWS, Event, Trace
 from ckptd.goodput.report import COLOURS, MARK_COLOURS, MARK_SYMBOLS, MissingExtra
 
 #: Lane state -> colour, the run report's for the same meaning.
@@ -253,3 +260,47 @@ def timeline_html(trace: Trace, figures: Sequence[PolicyFigures]) -> str:
         template="plotly_white",
     )
     return str(fig.to_html(include_plotlyjs=True, full_html=True))
+
+
+def figures_json(f: PolicyFigures) -> dict[str, Any]:
+    """One policy's figures as JSON-able data (the lanes left out)."""
+    doc = {k: v for k, v in asdict(f).items() if k not in ("segments", "marks")}
+    doc["lost_steps_by_kind"] = f.lost_steps_by_kind
+    doc["replace_to_first_step"] = f.replace_to_first_step
+    return doc
+
+
+def campaign_trace(out: Path) -> Trace:
+    """The trace a campaign played: ``trace.json`` (``Trace.to_json``), else rebuilt from
+    ``campaign.json``'s seed, nodes, scale and events."""
+    if (out / "trace.json").is_file():
+        return Trace.from_json((out / "trace.json").read_text())
+    doc = json.loads((out / "campaign.json").read_text())
+    events = tuple(
+        Event(e["at"], e["kind"], tuple(e["nodes"]), e["provider"], e["window"], e["replace_after"])
+        for e in doc.get("events", [])
+    )
+    duration = doc.get("duration") or max((e.replaced_at for e in events), default=0.0)
+    return Trace(int(doc["seed"]), int(doc["nodes"]), float(doc["scale"]), duration, events)
+
+
+def this_machine() -> str:
+    """The machine in a few words, for the report's first line."""
+    return f"{platform.node()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+
+
+def write(out: Path, names: Sequence[str], *, machine: str | None = None) -> dict[str, Any]:
+    """Read the campaign under ``out`` (the policies ``names``), write ``report.md``,
+    ``timeline.html`` (when plotly is there) and ``figures.json`` beside the logs, print
+    the policy table; return the figures by policy as ``figures.json`` holds them."""
+    trace = campaign_trace(out)
+    figures = list(campaign_figures({n: load_policy_log(out / n) for n in names}).values())
+    (out / "report.md").write_text(report_markdown(trace, figures, machine or this_machine()))
+    doc = {f.policy: figures_json(f) for f in figures}
+    (out / "figures.json").write_text(json.dumps(doc, indent=1))
+    try:
+        (out / "timeline.html").write_text(timeline_html(trace, figures))
+    except MissingExtra as exc:
+        print(f"no timeline: {exc}")
+    print(f"{scale_line(trace)}\n{policy_table(figures)}\nreport: {out / 'report.md'}")
+    return doc

@@ -5,15 +5,12 @@ step, resume success, bit-identity, the lanes, and logs cut short by a kill."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from _fleet_figures import (
+from bench._fleet_figures import (
     ClusterEvent,
     PolicyLog,
     Segment,

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import pytest
 
-from _fleet_figures import PolicyFigures, campaign_figures, load_campaign
-from _fleet_report import lane, policy_table, report_markdown, timeline_html
-from _fleet_trace import smoke_trace
-
+from bench._fleet_figures import PolicyFigures, campaign_figures, load_campaign
+from bench._fleet_report import (
+    campaign_trace,
+    lane,
+    policy_table,
+    report_markdown,
+    timeline_html,
+    write,
+)
+from bench._fleet_trace import smoke_trace
 from tests.unit.test_fleet_figures import ckptd_run, uninterrupted
 
 
@@ -51,3 +56,28 @@ def test_the_timeline_draws_a_lane_per_node_per_policy_and_marks_notices_and_kil
     assert states <= names
     assert {"notice aws", "kill", "replaced"} <= names
     assert "notice gcp" not in names
+
+
+def test_write_reads_the_campaign_and_leaves_report_timeline_and_figures_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uninterrupted(tmp_path)
+    ckptd_run(tmp_path)
+    trace = smoke_trace(4)
+    (tmp_path / "trace.json").write_text(trace.to_json())
+    doc = write(tmp_path, ["uninterrupted", "ckptd"], machine="test box")
+    assert doc["ckptd"]["goodput"] == pytest.approx(9.5 / 18.5)
+    assert doc["ckptd"]["lost_steps_by_kind"] == {"notice": (0,), "kill": (2,), "reclaim": ()}
+    assert json.loads((tmp_path / "figures.json").read_text())["ckptd"]["steps"] == 10
+    assert "test box" in (tmp_path / "report.md").read_text()
+    assert json.dumps(lane("ckptd", 0)) in (tmp_path / "timeline.html").read_text()
+    assert "| ckptd | 0.514 |" in capsys.readouterr().out
+    # Without trace.json, the trace comes back from campaign.json's seed, scale and events.
+    (tmp_path / "trace.json").unlink()
+    campaign = {"seed": 4, "nodes": 2, "scale": trace.scale}
+    events = [e.__dict__ for e in trace.events]
+    (tmp_path / "campaign.json").write_text(json.dumps({**campaign, "events": events}))
+    again = campaign_trace(tmp_path)
+    assert again.events == trace.events and again.duration == max(
+        e.replaced_at for e in trace.events
+    )

@@ -3,14 +3,9 @@ trace, and every trace keeps the invariant the cluster needs to survive it."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from _fleet_trace import (
+from bench._fleet_trace import (
     DEFAULT_MIX,
     WINDOWS,
     Event,
