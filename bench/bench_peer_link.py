@@ -19,14 +19,24 @@ of (odd rounds in another order, so that no path always follows the same one):
   seal with every file fsynced and acknowledged) to a ``PeerServer`` on the other host,
   over streams (``ckptd.peers.frames``) and over HTTP PUTs (``streams = 0``, the path
   before #46): part complete -> safe on the peer;
+- **bare read**: the reads' own baseline, the held replica's files (on the holder's
+  disk) sent back to the first host by the bare stream;
 - **read stream** / **read http**: the held replica's files read back by the first
-  host (``StreamReader``; the HTTP ranged GET of ``PeerReader``), each CRC-32C'd,
-  written and fsynced.
+  host as a restore reads from a peer (``StreamReader``; the HTTP ranged GET of
+  ``PeerReader``): in as many ranges at once as a push has streams, each CRC-32C'd and
+  written with ``pwrite``, each file fsynced.
+
+Before every read the held files are dropped from the page cache (``POSIX_FADV_DONTNEED``),
+so each read, the bare one included, sends from the holder's disk; every receiver writing
+through the page cache frees its previous output just before it receives
+(``_peer_link_end.py``'s doc says why that matters on this VM). ``--warmup`` rounds (1)
+run first and are not counted.
 
 Each end is a process of its own and counts its own CPU (``getrusage`` around the work,
 start-up excluded). The table gives medians, the rate relative to the bare stream of the
-same run, and CPU-s per GiB per end and both ends together, relative to the bare stream's.
-The header gives the machine and its load: on a loaded machine compare only within a run.
+same run (a read: to the bare read), and CPU-s per GiB per end and both ends together,
+relative to the same baseline's. The header gives the machine and its load: on a loaded
+machine compare only within a run.
 """
 
 from __future__ import annotations
@@ -53,11 +63,13 @@ from common import GIB, MIB, machine_line  # noqa: E402
 
 END = str(Path(__file__).resolve().parent / "_peer_link_end.py")
 PY = sys.executable
-KINDS = ("bare", "push stream", "push http", "read stream", "read http")
+KINDS = ("bare", "push stream", "push http", "bare read", "read stream", "read http")
 #: Odd rounds' order: the first writer after a push pays for the page cache the push
 #: filled (here the VM returns freed memory to its host at once, so new pages fault
 #: there), so each path goes first in half the rounds.
-REVERSED = ("push http", "push stream", "bare", "read http", "read stream")
+REVERSED = ("push http", "push stream", "bare", "read http", "read stream", "bare read")
+#: The reads' own baseline: the held replica's files sent back by a bare stream.
+READS = ("bare read", "read stream", "read http")
 
 
 @dataclass
@@ -68,6 +80,7 @@ class Link:
     sender_argv: list[str]
     holder_argv: list[str]
     holder_address: str
+    sender_address: str
     cleanup: list[list[str]] = field(default_factory=list)
     lock_fd: int = -1
 
@@ -79,7 +92,7 @@ class Link:
 
 
 def loopback() -> Link:
-    return Link("loopback", [], [], "127.0.0.1")
+    return Link("loopback", [], [], "127.0.0.1", "127.0.0.1")
 
 
 def veth_pair(shape_mbit: float | None) -> Link:
@@ -95,6 +108,7 @@ def veth_pair(shape_mbit: float | None) -> Link:
         ["ip", "netns", "exec", a],
         ["ip", "netns", "exec", b],
         f"{SUBNET_PREFIX}.{octet}.2",
+        f"{SUBNET_PREFIX}.{octet}.1",
         [["ip", "netns", "del", a], ["ip", "netns", "del", b]],
         fd,
     )
@@ -152,6 +166,13 @@ class LongEnd:
         self.proc.stdin.flush()
         return float(json.loads(self._line('{"cpu"'))["cpu"])
 
+    def free(self) -> None:
+        """Delete what this end kept (``bare-recv``'s last stream), just before it receives."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("free\n")
+        self.proc.stdin.flush()
+        self._line('{"freed"')
+
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
@@ -184,14 +205,39 @@ def make_part(base: Path, size: int) -> list[str]:
     return files
 
 
-def run_link(link: Link, sizes: list[int], reps: int, streams: int, work: Path) -> list[dict]:
+def held_files(store: Path, replica: str) -> list[str]:
+    """The held replica's files on the holder's disk (``ckptd.peers.replicas``' layout), in
+    the part's file order."""
+    files = sorted(str(p) for p in (store / "held" / replica / "data").rglob("*") if p.is_file())
+    if not files:
+        raise RuntimeError(f"replica {replica} is not held under {store}")
+    return files
+
+
+def evict(paths: list[str]) -> None:
+    """Drop these (clean, fsynced) files from the page cache: every read sends from disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_link(
+    link: Link, sizes: list[int], reps: int, streams: int, work: Path, warmup: int = 0
+) -> list[dict]:
     rows: list[dict[str, Any]] = []
     store = work / "held"
     received = work / "received"
-    store.mkdir()
-    received.mkdir()
+    read_back = work / "read-back"
+    for d in (store, received, read_back):
+        d.mkdir()
     addr = link.holder_address
     bare = LongEnd([*link.holder_argv, PY, END, "bare-recv", addr, "0", str(received)])
+    back = LongEnd(
+        [*link.sender_argv, PY, END, "bare-recv", link.sender_address, "0", str(read_back)]
+    )
     quota = str(3 * max(sizes))
     holder = LongEnd([*link.holder_argv, PY, END, "hold", addr, "0", str(store), quota])
     try:
@@ -199,17 +245,28 @@ def run_link(link: Link, sizes: list[int], reps: int, streams: int, work: Path) 
             sent = work / "part"
             sent.mkdir()
             files = make_part(sent, size)
-            for rep in range(reps):
+            for rep in range(-warmup, reps):
                 for kind in KINDS if rep % 2 == 0 else REVERSED:
                     pushed = [r for r in rows if r["size"] == size and r.get("replica")]
-                    if kind.startswith("read") and not pushed:
+                    if kind in READS and not pushed:
                         continue
-                    far = bare if kind == "bare" else holder
+                    held: list[str] = []
+                    if kind in READS:
+                        held = held_files(store, pushed[-1]["replica"])
+                        evict(held)
+                    far = {"bare": bare, "bare read": back}.get(kind, holder)
+                    if kind in ("bare", "bare read"):
+                        far.free()  # outside the measured CPU, as the reader frees its own
                     before = far.cpu()
                     if kind == "bare":
                         out = one_shot(
                             [*link.sender_argv, PY, END, "bare-send", addr, str(bare.port), *files]
                         )
+                    elif kind == "bare read":
+                        out = one_shot(
+                            [*link.holder_argv, PY, END, "bare-send", link.sender_address,
+                             str(back.port), *held]
+                        )  # fmt: skip
                     elif kind.startswith("push"):
                         n = streams if kind == "push stream" else 0
                         out = one_shot(
@@ -217,17 +274,19 @@ def run_link(link: Link, sizes: list[int], reps: int, streams: int, work: Path) 
                              *files]
                         )  # fmt: skip
                     else:
-                        n = streams if kind == "read stream" else 0
+                        mode = "stream" if kind == "read stream" else "http"
                         replica = pushed[-1]["replica"]
                         out = one_shot(
-                            [*link.sender_argv, PY, END, "read", f"{addr}:{holder.port}", str(n),
-                             str(received), replica, *(str(size // 2) for _ in files)]
+                            [*link.sender_argv, PY, END, "read", f"{addr}:{holder.port}", mode,
+                             str(streams), str(received), replica,
+                             *(str(size // 2) for _ in files)]
                         )  # fmt: skip
                     far_cpu = far.cpu() - before
                     row = {
                         "link": link.name,
                         "size": size,
                         "rep": rep,
+                        "warmup": rep < 0,
                         "kind": kind,
                         "seconds": out["seconds"],
                         "near_cpu": out["cpu"],
@@ -238,6 +297,7 @@ def run_link(link: Link, sizes: list[int], reps: int, streams: int, work: Path) 
                     rows.append(row)
                     print(
                         f"  {link.name:16} {size / GIB:5.2f} GiB  {kind:12} "
+                        f"{'(warm-up) ' if rep < 0 else ''}"
                         f"{out['seconds']:6.2f} s  {size * 8 / out['seconds'] / 1e9:6.2f} Gbit/s  "
                         f"cpu near {out['cpu']:5.2f} far {far_cpu:5.2f}  load {row['load']:.1f}",
                         flush=True,
@@ -245,6 +305,7 @@ def run_link(link: Link, sizes: list[int], reps: int, streams: int, work: Path) 
             shutil.rmtree(sent)
     finally:
         bare.close()
+        back.close()
         holder.close()
     return rows
 
@@ -258,6 +319,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     ]
     groups: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
     for r in rows:
+        if r.get("warmup"):
+            continue
         groups.setdefault((r["link"], r["size"]), {}).setdefault(r["kind"], []).append(r)
     for (name, size), kinds in groups.items():
         gib = size / GIB
@@ -265,13 +328,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         def med(kind: str, key: str, kinds: dict[str, list[dict[str, Any]]] = kinds) -> float:
             return float(statistics.median(r[key] for r in kinds[kind]))
 
-        bare_s = med("bare", "seconds")
-        bare_cpu = (med("bare", "near_cpu") + med("bare", "far_cpu")) / gib
         for kind in KINDS:
             if kind not in kinds:
                 continue
+            # A read against the held files sent back bare; a push against the bare stream.
+            base = "bare read" if kind in READS and "bare read" in kinds else "bare"
+            bare_s = med(base, "seconds")
+            bare_cpu = (med(base, "near_cpu") + med(base, "far_cpu")) / gib
             secs = med(kind, "seconds")
-            # The sender of a read is the holder (far); of a push or the bare stream, near.
+            # The sender of a read is the holder (far); of a push or a bare stream, near.
             send, recv = med(kind, "near_cpu") / gib, med(kind, "far_cpu") / gib
             if kind.startswith("read"):
                 send, recv = recv, send
@@ -290,14 +355,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--links", default="loopback,veth", help="loopback, veth, or both")
     parser.add_argument("--shape-mbit", default="", help="e.g. 1000,10000 (veth, both ends)")
     parser.add_argument("--streams", type=int, default=0, help="0: the client's default")
+    parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     parser.add_argument("--smoke", action="store_true", help="128 MiB, one round, unshaped")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     sizes = [int(float(s) * GIB) for s in args.sizes_gib.split(",") if s]
-    reps = args.reps
+    reps, warmup = args.reps, args.warmup
     shapes = [float(s) for s in args.shape_mbit.split(",") if s]
     if args.smoke:
-        sizes, reps, shapes = [128 * MIB], 1, []
+        sizes, reps, shapes, warmup = [128 * MIB], 1, [], 0
     from ckptd.peers.stream_client import STREAMS
 
     streams = args.streams or STREAMS
@@ -313,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         link = loopback() if kind == "loopback" else veth_pair(shape)
         work = Path(tempfile.mkdtemp(prefix="ckptd-peer-link-"))
         try:
-            rows += run_link(link, sizes, reps, streams, work)
+            rows += run_link(link, sizes, reps, streams, work, warmup)
         finally:
             link.close()
             shutil.rmtree(work, ignore_errors=True)
