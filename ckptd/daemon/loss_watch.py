@@ -8,7 +8,9 @@ live trajectory whose step is below S is protected: a lease with an ``until`` un
 ``ckptd prune`` honour as they honour a restore's, for ``[health] protect_hours``. A
 non-finite loss in a spike's episode protects the newest checkpoint below its own step
 too. A spike before any checkpoint below its step is committed protects the first one
-that commits. When the loss is back (the rule's ``stable``) this daemon releases the
+that commits, and a checkpoint below the spike that commits after it (it was still
+shipping) becomes the target in its place: the event is looked at again every poll until
+a checkpoint at or above its step is committed on the line. When the loss is back (the rule's ``stable``) this daemon releases the
 protections it took; otherwise they run out by themselves, and retention removes them
 once stale. A target protected already (by this daemon before a restart, which reads the
 ring again from its start, or by another node's) is adopted, not protected twice: its
@@ -59,6 +61,7 @@ class RunLosses:
     last: tuple[int, float] | None = None  # (step, loss) of the newest report
     pending: list[LossEvent] = field(default_factory=list)  # targets not protected yet
     protected: dict[str, str] = field(default_factory=dict)  # checkpoint -> lease key
+    targets: dict[int, str] = field(default_factory=dict)  # an event's step -> its target
     spikes: list[dict[str, Any]] = field(default_factory=list)  # the last few events
     nonfinite_at: int | None = None  # the step of the open episode's first non-finite loss
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reader of the ring
@@ -155,6 +158,7 @@ class LossWatch:
             state.nonfinite_at = event.step
         if event.kind == "stable":
             state.pending.clear()
+            state.targets.clear()
             state.nonfinite_at = None
             state.release_due = True  # after the ring's lock: a commit may be waiting on it
             return
@@ -163,9 +167,13 @@ class LossWatch:
 
     async def _protect(self, run_id: str, state: RunLosses, event: LossEvent) -> None:
         try:
-            target = await asyncio.to_thread(self._target, run_id, event.step)
+            target, passed = await asyncio.to_thread(self._target, run_id, event.step)
             if target is None:
                 return  # nothing below the spike committed yet: the next poll looks again
+            if state.targets.get(event.step) == target:
+                if passed:  # nothing newer below the spike can commit now
+                    state.pending.remove(event)
+                return
             now = self.clock.time()
             held: dict[str, str] = {}
             read = functools.partial(self.repo.read_protections, run_id, now=now, keys=held)
@@ -190,13 +198,26 @@ class LossWatch:
                     spike_step=event.step,
                     hours=self.protect_seconds / 3600,
                 )
-            state.pending.remove(event)
+            await self._move(run_id, state, event.step, target)
+            if passed:
+                state.pending.remove(event)
         except Exception as exc:  # noqa: BLE001 - the store's faults: tried again next poll
             self.log.warning("rollback_target_not_protected", run=run_id, error=str(exc))
         self.metrics.protected_checkpoints.labels(run=run_id).set(len(state.protected))
 
-    def _target(self, run_id: str, step: int) -> str | None:
-        """The newest committed checkpoint on the live line whose step is below ``step``."""
+    async def _move(self, run_id: str, state: RunLosses, step: int, target: str) -> None:
+        """``target`` is now the event at ``step``'s; its previous target, if no other
+        event keeps it, is released (a newer checkpoint below the spike committed)."""
+        old = state.targets.get(step)
+        state.targets[step] = target
+        if old is None or old in state.targets.values() or old not in state.protected:
+            return
+        await asyncio.to_thread(self.repo.release_lease, state.protected.pop(old))
+        self.log.info("rollback_target_moved", run=run_id, released=old, checkpoint=target)
+
+    def _target(self, run_id: str, step: int) -> tuple[str | None, bool]:
+        """The newest committed checkpoint on the live line whose step is below ``step``,
+        and whether one at or above ``step`` is committed there already."""
         committed = [c.manifest for c in self.repo.list_committed(run_id)]
         latest = self.repo.read_latest(run_id)
         off_line = abandoned(committed, latest.checkpoint if latest is not None else None)
@@ -205,7 +226,11 @@ class LossWatch:
             for m in committed
             if m.step is not None and m.step < step and m.checkpoint not in off_line
         ]
-        return before[-1].checkpoint if before else None
+        passed = any(
+            m.step is not None and m.step >= step and m.checkpoint not in off_line
+            for m in committed
+        )
+        return (before[-1].checkpoint if before else None), passed
 
     async def _release(self, run_id: str, state: RunLosses) -> None:
         for name, key in list(state.protected.items()):

@@ -264,6 +264,39 @@ def test_a_spike_before_any_checkpoint_below_it_protects_the_first_that_commits(
     assert repo.read_protections("run", now=SYSTEM_CLOCK.time()) == {"checkpoint-30": "non-finite"}
 
 
+def test_a_checkpoint_below_the_spike_that_commits_after_it_becomes_the_target(
+    tmp_path: Path, fresh_reporter: Any
+) -> None:
+    """Step 25 was saved before the spike at 26 but was still shipping when the spike was
+    seen: once it commits it is the rollback target, and 20's protection is let go."""
+    from ckptd.config.health import HealthConfig
+
+    repo = Repository(FileStorage(tmp_path / "store"))
+    watch = tmp_path / "run"
+    for step in (10, 20):
+        commit(repo, step)
+    log = Log()
+    health = HealthConfig(loss_window=30, loss_min_reports=20)
+    loss = LossWatch(health, {"run": watch}, repo, Metrics(), SYSTEM_CLOCK, log)
+    losses = noisy(200)
+    for step in range(1, 26):
+        steps.report_step(step, watch, loss=losses[step])
+    steps.report_step(26, watch, loss=40.0)
+    asyncio.run(loss.poll())
+    now = SYSTEM_CLOCK.time()
+    assert repo.read_protections("run", now=now) == {"checkpoint-20": "loss-spike"}
+    commit(repo, 25)
+    asyncio.run(loss.poll())
+    assert repo.read_protections("run", now=now) == {"checkpoint-25": "loss-spike"}
+    assert loss.status()["run"]["protected"] == ["checkpoint-25"]
+    assert ("rollback_target_moved", {"run": "run", "released": "checkpoint-20",
+            "checkpoint": "checkpoint-25"}) in log.lines  # fmt: skip
+    commit(repo, 30)  # past the spike: the event is settled, nothing moves again
+    asyncio.run(loss.poll())
+    assert not loss.runs["run"].pending
+    assert repo.read_protections("run", now=now) == {"checkpoint-25": "loss-spike"}
+
+
 # -- the callbacks and the status line -----------------------------------------------------
 
 
