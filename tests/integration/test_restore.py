@@ -280,7 +280,14 @@ def test_tampered_object_fails_verify_and_restore_leaves_nothing_at_name(
     assert (staged / "optim.bin").read_bytes() == files["optim.bin"]
 
     put_raw(s3_client, s3_prefix, "run/checkpoint-3/model.bin", files["model.bin"])
-    result = restore(s3, RestoreRequest("run", "checkpoint-3", target, chunk_bytes=MiB))
+    verified: list[str] = []
+    result = restore(
+        s3,
+        RestoreRequest("run", "checkpoint-3", target, chunk_bytes=MiB, on_verified=verified.append),
+    )
+    # The files the first attempt left verified are told first (a shared restore serves
+    # them at once), then the one fetched now.
+    assert sorted(verified[:2]) == ["cfg", "optim.bin"] and verified[2:] == ["model.bin"]
     assert result.reused_bytes == len(files["optim.bin"]) + 2
     assert result.downloaded_bytes == len(files["model.bin"])
     assert local_files(target / "checkpoint-3") == files

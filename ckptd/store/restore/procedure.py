@@ -241,6 +241,11 @@ def _restore_into(
                     reused_files=len(manifest.files) - len(todo),
                     reused_bytes=reused,
                 )
+                if request.on_verified is not None:  # verified by an earlier attempt
+                    fetching = {f.path for f in todo}
+                    for f in manifest.files:
+                        if f.path not in fetching:
+                            request.on_verified(f.path)
             downloaded = download(
                 storage,
                 manifest,

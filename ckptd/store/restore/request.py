@@ -34,7 +34,8 @@ class RestoreRequest:
     a lease (read-only credentials, tests). ``environment`` is this node's (default
     ``ckptd.runtime.environment.describe()``). ``on_file`` is called with each path once
     it is verified and recorded (tests); ``on_verified`` as soon as it verified, before
-    it is durable (a shared restore serves it from then on).
+    it is durable (a shared restore serves it from then on), and for each file an earlier
+    attempt left verified in the staging dir before anything is fetched.
     ``order`` puts the files to fetch in the order they are fetched (a shared restore
     starts each node at its own place; default: the manifest's). ``part`` restores only
     that node's part of a many-node checkpoint. ``keys`` demands a signed manifest and checks every file's
