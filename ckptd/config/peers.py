@@ -118,6 +118,15 @@ class PeersConfig(Section):
         "from the others over the cluster network (`<run>/.ckptd-sharing/`; the restore "
         "serves its verified files on a port of its own, on `listen`'s host).",
     )
+    share_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="The port a restore serves its verified files on while it shares "
+        "(`share_restores`), on `listen`'s host: 0, one the kernel picks; a fixed one where "
+        "the cluster's network policy opens only named ports. A second restore on the node "
+        "at the same time finds it taken and restores without sharing.",
+    )
     announce_interval_seconds: float = Field(
         default=30.0,
         ge=1,
@@ -154,6 +163,12 @@ class PeersConfig(Section):
 
     @model_validator(mode="after")
     def _enabled_needs(self) -> PeersConfig:
+        if self.share_port and self.share_port == parse_listen(self.listen)[1]:
+            raise keyed_error(
+                ("share_port",),
+                f"peers.share_port {self.share_port} is the peer port's (peers.listen): set "
+                "another, or 0 for one the kernel picks",
+            )
         if not self.enabled:
             return self
         if not self.token_file:

@@ -281,6 +281,35 @@ def test_a_node_alone_restores_as_today_and_leaves_no_record(
     assert NAME in os.listdir(tmp_path / "alone")
 
 
+def test_a_fixed_share_port_is_where_each_node_serves_its_share(
+    tmp_path: Path, scene: Any, s3_dest: str, fault_proxy: FaultProxy
+) -> None:
+    """``[peers] share_port``: every node's record names that port (two hosts, here two
+    loopback addresses), and the nodes read from each other there."""
+    settings, files = scene
+    port = free_port()
+    fault_proxy.close_gate(object_gets)
+    procs = []
+    for rank in range(2):
+        config = node_config(tmp_path, rank, 2, s3_dest, fault_proxy.url)
+        config.write_text(
+            config.read_text().replace(
+                'listen = "127.0.0.1:9465"',
+                f'listen = "127.0.0.{rank + 1}:9465"\nshare_port = {port}',
+            )
+        )
+        procs.append(start_restore(tmp_path, config, tmp_path / f"node-{rank}"))
+    wait_until(lambda: len(records(settings)) == 2, 120, "2 records in the store")
+    storage = open_tiers(settings)[0].storage
+    addresses = sorted(json.loads(storage.get_bytes(key))["address"] for key in records(settings))
+    assert addresses == [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]
+    fault_proxy.open_gate()
+    docs = [finished(p)[0] for p in procs]
+    for rank in range(2):
+        assert_tree(tmp_path / f"node-{rank}", files)
+    assert sum(d["peer_bytes"] for d in docs) > 0, docs
+
+
 EXEC_TRAINER = (
     "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('CKPTD_RESUME_FROM', ''))"
 )

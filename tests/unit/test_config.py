@@ -324,6 +324,8 @@ BAD_VALUES = [
     ("[peers]\ncopies = 9", "peers.copies"),
     ('[peers]\nperiodic = "often"', "peers.periodic"),
     ('[peers]\nshare_restores = "yes please"', "peers.share_restores"),
+    ("[peers]\nshare_port = 70000", "peers.share_port"),
+    ('[peers]\nlisten = "0.0.0.0:9500"\nshare_port = 9500', "peers.share_port"),
     ("[peers]\nrate_mbit = -1", "peers.rate_mbit"),
     ("[peers]\nemergency_rate_mbit = -1", "peers.emergency_rate_mbit"),
     ("[peers]\nfailure_domain = 5", "peers.failure_domain"),

@@ -104,6 +104,7 @@ class ShareServer(ThreadingHTTPServer):
         state: Callable[[int, str], dict[str, Any]],
         served: Served,
         on_served: Callable[[int], None],
+        port: int = 0,
     ) -> None:
         self.session = session
         self.checker = auth.RequestChecker(token, lock=threading.Lock())
@@ -111,7 +112,7 @@ class ShareServer(ThreadingHTTPServer):
         self.served = served
         self.on_served = on_served
         self.address_family = _family(host)
-        super().__init__((host, 0), _Handler)
+        super().__init__((host, port), _Handler)
 
     @property
     def port(self) -> int:

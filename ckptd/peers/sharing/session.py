@@ -374,10 +374,17 @@ def start_sharing(
     listen_host, _ = parse_listen(settings.peers.listen)
     try:
         server = ShareServer(
-            listen_host, name, reader.token, session.document, served, session.counted_served
+            listen_host,
+            name,
+            reader.token,
+            session.document,
+            served,
+            session.counted_served,
+            port=settings.peers.share_port,
         )
     except OSError as exc:
-        log.warning("restore_share_skipped", error=f"cannot listen on {listen_host}: {exc}")
+        where = f"{listen_host}:{settings.peers.share_port or 'any port'}"
+        log.warning("restore_share_skipped", error=f"cannot listen on {where}: {exc}")
         return None
     server.start()
     session.server = server
