@@ -13,6 +13,13 @@ on its command line (config, node dir), so ``gone`` finds and SIGKILLs exactly t
 (``ckptd exec`` puts its trainer in a session of its own: its process group is not enough),
 and nothing outside the slot's root is ever touched.
 
+A relaunch is a JobSet's restart: every pod is recreated, so each surviving host's
+checkpoint dir (``run/``, the pod's emptyDir) starts empty, while ckptd's state and peer
+replicas (``state/``, ``replicas/``: the host's, as ``/var/lib/ckptd`` under systemd or a
+DaemonSet) stay. ``keep_disks`` keeps ``run/`` too (a hostPath): then ``ckptd exec`` on a
+survivor finds its own part of the committed checkpoint there and refuses to restore the
+rest (exit 1, "already exists and differs from the manifest"; see bench/README.md).
+
 Two ways to run a rank (``Cluster.mode``):
 - ``exec``: ``ckptd exec --config <node's> -- python -m tests.support.trainers.fleet_ddp``
   (the node's config: ``[cluster]``, ``[peers]`` on or off, the provider's fake);
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +133,7 @@ class Cluster:
     mode: str  # "exec" | "plain"
     peers: bool
     shape: Shape
+    keep_disks: bool = False  # a relaunch keeps the survivors' checkpoint dirs
     slots: list[Slot] = field(default_factory=list)
     generation: int = 0
 
@@ -173,6 +182,11 @@ class Cluster:
         if slot.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 slot.proc.wait(timeout=10)
+        if slot.root is not None:
+            keep = self.out / "hosts" / slot.root.name
+            keep.mkdir(parents=True, exist_ok=True)
+            for log in [*slot.root.glob("proc-*.log"), *slot.root.glob("*.log")]:
+                shutil.copy2(log, keep / log.name)
         if slot.host is not None:
             self.prig.rig.remove_host(slot.host)
         if slot.fake is not None:
@@ -192,8 +206,12 @@ class Cluster:
         master = self.slots[0].host
         assert master is not None
         for slot in self.slots:
-            slot.starts += 1
             assert slot.host is not None and slot.root is not None
+            if slot.starts and not self.keep_disks:
+                # The pod is recreated: its checkpoint volume (an emptyDir) is empty again.
+                shutil.rmtree(slot.node_dir, ignore_errors=True)
+                slot.node_dir.mkdir(parents=True)
+            slot.starts += 1
             log = self.out / f"node{slot.rank}-a{slot.starts}.jsonl"
             trainer = [
                 sys.executable, "-m", TRAINER, "--node-dir", str(slot.node_dir),

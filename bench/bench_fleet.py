@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._fleet_cluster import Cluster, JobSpec  # noqa: E402
+from bench._fleet_commits import CommitWatcher  # noqa: E402
 from bench._fleet_policies import Policy, parse  # noqa: E402
 from bench._fleet_report import write as write_report  # noqa: E402
 from bench._fleet_scheduler import Outcome, Scheduler  # noqa: E402
@@ -41,7 +42,7 @@ from bench._fleet_trace import Trace, make_trace, smoke_trace  # noqa: E402
 from tests.support.netns import Shape  # noqa: E402
 from tests.support.peer_cluster import peer_rig  # noqa: E402
 
-SMOKE_GAP = 8.0  # scaled s of training before each smoke event
+SMOKE_GAP = 5.0  # scaled s of training before each smoke event
 
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,10 +61,17 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--node-mbit", type=float, default=400.0)
     p.add_argument("--store-ratio", type=float, default=0.25)
     p.add_argument("--grace", type=float, default=8.0, help="survivors' time to end alone")
+    p.add_argument(
+        "--keep-disks",
+        action="store_true",
+        help="a relaunch keeps survivors' checkpoint dirs (hostPath), not emptied (emptyDir)",
+    )
     p.add_argument("--deadline", type=float, default=0, help="per policy, s (0: from steps)")
     o = p.parse_args(argv)
     if o.smoke:
         o.nodes = 2
+        if o.step_sleep == p.get_default("step_sleep"):
+            o.step_sleep = 0.1
         if o.policies == p.get_default("policies"):
             o.policies = "uninterrupted,ckptd"
     return o
@@ -106,9 +114,12 @@ def run_policy(
         on_launch=loops.follow if loops else None,
     )  # fmt: skip
     print(f"{policy.name}: {job.nodes} nodes, {job.steps} steps, {len(events)} events")
+    watcher = None if policy.sync else CommitWatcher(prig.client(), prig.prefix, out).start()
     try:
         outcome = scheduler.run()
     finally:
+        if watcher is not None:
+            watcher.close()
         if loops is not None:
             loops.close()
         tail = cluster.proc_logs()
