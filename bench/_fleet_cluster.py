@@ -198,6 +198,14 @@ class Cluster:
 
     # -- the job -------------------------------------------------------------------------
 
+    def empty_disks(self) -> None:
+        """Before a relaunch: each pod recreated, its checkpoint volume (an emptyDir)
+        empty again (module doc); nothing with ``keep_disks``."""
+        for slot in self.slots:
+            if slot.starts and slot.root is not None and not self.keep_disks:
+                shutil.rmtree(slot.node_dir, ignore_errors=True)
+                slot.node_dir.mkdir(parents=True)
+
     def launch(self, resume: dict[int, Path] | None = None) -> None:
         """Every rank started (a new job: all slots must have a host); ``resume`` (plain
         mode) names each rank's checkpoint to resume from."""
@@ -207,10 +215,6 @@ class Cluster:
         assert master is not None
         for slot in self.slots:
             assert slot.host is not None and slot.root is not None
-            if slot.starts and not self.keep_disks:
-                # The pod is recreated: its checkpoint volume (an emptyDir) is empty again.
-                shutil.rmtree(slot.node_dir, ignore_errors=True)
-                slot.node_dir.mkdir(parents=True)
             slot.starts += 1
             log = self.out / f"node{slot.rank}-a{slot.starts}.jsonl"
             trainer = [

@@ -21,12 +21,17 @@ from typing import Any
 from tests.support.peer_cluster import BUCKET, RUN_ID
 
 _STEP = re.compile(r"/step-(\d+)[^/]*/ckptd\.manifest\.json$")
+_COPIED = re.compile(r"/sync/step-(\d+)/\.copied-(\d+)$")
 
 
 class CommitWatcher:
-    def __init__(self, client: Any, prefix: str, out: Path, interval: float = 0.5) -> None:
+    def __init__(
+        self, client: Any, prefix: str, out: Path, interval: float = 0.5, *, copied_by: int = 0
+    ) -> None:
+        """``copied_by`` N: the sync loop's markers, a step counted once N ranks copied it."""
         self.client = client
-        self.prefix = f"{prefix}/{RUN_ID}/"
+        self.copied_by = copied_by
+        self.prefix = f"{prefix}/sync/" if copied_by else f"{prefix}/{RUN_ID}/"
         self.path = out / "commits.jsonl"
         self.interval = interval
         self.seen: set[int] = set()
@@ -46,12 +51,19 @@ class CommitWatcher:
         pages = self.client.get_paginator("list_objects_v2").paginate(
             Bucket=BUCKET, Prefix=self.prefix
         )
-        found = set()
+        found: set[int] = set()
+        ranks: dict[int, set[int]] = {}
         for page in pages:
             for item in page.get("Contents", []):
+                if self.copied_by:
+                    copied = _COPIED.search(item["Key"])
+                    if copied:
+                        ranks.setdefault(int(copied.group(1)), set()).add(int(copied.group(2)))
+                    continue
                 match = _STEP.search(item["Key"])
                 if match:
                     found.add(int(match.group(1)))
+        found |= {step for step, who in ranks.items() if len(who) >= self.copied_by}
         for step in sorted(found - self.seen):
             self.seen.add(step)
             with self.path.open("a") as fh:

@@ -93,6 +93,8 @@ class Scheduler:
         self.replacements: list[tuple[float, int]] = []  # (wall time, rank)
         self.teardown_at: float | None = None
         self.launches = 0
+        self.failed_launches = 0  # in a row, without a step
+        self.max_failed_launches = 3
 
     def record(self, kind: str, nodes: tuple[int, ...], provider: str | None) -> None:
         row = {"kind": kind, "t": time.time(), "nodes": list(nodes), "provider": provider}
@@ -132,6 +134,9 @@ class Scheduler:
             now = time.time()
             if self.cluster.slots[0].starts and self.ended() and not self.cluster.running():
                 return Outcome(True, now - began, self.launches)
+            if self.failed_launches >= self.max_failed_launches:
+                note = f"gave up: {self.failed_launches} launches in a row without a step"
+                return Outcome(False, now - began, self.launches, note)
             if now - began > self.deadline:
                 return Outcome(False, now - began, self.launches, "deadline passed")
             if self.t0 is None:
@@ -161,7 +166,9 @@ class Scheduler:
                     self.record("gone", gone, action.provider)
                     self.say(f"  t={rel:6.1f}s gone nodes {list(gone)}")
                 if self.cluster.running() and self.teardown_at is None:
-                    self.teardown_at = time.time() + (self.grace if action.window else 0.0)
+                    # ckptd exec commits and exits by itself after a notice: its grace
+                    grace = self.grace if action.window and self.cluster.mode == "exec" else 0
+                    self.teardown_at = time.time() + grace
 
     def replace(self, now: float) -> None:
         due = [(at, rank) for at, rank in self.replacements if at <= now]
@@ -177,7 +184,8 @@ class Scheduler:
         running = self.cluster.running()
         whole = self.cluster.complete() and len(running) == len(self.cluster.slots)
         if running and not whole and self.teardown_at is None:
-            self.teardown_at = now + self.grace  # a rank ended: the job is broken
+            # A rank ended: the job is broken (under ckptd exec: maybe its notice's exit).
+            self.teardown_at = now + (self.grace if self.cluster.mode == "exec" else 0.0)
         if whole:
             self.teardown_at = None
         if self.teardown_at is not None and now >= self.teardown_at:
@@ -191,7 +199,20 @@ class Scheduler:
         ):
             self.launch()
 
+    def stepped(self) -> bool:
+        """Whether the latest launch logged a step on any rank."""
+        return any(
+            row.get("kind") == "step"
+            for slot in self.cluster.slots
+            for row in read_jsonl(self.cluster.out / f"node{slot.rank}-a{slot.starts}.jsonl")
+        )
+
     def launch(self) -> None:
+        if self.launches:
+            self.failed_launches = 0 if self.stepped() else self.failed_launches + 1
+        if self.failed_launches >= self.max_failed_launches:
+            return
+        self.cluster.empty_disks()
         resume = self.resume_for(self.cluster) if self.resume_for else None
         self.cluster.launch(resume)
         self.launches += 1

@@ -114,12 +114,13 @@ def run_policy(
         on_launch=loops.follow if loops else None,
     )  # fmt: skip
     print(f"{policy.name}: {job.nodes} nodes, {job.steps} steps, {len(events)} events")
-    watcher = None if policy.sync else CommitWatcher(prig.client(), prig.prefix, out).start()
+    watcher = CommitWatcher(
+        prig.client(), prig.prefix, out, copied_by=job.nodes if policy.sync else 0
+    ).start()
     try:
         outcome = scheduler.run()
     finally:
-        if watcher is not None:
-            watcher.close()
+        watcher.close()
         if loops is not None:
             loops.close()
         tail = cluster.proc_logs()
