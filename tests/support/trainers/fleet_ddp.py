@@ -119,6 +119,16 @@ def load(directory: Path, rank: int, model: Any, optimizer: torch.optim.Optimize
     return int(record["step"])
 
 
+def settle_buckets(model: Any, o: argparse.Namespace) -> None:
+    """One backward pass whose gradients are thrown away (no optimizer step): DDP rebuilds
+    its gradient buckets after a process's first backward, and with more than two ranks a
+    gradient all-reduced in another bucket layout differs in its last bits. Every start
+    (from scratch or resumed) settles the layout first, so step n is reduced alike in
+    both."""
+    model(torch.zeros(o.batch, o.features)).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for key, value in sorted(model.state_dict().items()):
@@ -137,12 +147,14 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     log = Log(o.log)
     dist.init_process_group("gloo", timeout=timedelta(seconds=o.gloo_timeout))
-    model = DistributedDataParallel(build(o))
+    net = build(o)
+    model = DistributedDataParallel(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = 0
     resume = ckptd.trainer.resume_from()
     if resume is not None:
         step = load(resume, rank, model, optimizer)
+    settle_buckets(model, o)
     log.write("start", node=o.node, attempt=o.attempt, resumed_from=step)
     while step < o.steps:
         x, y = batch(o, step + 1, rank)
@@ -165,7 +177,7 @@ def main() -> None:
         if preempted:
             break
     if step == o.steps:
-        log.write("end", step=step, digest=digest(model.module))
+        log.write("end", step=step, digest=digest(net))
     dist.barrier()
     # Not destroy_process_group(): gloo's teardown can abort a rank whose peer left first.
     leave_without_teardown()
