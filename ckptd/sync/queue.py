@@ -113,6 +113,16 @@ class ShipQueue:
     def get(self, run: str, name: str) -> Pending | None:
         return self._pending.get((run, name))
 
+    def make_emergency(self, run: str, name: str) -> Pending | None:
+        """The queued ``name``, counted from now on as the emergency checkpoint (a notice
+        arrived just after it completed: ``completed_in_emergency``); None when it is not
+        queued or counted so already."""
+        pending = self._pending.get((run, name))
+        if pending is None or pending.emergency:
+            return None
+        pending.emergency = True
+        return pending
+
     def remove(self, run: str, name: str) -> Pending | None:
         return self._pending.pop((run, name), None)
 

@@ -94,6 +94,11 @@ async def test_emergency_checkpoint_pauses_an_older_upload_commits_first_and_the
     worker = asyncio.create_task(pipeline.work(stop))
     try:
         older = write_marked(watch, "ck-1", 8 * PART)
+        # Written well before the notice: one written within EMERGENCY_MTIME_SLACK of it
+        # would count as its save (the next test).
+        past = time.time() - 30
+        for f in older.iterdir():
+            os.utime(f, (past, past))
         await ship_until_a_part_is_sent(pipeline, "ck-1")
         pipeline.emergency.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
         write_marked(watch, "ck-2", MiB)
@@ -119,6 +124,42 @@ async def test_emergency_checkpoint_pauses_an_older_upload_commits_first_and_the
     total = 8 * PART + MiB
     assert total <= sent <= total + PART
     assert (older / "weights.bin").stat().st_size == 8 * PART
+
+
+async def test_a_checkpoint_queued_just_before_the_notice_is_promoted_and_goes_first(
+    tmp_path: Path,
+) -> None:
+    """Many nodes: the trainer saved on another node's notice, which reached this daemon a
+    moment after the save was queued behind an older upload. The notice's second look at
+    it makes it the emergency checkpoint: it commits before the older one (seen in the
+    fleet campaign, #48: the save waited 3 s behind a periodic checkpoint and missed the
+    deadline)."""
+    order, hooks = record_commits()
+    pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8, hooks=hooks)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(pipeline.work(stop))
+    try:
+        older = write_marked(watch, "ck-1", 8 * PART)
+        past = time.time() - 30  # written well before the notice
+        for f in older.iterdir():
+            os.utime(f, (past, past))
+        await ship_until_a_part_is_sent(pipeline, "ck-1")
+        write_marked(watch, "ck-2", MiB)
+        await pipeline.evaluate("run", "ck-2")
+        assert not pipeline.queue.get("run", "ck-2").emergency  # type: ignore[union-attr]
+        pipeline.emergency.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
+        await wait_until(
+            lambda: (p := pipeline.queue.get("run", "ck-2")) is None or p.emergency,
+            timeout=30,
+            what="ck-2 counted as the emergency checkpoint",
+        )
+        await wait_until(lambda: len(order) == 2, timeout=60, what="both committed")
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+        await pipeline.close()
+        journal.close()
+    assert order == [("ck-2", True), ("ck-1", False)]
 
 
 async def test_a_checkpoint_already_committed_elsewhere_is_marked_committed_without_shipping(

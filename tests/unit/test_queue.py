@@ -77,6 +77,17 @@ def test_adding_twice_keeps_the_first_and_its_failure_count() -> None:
     assert len(queue) == 1
 
 
+def test_a_queued_checkpoint_is_made_the_emergency_one_once_and_keeps_its_failures() -> None:
+    queue = ShipQueue()
+    first = pending("ck-1", 1)
+    queue.add(first)
+    queue.failed(first, now=0.0)
+    assert queue.make_emergency("run", "ck-1") is first and first.emergency
+    assert first.failures == 1
+    assert queue.make_emergency("run", "ck-1") is None  # counted so already
+    assert queue.make_emergency("run", "ck-9") is None  # not queued
+
+
 # -- backoff -----------------------------------------------------------------------------
 
 
