@@ -10,9 +10,9 @@ non-finite loss in a spike's episode protects the newest checkpoint below its ow
 too. A spike before any checkpoint below its step is committed protects the first one
 that commits, and a checkpoint below the spike that commits after it (it was still
 shipping) becomes the target in its place: the event is looked at again every poll until
-a checkpoint at or above its step is committed on the line. When the loss is back (the rule's ``stable``) this daemon releases the
-protections it took; otherwise they run out by themselves, and retention removes them
-once stale. A target protected already (by this daemon before a restart, which reads the
+a checkpoint at or above its step is committed on the line. When the loss is back (the
+rule's ``stable``) this daemon releases the protections it took; otherwise they run out
+by themselves, and retention removes them once stale. A target protected already (by this daemon before a restart, which reads the
 ring again from its start, or by another node's) is adopted, not protected twice: its
 ``until`` stands.
 

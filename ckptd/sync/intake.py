@@ -227,20 +227,19 @@ class Intake:
             emergency=completed_in_emergency(listing.newest_mtime_ns / 1e9, self.emergency.since),
             total_bytes=total,
         )
-        if not self.queue.add(pending):
-            # Queued before the notice it turns out to be the save for (the trainer saved
-            # on another node's notice that reached this daemon a moment later): it now
-            # goes first, and no older upload holds it back.
-            promoted = self.queue.make_emergency(run_id, name) if pending.emergency else None
-            if promoted is not None:
-                self.log.warning("emergency_checkpoint_complete", run=run_id, checkpoint=name)
-                self.hooks.on_emergency_complete(run_id, name)
-                self.emergency.make_way(promoted.total_bytes)
-            return
-        if pending.emergency:
+        added = self.queue.add(pending)
+        # Or queued before the notice it turns out to be the save for (the trainer saved on
+        # another node's notice that reached this daemon a moment later): it now goes
+        # first, and no older upload holds it back.
+        promoted = (
+            not added and pending.emergency and self.queue.make_emergency(run_id, name) is not None
+        )
+        if pending.emergency and (added or promoted):
             self.log.warning("emergency_checkpoint_complete", run=run_id, checkpoint=name)
             self.hooks.on_emergency_complete(run_id, name)
             self.emergency.make_way(total)
+        if not added:
+            return
         self.log.info(
             "checkpoint_complete",
             run=run_id,
