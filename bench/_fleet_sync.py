@@ -25,22 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import boto3
-
-from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY
+from ckptd.devtools.locals3 import s3_client
 from tests.support.peer_cluster import BUCKET, PeerRig
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def client(endpoint: str) -> Any:
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-        region_name="us-east-1",
-    )
 
 
 def looks_complete(step_dir: Path, rank: int, settle: float) -> bool:
@@ -52,7 +40,7 @@ def looks_complete(step_dir: Path, rank: int, settle: float) -> bool:
 
 
 def loop(o: argparse.Namespace) -> None:
-    s3 = client(o.endpoint)
+    s3 = s3_client(o.endpoint)
     done: set[str] = set()
     while True:
         for step_dir in sorted(o.dir.glob("step-*")):

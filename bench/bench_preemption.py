@@ -87,13 +87,18 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # run as a script: find the tests' fakes and daemon driver
 sys.path.insert(0, str(BENCH_DIR))  # and common
 
-import boto3  # noqa: E402
 import botocore.exceptions  # noqa: E402
 from common import BUCKET, MIB, delete_prefix  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd.config import PreemptionConfig, WatchConfig  # noqa: E402
-from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port  # noqa: E402
+from ckptd.devtools.locals3 import (  # noqa: E402
+    ACCESS_KEY,
+    SECRET_KEY,
+    LocalS3,
+    free_port,
+    s3_client,
+)
 from tests.support.daemon import Daemon, wait_until  # noqa: E402
 from tests.support.fakes import FakeServer, RecordedRequest  # noqa: E402
 from tests.support.fakes.aws_imds import FakeAwsImds, rfc3339  # noqa: E402
@@ -853,16 +858,6 @@ class CommitTrial:
     committed_before_deadline: bool | None = None
     daemon_event: dict[str, Any] = field(default_factory=dict)  # emergency_checkpoint_committed
     error: str | None = None
-
-
-def s3_client(endpoint: str) -> Any:
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-        region_name="us-east-1",
-    )
 
 
 def object_exists(s3: Any, key: str) -> bool:

@@ -26,12 +26,27 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ACCESS_KEY = "ckptd-local"
 SECRET_KEY = "ckptd-local-secret"  # loopback-only test identity, not a real credential
 
 
 PORT_RANGE_ENV = "TEST_PORT_RANGE"
+
+
+def s3_client(endpoint_url: str) -> Any:
+    """A boto3 S3 client with this server's credentials, for ``endpoint_url`` (a server
+    started here, or one another process or namespace started)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        region_name="us-east-1",
+    )
 
 
 def free_port() -> int:
@@ -165,15 +180,7 @@ class LocalS3:
         raise TimeoutError(f"SeaweedFS S3 not ready after {timeout}s: {last!r}")
 
     def _buckets_ready(self) -> bool:
-        import boto3
-
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
-            region_name="us-east-1",
-        )
+        client = s3_client(self.endpoint_url)
         names = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
         if not set(self.buckets) <= names:
             return False
@@ -244,4 +251,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ACCESS_KEY", "SECRET_KEY", "LocalS3", "free_port", "main"]
+__all__ = ["ACCESS_KEY", "SECRET_KEY", "LocalS3", "free_port", "main", "s3_client"]

@@ -34,6 +34,15 @@ def write_marked(root: Path, name: str, size: int) -> Path:
     return ckpt
 
 
+def written_well_before(ckpt: Path) -> Path:
+    """``ckpt``'s files dated 30 s back: written well before a notice sent now (one written
+    within ``EMERGENCY_MTIME_SLACK`` of it would count as its save)."""
+    past = time.time() - 30
+    for f in ckpt.iterdir():
+        os.utime(f, (past, past))
+    return ckpt
+
+
 def sent_bytes(pipeline: SyncPipeline) -> float:
     value = pipeline.metrics.registry.get_sample_value("ckptd_upload_bytes_total", {"run": "run"})
     return value or 0.0
@@ -93,12 +102,7 @@ async def test_emergency_checkpoint_pauses_an_older_upload_commits_first_and_the
     stop = asyncio.Event()
     worker = asyncio.create_task(pipeline.work(stop))
     try:
-        older = write_marked(watch, "ck-1", 8 * PART)
-        # Written well before the notice: one written within EMERGENCY_MTIME_SLACK of it
-        # would count as its save (the next test).
-        past = time.time() - 30
-        for f in older.iterdir():
-            os.utime(f, (past, past))
+        older = written_well_before(write_marked(watch, "ck-1", 8 * PART))
         await ship_until_a_part_is_sent(pipeline, "ck-1")
         pipeline.emergency.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
         write_marked(watch, "ck-2", MiB)
@@ -139,10 +143,7 @@ async def test_a_checkpoint_queued_just_before_the_notice_is_promoted_and_goes_f
     stop = asyncio.Event()
     worker = asyncio.create_task(pipeline.work(stop))
     try:
-        older = write_marked(watch, "ck-1", 8 * PART)
-        past = time.time() - 30  # written well before the notice
-        for f in older.iterdir():
-            os.utime(f, (past, past))
+        written_well_before(write_marked(watch, "ck-1", 8 * PART))
         await ship_until_a_part_is_sent(pipeline, "ck-1")
         write_marked(watch, "ck-2", MiB)
         await pipeline.evaluate("run", "ck-2")

@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import boto3
-
-from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port
+from ckptd.devtools.locals3 import ACCESS_KEY, SECRET_KEY, LocalS3, free_port, s3_client
 from tests.support.cluster import trainer_match
 from tests.support.daemon import Daemon, run_cli, wait_until
 from tests.support.netns import Host, Rig, Shape, rig_or_skip
@@ -128,13 +126,7 @@ class PeerRig:
             raise RuntimeError(done.stderr[-2000:])
 
     def client(self) -> Any:
-        return boto3.client(
-            "s3",
-            endpoint_url=self.s3.endpoint_url,
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
-            region_name="us-east-1",
-        )
+        return s3_client(self.s3.endpoint_url)
 
     def add_node(
         self,
