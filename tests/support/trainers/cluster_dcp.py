@@ -30,17 +30,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
 
 import ckptd.trainer
-from tests.support.trainers.common import hang_forever, leave_without_teardown, write_json
+from tests.support.trainers.common import (
+    hang_forever,
+    leave_without_teardown,
+    load_sharded,
+    save_sharded,
+    write_json,
+)
 
 FEATURES = 16
 HIDDEN = 64
@@ -110,14 +113,9 @@ def save(
         "data_rng": data.get_state(),
         "torch_rng": torch.get_rng_state(),
     }
-    rank_file = directory / f"rank-{rank}.pt"
-    torch.save(record, rank_file)
-    with rank_file.open("rb") as fh:
-        os.fsync(fh.fileno())
-    model_state, optim_state = get_state_dict(model, optimizer)
     # Each rank passes its own node's path: the writer puts this rank's shard there, and
     # the coordinator's .metadata lands on node 0 only.
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+    save_sharded(directory, rank, model, optimizer, record)
 
 
 def load(
@@ -128,13 +126,7 @@ def load(
     scheduler: Any,
     data: torch.Generator,
 ) -> int:
-    model_state, optim_state = get_state_dict(model, optimizer)
-    target = {"model": model_state, "optim": optim_state}
-    dcp.load(target, checkpoint_id=directory)
-    set_state_dict(
-        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
-    )
-    record = torch.load(directory / f"rank-{rank}.pt", weights_only=True)
+    record = load_sharded(directory, rank, model, optimizer)
     scheduler.load_state_dict(record["scheduler"])
     data.set_state(record["data_rng"])
     torch.set_rng_state(record["torch_rng"])

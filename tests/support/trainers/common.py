@@ -112,6 +112,44 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
+def save_sharded(
+    directory: Path,
+    rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    record: dict[str, Any],
+) -> None:
+    """A many-rank save into this rank's node-local ``directory``: its own ``record``
+    (step, RNGs, ...) as ``rank-<rank>.pt``, fsynced, then model and optimizer through
+    DCP, which writes this rank's shard there and the coordinator's ``.metadata`` last."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank_file = directory / f"rank-{rank}.pt"
+    torch.save(record, rank_file)
+    with rank_file.open("rb") as fh:
+        os.fsync(fh.fileno())
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+
+
+def load_sharded(
+    directory: Path, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """What ``save_sharded`` saved: model and optimizer loaded through DCP (from every
+    rank's shards), and this rank's record returned."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    target = {"model": model_state, "optim": optim_state}
+    dcp.load(target, checkpoint_id=directory)
+    set_state_dict(
+        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
+    )
+    return dict(torch.load(directory / f"rank-{rank}.pt", weights_only=True))
+
+
 def first_time_here(marks: Path | None, step: int) -> bool:
     """Whether no run of this script reached ``step`` before (a mark per step in
     ``marks``, made now, exclusively): ``--hang-once-at`` hangs each attempt that gets

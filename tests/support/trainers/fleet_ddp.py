@@ -34,12 +34,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 import ckptd.trainer
-from tests.support.trainers.common import leave_without_teardown
+from tests.support.trainers.common import leave_without_teardown, load_sharded, save_sharded
 
 
 def options() -> argparse.Namespace:
@@ -98,23 +96,14 @@ def save(
                 fh.write(os.urandom(1024 * 1024))
             fh.flush()
             os.fsync(fh.fileno())
-    rank_file = directory / f"rank-{rank}.pt"
-    torch.save({"step": step, "torch_rng": torch.get_rng_state()}, rank_file)
-    with rank_file.open("rb") as fh:
-        os.fsync(fh.fileno())
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+    save_sharded(
+        directory, rank, model, optimizer, {"step": step, "torch_rng": torch.get_rng_state()}
+    )
     return directory
 
 
 def load(directory: Path, rank: int, model: Any, optimizer: torch.optim.Optimizer) -> int:
-    model_state, optim_state = get_state_dict(model, optimizer)
-    target = {"model": model_state, "optim": optim_state}
-    dcp.load(target, checkpoint_id=directory)
-    set_state_dict(
-        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
-    )
-    record = torch.load(directory / f"rank-{rank}.pt", weights_only=True)
+    record = load_sharded(directory, rank, model, optimizer)
     torch.set_rng_state(record["torch_rng"])
     return int(record["step"])
 
