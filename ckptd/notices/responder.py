@@ -298,7 +298,11 @@ class Responder:
         task = asyncio.get_running_loop().create_task(self._write_notice_files(body))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        self.pipeline.enter_emergency(notice.deadline)
+        # One followed from another node began at its origin: the trainer may have saved
+        # for it before this daemon heard of it (through the store), and that save is the
+        # emergency checkpoint.
+        origin = None if publish else min(self.clock.time(), notice.noticed_at.timestamp())
+        self.pipeline.enter_emergency(notice.deadline, since=origin)
         try:
             await asyncio.to_thread(carried.record, self.state_dir, notice, response.pids)
         except OSError as exc:

@@ -232,7 +232,9 @@ class Intake:
         # another node's notice that reached this daemon a moment later): it now goes
         # first, and no older upload holds it back.
         promoted = (
-            not added and pending.emergency and self.queue.make_emergency(run_id, name) is not None
+            not added
+            and self._saved_for_the_notice(state, listing)
+            and self.queue.make_emergency(run_id, name) is not None
         )
         if pending.emergency and (added or promoted):
             self.log.warning("emergency_checkpoint_complete", run=run_id, checkpoint=name)
@@ -250,6 +252,17 @@ class Intake:
         )
         self._changed()
         self._wake()
+
+    def _saved_for_the_notice(self, state: RunState, listing: CheckpointListing) -> bool:
+        """Whether a checkpoint queued before this daemon heard of the notice is the save
+        made for it: written after the notice began (its origin's time, for one followed
+        from another node), with no slack, and no newer checkpoint of the run seen. A
+        routine save made a moment before a local notice stays routine: the trainer's
+        save for the notice comes after it."""
+        since, step = self.emergency.since, step_of(listing.name)
+        if since is None or step is None or listing.newest_mtime_ns / 1e9 < since:
+            return False
+        return all((step_of(other) or 0) <= step for other in state.seen)
 
     async def _ship_early(self, state: RunState, listing: CheckpointListing) -> float | None:
         """Send the closed, quiet files of a checkpoint not complete yet (``ckptd.sync.early``);

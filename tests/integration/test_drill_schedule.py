@@ -42,7 +42,7 @@ class Pipeline:
     def watch_dirs(self) -> list[Path]:
         return []
 
-    def enter_emergency(self, deadline: datetime | None) -> None:
+    def enter_emergency(self, deadline: datetime | None, since: float | None = None) -> None:
         self.emergency = True
 
     def leave_emergency(self) -> None:

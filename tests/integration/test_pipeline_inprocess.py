@@ -145,10 +145,14 @@ async def test_a_checkpoint_queued_just_before_the_notice_is_promoted_and_goes_f
     try:
         written_well_before(write_marked(watch, "ck-1", 8 * PART))
         await ship_until_a_part_is_sent(pipeline, "ck-1")
+        noticed_at_origin = time.time() - 0.01
         write_marked(watch, "ck-2", MiB)
         await pipeline.evaluate("run", "ck-2")
         assert not pipeline.queue.get("run", "ck-2").emergency  # type: ignore[union-attr]
-        pipeline.emergency.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
+        # The other node's notice reaches this daemon now, dated when it began there.
+        pipeline.emergency.enter_emergency(
+            datetime.now(UTC) + timedelta(seconds=1), since=noticed_at_origin
+        )
         await wait_until(
             lambda: (p := pipeline.queue.get("run", "ck-2")) is None or p.emergency,
             timeout=30,
@@ -161,6 +165,38 @@ async def test_a_checkpoint_queued_just_before_the_notice_is_promoted_and_goes_f
         await pipeline.close()
         journal.close()
     assert order == [("ck-2", True), ("ck-1", False)]
+
+
+async def test_a_routine_checkpoint_queued_a_moment_before_a_local_notice_stays_routine(
+    tmp_path: Path,
+) -> None:
+    """A save made half a second before this node's own notice (within the slack a fresh
+    checkpoint gets) was not made for it: the trainer's save for the notice, written
+    after it, is the emergency checkpoint and commits first (CI saw ``ckptd exec`` report
+    the older one as the emergency checkpoint)."""
+    order, hooks = record_commits()
+    pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8, hooks=hooks)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(pipeline.work(stop))
+    try:
+        written_well_before(write_marked(watch, "ck-1", 8 * PART))
+        await ship_until_a_part_is_sent(pipeline, "ck-1")
+        routine = write_marked(watch, "ck-2", MiB)
+        half_a_second_ago = time.time() - 0.5
+        for f in routine.iterdir():
+            os.utime(f, (half_a_second_ago, half_a_second_ago))
+        await pipeline.evaluate("run", "ck-2")
+        pipeline.emergency.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
+        write_marked(watch, "ck-3", MiB)
+        await pipeline.evaluate("run", "ck-3")
+        await wait_until(lambda: len(order) == 3, timeout=60, what="all three committed")
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+        await pipeline.close()
+        journal.close()
+    assert order[0] == ("ck-3", True), order
+    assert sorted(order[1:]) == [("ck-1", False), ("ck-2", False)], order
 
 
 async def test_a_checkpoint_already_committed_elsewhere_is_marked_committed_without_shipping(

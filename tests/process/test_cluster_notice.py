@@ -248,18 +248,62 @@ class StubEmergency:
     def __init__(self, watch: Path) -> None:
         self.watch = watch
         self.deadlines: list[datetime | None] = []
+        self.since: list[float | None] = []
 
     def watch_dirs(self) -> list[Path]:
         return [self.watch]
 
-    def enter_emergency(self, deadline: datetime | None) -> None:
+    def enter_emergency(self, deadline: datetime | None, since: float | None = None) -> None:
         self.deadlines.append(deadline)
+        self.since.append(since)
 
     def move_deadline(self, deadline: datetime | None) -> None:
         self.deadlines.append(deadline)
 
     def leave_emergency(self) -> None:
         pass
+
+
+async def test_a_followed_notice_counts_the_emergency_from_its_origin_and_an_own_one_from_now(
+    tmp_path: Path,
+) -> None:
+    """The trainer may save on another node's notice before this daemon hears of it
+    through the store: that save must count as the emergency checkpoint, so emergency mode
+    starts at the origin's ``noticed_at``. A notice of this node's own starts it now."""
+    from ckptd.config import load_settings
+    from ckptd.notices.responder import Responder
+
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    settings = load_settings(
+        overrides={
+            "watch": [{"dir": str(watch), "run_id": "run"}],
+            "destination": {"url": f"file://{tmp_path / 'store'}"},
+            "cluster": {"nodes": 2, "node_rank": 0},
+        },
+        environ={},
+    )
+    pipeline = StubEmergency(watch)
+    responder = Responder(settings, Metrics(), pipeline)
+    began = datetime.now(UTC) - timedelta(seconds=2)
+    followed = judge_notice(
+        {
+            "node_rank": 1,
+            "source": "aws",
+            "kind": "spot-termination",
+            "noticed_at": format_time(began),
+            "deadline": format_time(began + timedelta(seconds=120)),
+        },
+        own_rank=0,
+        started_at=began - timedelta(seconds=60),
+        now=datetime.now(UTC),
+    ).notice
+    assert followed is not None
+    await responder.handle(followed, publish=False)
+    assert pipeline.since == [pytest.approx(began.timestamp(), abs=0.001)]
+    responder.current = None
+    await responder.handle(own_notice())
+    assert pipeline.since[1:] == [None]
 
 
 async def test_the_trainer_is_signalled_while_the_store_still_hangs_on_the_notice(
