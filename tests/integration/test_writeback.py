@@ -45,6 +45,15 @@ def _file_dirty_kib(fd: int) -> int | None:
     return int(stat.nr_dirty) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
+def _write_dirty(path: Path, size: int) -> int:
+    """``path`` written with ``size`` bytes and left dirty in the page cache; its fd."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    block = os.urandom(MiB)
+    for i in range(size // MiB):
+        os.pwrite(fd, block, i * MiB)
+    return fd
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
 def test_started_writeback_cleans_the_pages_well_before_the_kernel_would(tmp_path: Path) -> None:
     expire_s = int(Path("/proc/sys/vm/dirty_expire_centisecs").read_text()) / 100
@@ -52,21 +61,27 @@ def test_started_writeback_cleans_the_pages_well_before_the_kernel_would(tmp_pat
         pytest.skip(f"the kernel itself writes dirty pages back after {expire_s} s")
     assert writeback.available()
     size = 128 * MiB
-    fd = os.open(tmp_path / "restored.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    try:
-        block = os.urandom(MiB)
-        for i in range(size // MiB):
-            os.pwrite(fd, block, i * MiB)
+    # While other writers hold the machine's dirty pages over its background threshold
+    # (the suite's own campaigns, in CI), the kernel's flusher is already cleaning this
+    # file too and the claim cannot be told apart: write it again after a pause, a few
+    # times, before giving up on measuring it.
+    for attempt in range(5):
+        fd = _write_dirty(tmp_path / "restored.bin", size)
         # This file's own dirty pages where the kernel counts them (cachestat), else the
         # machine-wide counter, which other writers on a busy machine move too.
         own = _file_dirty_kib(fd) is not None
 
-        def dirty() -> int:
+        def dirty(fd: int = fd, own: bool = own) -> int:
             return (_file_dirty_kib(fd) or 0) if own else _dirty_kib()
 
         dirty_before = dirty()
-        assert dirty_before >= size // 1024 // 2, "the writes did not leave dirty pages"
-
+        if dirty_before >= size // 1024 * 3 // 4:
+            break
+        os.close(fd)
+        time.sleep(2.0 * (attempt + 1))
+    else:
+        pytest.skip("the kernel's flusher was already cleaning the file (other writers)")
+    try:
         writeback.start(fd, 0, size)
         started = time.monotonic()
         # Wait until at least half of this file's pages are clean.
