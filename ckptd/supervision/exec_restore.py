@@ -1,7 +1,9 @@
 """``ckptd exec``'s restore before the trainer's first start, in steps: the newest
 committed checkpoint in any tier (``newest_committed``), whether a complete local one is
 as new (``local_is_as_new``), and the restore itself into the watch dir, from peers first
-when they hold it (``restore_into``). ``SupervisedService.restore_newest``
+when they hold it (``restore_into``; a part of that very checkpoint already in its
+place, a survivor's own files of a many-node one, is set aside and replaced by the
+whole, never written into). ``SupervisedService.restore_newest``
 (``ckptd.supervision.exec_service``) runs them in that order, once the live line says a
 restore may run at all.
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,7 @@ from ckptd.storage import StorageError
 from ckptd.storage.base import NotFoundError
 from ckptd.store.nearby import SHOWN, where_runs_are
 from ckptd.store.restore import RestoreError, RestoreRequest
+from ckptd.store.restore.in_place import is_part_of, local_problems
 from ckptd.store.tiers import TierRestore, TierStore, newest_in_tiers
 
 
@@ -79,9 +84,48 @@ async def restore_into(
     watch_dir: Path,
     log: Any,
 ) -> TierRestore:
-    """Restore ``manifest``'s checkpoint of ``run_id`` into ``watch_dir`` (its files
-    missing there only), from peers first when they hold any of it, else from the first
-    tier whose copy verifies. ExecError when none does."""
+    """Restore ``manifest``'s checkpoint of ``run_id`` into ``watch_dir`` (a part of it
+    already there is set aside and replaced: ``set_aside_a_part``), from peers first when
+    they hold any of it, else from the first tier whose copy verifies. ExecError when
+    none does."""
+    final = watch_dir / manifest.local_name
+    aside = await asyncio.to_thread(set_aside_a_part, final, manifest, log)
+    try:
+        done = await _restore(settings, stores, run_id, manifest, watch_dir, log)
+    except BaseException:
+        if aside is not None and not os.path.lexists(final):
+            await asyncio.to_thread(os.rename, aside, final)
+        raise
+    if aside is not None:
+        await asyncio.to_thread(shutil.rmtree, aside, True)
+    return done
+
+
+def set_aside_a_part(final: Path, manifest: Manifest, log: Any) -> Path | None:
+    """Move ``final`` (``DIR/NAME``) out of the way when it holds part of ``manifest``'s
+    checkpoint and nothing else (``is_part_of``), so the restore can put the whole in its
+    place; its new path, or None when there is nothing to set aside (absent, whole, or
+    holding anything else: the restore refuses that one, naming it)."""
+    if not os.path.lexists(final) or not local_problems(final, manifest):
+        return None
+    if not is_part_of(final, manifest):
+        return None
+    aside = final.with_name(f".ckptd-part-{final.name}")
+    if os.path.lexists(aside):
+        shutil.rmtree(aside)  # an earlier attempt's: files of the committed checkpoint only
+    os.rename(final, aside)
+    log.info("exec_restore_completes_a_part", path=str(final), kept_aside=str(aside))
+    return aside
+
+
+async def _restore(
+    settings: Settings,
+    stores: Sequence[TierStore],
+    run_id: str,
+    manifest: Manifest,
+    watch_dir: Path,
+    log: Any,
+) -> TierRestore:
     try:
         request = RestoreRequest(
             run_id,

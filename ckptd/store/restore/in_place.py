@@ -1,8 +1,11 @@
-"""The check behind ``--if-missing``: does an existing ``DIR/NAME`` hold the manifest's files?
+"""How an existing ``DIR/NAME`` compares with a manifest: does it hold the manifest's files
+(``local_problems``, the check behind ``--if-missing``), and is it a part of that very
+checkpoint (``is_part_of``)?
 
 Sizes only keeps ``--if-missing`` instant on a multi-GiB checkpoint; contents were
 verified when it was restored. Symlinks count as differences (never followed); extra
-local files are ignored.
+local files are ignored. ``is_part_of`` reads every file: it decides whether a
+directory may be replaced by the whole checkpoint without losing a byte.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ import os
 import stat
 from pathlib import Path
 
+from ckptd.core import checksum
 from ckptd.core.manifest import Manifest, ManifestFile
 from ckptd.repository import FileProblem
 from ckptd.store.restore.staging import is_single_file
+
+READ_BYTES = 4 * 1024 * 1024
 
 
 def local_problems(path: Path, manifest: Manifest) -> list[FileProblem]:
@@ -54,4 +60,34 @@ def _local_file_problem(root: Path, parts: list[str], entry: ManifestFile) -> li
     return []
 
 
-__all__ = ["local_problems"]
+def is_part_of(path: Path, manifest: Manifest) -> bool:
+    """Whether the directory ``path`` holds nothing but files the manifest names, each a
+    regular file of its size and CRC-32C (and real directories on the way): a part of
+    that very checkpoint, such as a node's own files of a many-node one kept across a
+    restart, which the whole checkpoint replaces without losing anything."""
+    if is_single_file(manifest) or not _is_real_dir(str(path)):
+        return False
+    expected = {f.path: f for f in manifest.files}
+    for directory, dirs, files in os.walk(path, followlinks=False):
+        if not all(_is_real_dir(os.path.join(directory, d)) for d in dirs):
+            return False
+        for name in files:
+            full = os.path.join(directory, name)
+            entry = expected.get(Path(full).relative_to(path).as_posix())
+            st = os.lstat(full)
+            if entry is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+                return False
+            if checksum.to_hex(_crc32c_of(full)) != entry.crc32c:
+                return False
+    return True
+
+
+def _crc32c_of(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(READ_BYTES):
+            crc = checksum.crc32c(piece, crc)
+    return crc
+
+
+__all__ = ["is_part_of", "local_problems"]
