@@ -26,6 +26,10 @@ Definitions (each figure is ``None`` where its data is missing):
 - **goodput**: ``(end step - s0) / (last end record's t - origin)``, steps per second,
   relative to the uninterrupted run's (which is 1.0 by definition). ``None`` when the job
   did not end.
+- **replacement wait**: the seconds from an interruption's ``gone`` to its nodes'
+  ``replaced`` (the trace's delay before a new host exists: every policy pays it,
+  whatever it does), overlapping spans counted once; **goodput less the wait**: goodput
+  over the wall time less that wait, what the policy itself costs.
 - **interruption**: one ``gone`` record (or several within 0.5 s: one pool). Its kind is ``reclaim`` when it takes several
   nodes, ``notice`` when a ``notice`` for one of its nodes came since the previous
   ``gone``, else ``kill``.
@@ -162,6 +166,8 @@ class PolicyFigures:
     attempts: int
     skipped_lines: int
     origin: float | None  # wall time of the origin
+    replacement_wait: float = 0.0  # seconds no replacement host existed yet
+    goodput_less_wait: float | None = None  # goodput over wall - replacement_wait
     segments: tuple[Segment, ...] = field(default=(), repr=False)
     marks: tuple[Mark, ...] = field(default=(), repr=False)
 
@@ -426,6 +432,18 @@ def _interruptions(
     return tuple(out)
 
 
+def replacement_wait(interruptions: Iterable[Interruption]) -> float:
+    """Seconds from each interruption's ``gone`` to its ``replaced``, overlaps once."""
+    total, reach = 0.0, float("-inf")
+    spans = sorted((i.gone_at, i.replaced_at) for i in interruptions if i.replaced_at)
+    for start, end in spans:
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
 def _merged(segments: Iterable[Segment]) -> list[Segment]:
     out: list[Segment] = []
     for s in segments:
@@ -512,6 +530,18 @@ def policy_figures(
         elif reference is not None and reference.steps_per_second:
             goodput = rate / reference.steps_per_second
     interruptions = _interruptions(log, commits if commits is not None else log.commits, finished)
+    waited = replacement_wait(interruptions)
+    less_wait: float | None = None
+    if (
+        wall is not None
+        and steps is not None
+        and origin is not None
+        and wall > waited
+        and goodput is not None
+    ):
+        reference_rate = rate if reference is None else reference.steps_per_second
+        if reference_rate:
+            less_wait = (steps - origin[1]) / (wall - waited) / reference_rate
     success = (
         sum(i.succeeded for i in interruptions) / len(interruptions) if interruptions else None
     )
@@ -541,6 +571,8 @@ def policy_figures(
         attempts=len(log.attempts),
         skipped_lines=log.skipped_lines,
         origin=None if origin is None else origin[0],
+        replacement_wait=waited,
+        goodput_less_wait=less_wait,
         segments=_lanes(log, interruptions, zero),
         marks=_marks(log, interruptions, zero),
     )

@@ -119,7 +119,9 @@ def policy_table(figures: Iterable[PolicyFigures]) -> str:
             [
                 f.policy,
                 _cell(f.goodput, 3),
+                _cell(f.goodput_less_wait, 3),
                 _cell(f.wall, 1),
+                _cell(f.replacement_wait, 1),
                 _cell(f.steps),
                 str(len(f.interruptions)),
                 *(_lost(lost[k]) for k in KINDS),
@@ -132,7 +134,9 @@ def policy_table(figures: Iterable[PolicyFigures]) -> str:
         [
             "policy",
             "goodput ÷ uninterrupted",
+            "less replacement wait",
             "wall s",
+            "replacement wait s",
             "steps",
             "interruptions",
             "steps lost: notice",
@@ -142,7 +146,7 @@ def policy_table(figures: Iterable[PolicyFigures]) -> str:
             "resume success",
             "bit-identical",
         ],
-        "lrrrrlllrrl",
+        "lrrrrrrlllrrl",
         rows,
     )
 

@@ -108,6 +108,27 @@ def test_goodput_is_steps_per_second_after_the_first_step_against_the_uninterrup
     assert run.origin == 2000 and run.attempts == 6
 
 
+def test_goodput_less_the_replacement_wait_takes_out_the_time_no_host_existed(
+    campaign: Path,
+) -> None:
+    figures = campaign_figures(load_campaign(campaign))
+    ref, run = figures["uninterrupted"], figures["ckptd"]
+    assert ref.replacement_wait == 0.0 and ref.goodput_less_wait == pytest.approx(1.0)
+    # gone 2004.0 -> replaced 2006.0, gone 2010.2 -> replaced 2012.0
+    assert run.replacement_wait == pytest.approx(3.8)
+    assert run.goodput_less_wait == pytest.approx(9.5 / (18.5 - 3.8))
+
+
+def test_overlapping_replacement_waits_count_once() -> None:
+    from bench._fleet_figures import Interruption, replacement_wait
+
+    def gone(at: float, replaced: float | None) -> Interruption:
+        return Interruption("kill", None, (0,), None, at, replaced, 0, 0, 0, 0, None, True)
+
+    spans = [gone(10, 14), gone(12, 13), gone(13, 16), gone(20, None), gone(30, 31)]
+    assert replacement_wait(spans) == pytest.approx(6 + 1)
+
+
 def test_steps_lost_by_kind_resumed_step_and_replacement_to_first_step(campaign: Path) -> None:
     run = campaign_figures(load_campaign(campaign))["ckptd"]
     notice, kill = run.interruptions

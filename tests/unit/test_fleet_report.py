@@ -32,9 +32,9 @@ def test_the_markdown_has_a_row_per_policy_and_per_interruption(tmp_path: Path) 
     figures = _figures(tmp_path)
     table = policy_table(figures).splitlines()
     assert len(table) == 2 + 2
-    assert table[2].startswith("| uninterrupted | 1.000 | 9.5 | 10 | 0 |")
+    assert table[2].startswith("| uninterrupted | 1.000 | 1.000 | 9.5 | 0.0 | 10 | 0 |")
     assert table[3].startswith(
-        "| ckptd | 0.514 | 18.5 | 10 | 2 | 0 | 2 | — | 2.0 / 2.0 | 100 % | yes |"
+        "| ckptd | 0.514 | 0.646 | 18.5 | 3.8 | 10 | 2 | 0 | 2 | — | 2.0 / 2.0 | 100 % | yes |"
     )
     trace = smoke_trace(1)
     notice, kill = trace.events
