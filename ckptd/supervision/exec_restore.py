@@ -70,10 +70,13 @@ async def newest_committed(
 
 def local_is_as_new(local_path: Path, local_step: int | None, manifest: Manifest) -> bool:
     """Whether the complete local checkpoint (``local_path`` at ``local_step``) is the
-    committed one, or of as high a step: then nothing is restored."""
-    return local_path.name == manifest.local_name or (
-        local_step is not None and manifest.step is not None and local_step >= manifest.step
-    )
+    committed one, or of as high a step: then nothing is restored. One of the committed
+    one's name that holds only part of its files (node 0's shards and DCP's ``.metadata``
+    of a many-node checkpoint, complete by the local rule) is not: the whole is restored
+    in its place. Blocking (a part's files are read)."""
+    if local_path.name == manifest.local_name:
+        return not (local_problems(local_path, manifest) and is_part_of(local_path, manifest))
+    return local_step is not None and manifest.step is not None and local_step >= manifest.step
 
 
 async def restore_into(

@@ -284,7 +284,9 @@ class SupervisedService(Service):
         manifest = await newest_committed(stores, self.run_id, local_path, self.log)
         if manifest is None:
             return
-        if local_path is not None and local_is_as_new(local_path, local_step, manifest):
+        if local_path is not None and await asyncio.to_thread(
+            local_is_as_new, local_path, local_step, manifest
+        ):
             self.log.info(
                 "exec_restore_skipped", local=local_path.name, committed=manifest.checkpoint
             )

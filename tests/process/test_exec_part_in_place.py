@@ -1,7 +1,8 @@
 """``ckptd exec`` on a node that kept its own part of a many-node checkpoint (a survivor of
 a reclaim, restarted in place): the committed whole replaces the part, byte for byte; a
 directory under that name holding anything else is never touched and the trainer is not
-started (the fleet campaign, #48, saw the survivor exit 1 on its own part)."""
+started (the fleet campaign, #48, saw the survivor exit 1 on its own part; node 0's part, complete by the local rule, would have
+been handed to the trainer as it was)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def exec_once(tmp_path: Path, watch: Path, store: Path) -> subprocess.CompletedP
     )
 
 
-@pytest.mark.parametrize("kept", ["own-part", "other-bytes", "extra-file"])
+@pytest.mark.parametrize(
+    "kept", ["own-part", "own-part-complete-here", "other-bytes", "extra-file"]
+)
 def test_exec_completes_its_own_part_and_never_touches_anything_else(
     tmp_path: Path, kept: str
 ) -> None:
@@ -58,11 +61,15 @@ def test_exec_completes_its_own_part_and_never_touches_anything_else(
     )
     if kept == "extra-file":
         (part / "notes.txt").write_text("mine")
+    if kept == "own-part-complete-here":
+        # Complete by the local rule (its marker), as node 0's part of a many-node DCP
+        # checkpoint is (its shards and .metadata), yet not the whole.
+        (part / "COMPLETE").write_bytes(b"")
     before = {p.name: p.read_bytes() for p in part.iterdir()}
 
     done = exec_once(tmp_path, watch, store)
 
-    if kept == "own-part":
+    if kept.startswith("own-part"):
         assert done.returncode == 0, done.stderr
         assert json.loads((tmp_path / "r.json").read_text()) == str(part)
         assert {p.name: p.read_bytes() for p in part.iterdir()} == whole
