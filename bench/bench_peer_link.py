@@ -11,7 +11,7 @@ Links: ``loopback`` (127.0.0.1), and two network-namespace hosts joined by one v
 pair (``10.231.K.1``-``.2``, K free and locked as ``tests/support/netns.py`` does),
 unshaped and then shaped with ``tbf`` on both ends at each ``--shape-mbit``. Per link and
 part size (two DCP shards of half the size each, in the page cache), ``--reps`` rounds
-of (odd rounds in another order, so that no path always follows the same one):
+of (each round rotates the pushes and the reads by one place: ``order``):
 
 - **bare**: ``sendfile`` of the files on one host; ``recv_into`` a reused buffer,
   ``write``, one ``fsync``, a 1-byte acknowledgement on the other;
@@ -61,15 +61,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import GIB, MIB, machine_line  # noqa: E402
 
+#: The reads' own baseline: the held replica's files sent back by a bare stream.
+READS = ("bare read", "read stream", "read http")
+
 END = str(Path(__file__).resolve().parent / "_peer_link_end.py")
 PY = sys.executable
 KINDS = ("bare", "push stream", "push http", "bare read", "read stream", "read http")
-#: Odd rounds' order: the first writer after a push pays for the page cache the push
-#: filled (here the VM returns freed memory to its host at once, so new pages fault
-#: there), so each path goes first in half the rounds.
-REVERSED = ("push http", "push stream", "bare", "read http", "read stream", "bare read")
-#: The reads' own baseline: the held replica's files sent back by a bare stream.
-READS = ("bare read", "read stream", "read http")
+#: The pushes, then the reads. Within each, every round rotates the order by one, so in
+#: three rounds each path takes each place once: where a path runs decides which pages
+#: it writes into (here the VM returns freed memory to its host, so a page freed a while
+#: ago faults there again) and whether the page cache was just filled by another, and a
+#: fixed middle place once made the stream read look twice as dear as it is.
+PUSHES = KINDS[:3]
+
+
+def order(rep: int) -> list[str]:
+    """The paths of round ``rep`` (negative: warm-up), pushes first, each group rotated."""
+
+    def turn(group: tuple[str, ...]) -> list[str]:
+        k = rep % len(group)
+        return [*group[k:], *group[:k]]
+
+    return [*turn(PUSHES), *turn(READS)]
 
 
 @dataclass
@@ -246,7 +259,7 @@ def run_link(
             sent.mkdir()
             files = make_part(sent, size)
             for rep in range(-warmup, reps):
-                for kind in KINDS if rep % 2 == 0 else REVERSED:
+                for kind in order(rep):
                     pushed = [r for r in rows if r["size"] == size and r.get("replica")]
                     if kind in READS and not pushed:
                         continue
@@ -351,7 +364,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-gib", default="1,4")
-    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=3, help="3: each path in each place once")
     parser.add_argument("--links", default="loopback,veth", help="loopback, veth, or both")
     parser.add_argument("--shape-mbit", default="", help="e.g. 1000,10000 (veth, both ends)")
     parser.add_argument("--streams", type=int, default=0, help="0: the client's default")

@@ -78,7 +78,7 @@ def test_started_writeback_cleans_the_pages_well_before_the_kernel_would(tmp_pat
         if dirty_before >= size // 1024 * 3 // 4:
             break
         os.close(fd)
-        time.sleep(2.0 * (attempt + 1))
+        time.sleep(1.0 * (attempt + 1))
     else:
         pytest.skip("the kernel's flusher was already cleaning the file (other writers)")
     try:
