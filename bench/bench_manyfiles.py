@@ -676,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke",
         action="store_true",
         help="a run of seconds that every part still does: 1 run, 50 x 4 KiB, 200 files at "
-        "scale, ckptd alone unless --tools names peers (tests/process/test_bench_manyfiles.py)",
+        "scale, ckptd alone unless --tools names peers (tests/e2e/test_bench_manyfiles.py)",
     )
     args = parser.parse_args(argv)
     if args.smoke:
