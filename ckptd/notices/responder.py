@@ -12,7 +12,9 @@ Within one poll interval of a notice the responder
   4. puts the pipeline in emergency mode: the first checkpoint completed after the
      notice jumps the queue, and an older upload that cannot also finish is paused,
   5. once that checkpoint is committed, acknowledges the notice (Azure StartRequests)
-     and logs the timings noticed -> signalled -> complete -> committed.
+     and logs the timings noticed -> signalled -> complete -> committed; an emergency
+     commit of a higher step of the same run after it becomes the response's checkpoint
+     (the first may be a routine save finished around the notice).
 One notice is acted on once (deduplicated by id) and logged once (``notice_received``);
 the same id again with another deadline (a time the cloud restated) moves the deadline of
 the notice being acted on, and nothing else: no second signal, and the emergency keeps
@@ -41,6 +43,7 @@ from typing import Any, Protocol
 
 from ckptd.config import Settings
 from ckptd.core import handoff
+from ckptd.layouts.base import step_of
 from ckptd.notices import carried
 from ckptd.notices.model import Notice, NoticeSource, format_time
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
@@ -435,7 +438,10 @@ class Responder:
     async def on_commit(self, run: str, name: str, total_bytes: int, emergency: bool) -> None:
         """A checkpoint was committed; if it was the emergency one, finish the response."""
         r = self.current
-        if r is None or not emergency or r.committed is not None:
+        if r is None or not emergency:
+            return
+        if r.committed is not None:
+            self._superseded(r, run, name, total_bytes)
             return
         self.on_safe(run, name, "store", emergency, {})
         r.committed = self.clock.monotonic()
@@ -452,6 +458,24 @@ class Responder:
             except Exception as exc:  # noqa: BLE001 - an ack failure must not stop the flush
                 self.log.error("notice_ack_failed", source=r.notice.source, error=str(exc))
         r.done.set()
+
+    def _superseded(self, r: Response, run: str, name: str, total_bytes: int) -> None:
+        """A newer save of the run committed after the response's emergency checkpoint
+        (that one was a routine save written within the slack of the notice; the
+        trainer's own save for it came after): the response now names the newer one."""
+        step, current = step_of(name), step_of(r.checkpoint or "")
+        if run != r.run or step is None or (current is not None and step <= current):
+            return
+        older = r.checkpoint
+        r.committed = self.clock.monotonic()
+        r.checkpoint, r.bytes = name, total_bytes
+        self.log.warning(
+            "emergency_checkpoint_superseded",
+            run=run,
+            checkpoint=name,
+            older=older,
+            committed_after_s=round(r.committed - r.noticed, 3),
+        )
 
     def drilling(self, within: float) -> bool:
         """Whether a notice that ends by itself is current (a drill's, this node's or

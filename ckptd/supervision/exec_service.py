@@ -12,8 +12,9 @@
                  complete, exit with its code (``EXIT_GAVE_UP`` when given up on)
                - a notice (SIGTERM, SIGINT, a cloud's): nothing is started again; the
                  trainer is signalled (by the responder), its emergency checkpoint
-                 waited for and committed, then the trainer stopped; exit 0 when that
-                 checkpoint is committed, ``EXIT_FLUSH_FAILED`` when it is not
+                 waited for and committed, then the trainer stopped, and any newer
+                 save of it committed too (``ckptd.supervision.exec_flush``); exit 0
+                 when that checkpoint is committed, ``EXIT_FLUSH_FAILED`` when it is not
                - a second SIGTERM/SIGINT: stop now (``EXIT_FLUSH_FAILED``)
                A drill is none of these, nor a health save (``[health] save``), this
                node's or one followed from another node: the trainer saves and trains
@@ -37,7 +38,7 @@ from ckptd.config import Settings
 from ckptd.config.control import read_token
 from ckptd.core.errors import EXIT_FLUSH_FAILED
 from ckptd.core.manifest import Manifest, ManifestError, epoch_of_timestamp
-from ckptd.daemon.service import DRAIN_QUIET_SECONDS, Service
+from ckptd.daemon.service import Service
 from ckptd.goodput.model import DAY_SECONDS
 from ckptd.goodput.recorder import GoodputRecorder
 from ckptd.layouts.base import CheckpointListing
@@ -48,6 +49,7 @@ from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.storage import StorageError
 from ckptd.store.tiers import TierStore, tier_configs
 from ckptd.supervision import leftover
+from ckptd.supervision.exec_flush import await_emergency, await_newer_saves
 from ckptd.supervision.exec_restore import ExecError as ExecError  # re-exported
 from ckptd.supervision.exec_restore import (
     local_is_as_new,
@@ -409,31 +411,25 @@ class SupervisedService(Service):
             left = response.notice.seconds_left(datetime.fromtimestamp(self.clock.time(), UTC))
             if left is not None:
                 deadline = min(deadline, self.clock.monotonic() + left)
-        # Told: signalled, or running without a handler for the signal (spared, it learns
-        # from the notice file). Either way a checkpoint may be coming until the deadline.
-        told = bool(response and (response.pids or response.skipped))
-        quiet_since: float | None = None
-        committed = False
-        while self.clock.monotonic() < deadline and not self.stop_event.is_set():
-            if response is not None and response.done.is_set():
-                committed = True
-                break
-            if self.destination.refusal is not None:  # an unreachable store may return
-                self.log.error("exec_flush_impossible", error=self.destination.error)
-                break
-            # The trainer is gone and nothing is left to ship: no checkpoint is coming.
-            if (trainer.done() or not told) and self.pipeline.idle():
-                quiet_since = quiet_since or self.clock.monotonic()
-                if self.clock.monotonic() - quiet_since >= DRAIN_QUIET_SECONDS:
-                    committed = not told  # no trainer ran: all complete is committed
-                    break
-            else:
-                quiet_since = None
-            await asyncio.sleep(0.1)
+        pipeline, stop, clock, log = self.pipeline, self.stop_event, self.clock, self.log
+        committed = await await_emergency(
+            response,
+            trainer,
+            pipeline=pipeline,
+            destination=self.destination,
+            stop=stop,
+            clock=clock,
+            deadline=deadline,
+            log=log,
+        )
         if trainer.done() is False:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(trainer), TRAINER_STOP_GRACE_SECONDS)
         await self.supervisor.stop(TRAINER_STOP_GRACE_SECONDS)
+        if committed and response is not None:
+            await await_newer_saves(
+                response, pipeline=pipeline, stop=stop, clock=clock, deadline=deadline, log=log
+            )
         self._note_commit()
         self.goodput.flushed()
         # Safe off the node counts as flushed: acknowledged by peers.copies peers, which

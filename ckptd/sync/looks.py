@@ -226,6 +226,11 @@ class Looks:
         busy_timers = [k for k, t in self._timers.items() if not t.cancelled()]
         return bool(busy_timers) or bool(self._evaluating)
 
+    def pending(self, run_id: str) -> set[str]:
+        """The checkpoints of ``run_id`` a look is waited for (a timer set) or running."""
+        timers = {n for (r, n), t in self._timers.items() if r == run_id and not t.cancelled()}
+        return timers | {n for (r, n) in self._looking if r == run_id}
+
     def close(self) -> None:
         """Every timer and every look or rescan in flight cancelled."""
         for timer in self._timers.values():

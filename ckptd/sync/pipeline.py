@@ -29,7 +29,7 @@ from typing import Any
 from ckptd.commit.assemble import Committer
 from ckptd.config import Settings
 from ckptd.core.concurrency import lanes_for
-from ckptd.layouts.base import Completion
+from ckptd.layouts.base import Completion, step_of
 from ckptd.repository import Repository
 from ckptd.runtime.clock import SYSTEM_CLOCK, Clock
 from ckptd.runtime.environment import describe
@@ -111,8 +111,8 @@ class SyncPipeline:
             wake=self._wake.set,
         )
         self.cluster = self._cluster()
-        self.intake = self._intake()
-        self.outcomes = self._outcomes()
+        self.intake = _intake(self)
+        self.outcomes = _outcomes(self)
         self.looks = Looks(
             self.runs, self.intake.look, tier_metrics=self.tier_metrics, log=self.log
         )
@@ -136,46 +136,6 @@ class SyncPipeline:
             look_again=self.hint,
             changed=self.update_gauges,
             claims=self.shipper.claims,
-        )
-
-    def _intake(self) -> Intake:
-        return Intake(
-            self.runs,
-            self.queue,
-            self.early,
-            self.cluster,
-            self.emergency,
-            journal=self.journal,
-            metrics=self.metrics,
-            clock=self.clock,
-            log=self.log,
-            hooks=self.hooks,
-            look_again=self.hint,
-            changed=self.update_gauges,
-            wake=self._wake.set,
-            discard=self._discard,
-        )
-
-    def _outcomes(self) -> Outcomes:
-        return Outcomes(
-            self.runs,
-            self.queue,
-            self.shipper,
-            self.early,
-            self.cluster,
-            self.emergency,
-            repo=self.repo,
-            journal=self.journal,
-            settings=self.settings,
-            metrics=self.metrics,
-            tier_metrics=self.tier_metrics,
-            tier=self.tier,
-            clock=self.clock,
-            log=self.log,
-            hooks=self.hooks,
-            look_again=self.hint,
-            changed=self.update_gauges,
-            discard=self._discard,
         )
 
     def _urgent(self) -> bool:
@@ -353,6 +313,13 @@ class SyncPipeline:
         its announcement (``ClusterCoordination.awaiting_emergency``)."""
         return self.cluster.awaiting_emergency(self.emergency.since)
 
+    def holds_newer(self, run_id: str, name: str) -> bool:
+        """A checkpoint of ``run_id`` with a higher step than ``name`` is in hand and not
+        committed (``RunState.holds_newer``), or queued or being looked at here."""
+        state, step = self.runs.get(run_id), step_of(name)
+        around = self.looks.pending(run_id) | {p.name for p in self.queue.of_run(run_id)}
+        return state is not None and step is not None and state.holds_newer(step, around)
+
     def cluster_busy(self) -> bool:
         """Many nodes: a checkpoint still waits for an announcement or for other nodes."""
         return self.cluster.busy()
@@ -450,3 +417,47 @@ def _shipping(
         emergency_early=not self.settings.peers.enabled,
     )
     return transfers, small, claims, shipper, early
+
+
+def _intake(self: SyncPipeline) -> Intake:
+    """The pipeline's intake (``ckptd.sync.intake``), wired to its parts."""
+    return Intake(
+        self.runs,
+        self.queue,
+        self.early,
+        self.cluster,
+        self.emergency,
+        journal=self.journal,
+        metrics=self.metrics,
+        clock=self.clock,
+        log=self.log,
+        hooks=self.hooks,
+        look_again=self.hint,
+        changed=self.update_gauges,
+        wake=self._wake.set,
+        discard=self._discard,
+    )
+
+
+def _outcomes(self: SyncPipeline) -> Outcomes:
+    """The pipeline's outcomes (``ckptd.sync.outcomes``), wired to its parts."""
+    return Outcomes(
+        self.runs,
+        self.queue,
+        self.shipper,
+        self.early,
+        self.cluster,
+        self.emergency,
+        repo=self.repo,
+        journal=self.journal,
+        settings=self.settings,
+        metrics=self.metrics,
+        tier_metrics=self.tier_metrics,
+        tier=self.tier,
+        clock=self.clock,
+        log=self.log,
+        hooks=self.hooks,
+        look_again=self.hint,
+        changed=self.update_gauges,
+        discard=self._discard,
+    )

@@ -28,7 +28,7 @@ from ckptd.core.manifest import (
     Trajectory,
     utc_timestamp,
 )
-from ckptd.layouts.base import CheckpointListing, RuleSettings
+from ckptd.layouts.base import CheckpointListing, RuleSettings, step_of
 from ckptd.repository import Repository
 from ckptd.storage.base import StorageError
 from ckptd.store.catalog import RunCatalog
@@ -101,6 +101,16 @@ class RunState:
     # The fingerprint of each committed local checkpoint's files when committed ('' when
     # not known): a re-save under a committed name shows as another.
     committed_files: dict[str, str] = field(default_factory=dict)
+
+    def holds_newer(self, step: int, around: set[str]) -> bool:
+        """Whether a checkpoint of the run above ``step`` is in hand and not committed:
+        shipping, awaiting its announcement or other nodes (many nodes), or among
+        ``around`` (the pipeline's queue and looks). ``ckptd exec`` waits for one after a
+        notice: the trainer's save for it may come after a routine save that counted as
+        it (written within the slack, ``ckptd.sync.queue``)."""
+        current = {self.current.name} if self.current is not None else set()
+        in_hand = (around | current | set(self.awaiting) | set(self.waiting)) - self.committed
+        return any((step_of(name) or -1) > step for name in in_hand)
 
     @classmethod
     def of(cls, watch: WatchConfig) -> RunState:
