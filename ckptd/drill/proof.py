@@ -47,6 +47,7 @@ from ckptd.core.signing import AuthenticationError, KeyRing
 from ckptd.drill.model import RESTORE_STAGES, RESUME_STAGE, StageResult, not_reached
 from ckptd.goodput.step_report import read_steps
 from ckptd.repository import FileProblem, Repository
+from ckptd.runtime.file_checksum import file_crc32c
 from ckptd.runtime.logs import get_logger
 from ckptd.storage.base import Storage, StorageError
 from ckptd.store.restore import (
@@ -57,7 +58,6 @@ from ckptd.store.restore import (
     restore,
 )
 
-READ_BYTES = 8 * 1024 * 1024
 # A resumed trainer that reached its steps exits by itself within this, else is stopped.
 STOP_GRACE_SECONDS = 10.0
 # How often the resumed trainer's step report is read.
@@ -209,7 +209,7 @@ def disk_problems(path: Path, manifest: Manifest) -> list[FileProblem]:
     for f in manifest.files:
         if f.path in wrong:
             continue
-        crc = _crc_from_disk(path if single else path / f.path)
+        crc = file_crc32c(path if single else path / f.path, from_disk=True)
         if checksum.to_hex(crc) != f.crc32c:
             problems.append(
                 FileProblem(
@@ -217,20 +217,6 @@ def disk_problems(path: Path, manifest: Manifest) -> list[FileProblem]:
                 )
             )
     return problems
-
-
-def _crc_from_disk(file: Path) -> int:
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        # The restore fsynced every file: dropping the clean pages makes this read the disk.
-        with contextlib.suppress(OSError, AttributeError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        crc = 0
-        while chunk := os.read(fd, READ_BYTES):
-            crc = checksum.crc32c(chunk, crc)
-        return crc
-    finally:
-        os.close(fd)
 
 
 def _load(request: ProofRequest, path: Path, monotonic: Monotonic) -> StageResult:

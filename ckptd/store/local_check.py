@@ -23,9 +23,9 @@ What this node committed is read from its journal (``<state dir>/journal.sqlite3
 (``ckptd.layouts.is_checkpoint_candidate``: no dot-names, no temporary names, no
 symlinked checkpoint), and in each the regular files, a symlink to a regular file counted
 as that file, less the scratch files no rule ships (``ckptd.layouts.base.SCRATCH_FILES``).
-Sizes are compared first; only files of the manifest's size are read, each in
-``READ_BYTES`` pieces, its CRC-32C folded as it is read. Nothing is written, locally or
-in the store.
+Sizes are compared first; only files of the manifest's size are read, in pieces, the
+CRC-32C folded as they are read (``ckptd.runtime.file_checksum``). Nothing is written,
+locally or in the store.
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ from ckptd.core.manifest import Manifest
 from ckptd.layouts import is_checkpoint_candidate
 from ckptd.layouts.base import SCRATCH_FILES, basename, step_of
 from ckptd.repository import FileProblem, Repository
+from ckptd.runtime.file_checksum import file_crc32c
 from ckptd.store.restore import is_single_file
-
-READ_BYTES = 4 * 1024 * 1024
 
 State = Literal["identical", "differs", "pruned", "only-local", "only-in-store"]
 
@@ -127,15 +126,6 @@ def local_files(path: Path, name: str) -> dict[str, tuple[str, int]]:
         if stat.S_ISREG(st.st_mode):
             found[rel] = (full, st.st_size)
     return found
-
-
-def file_crc32c(path: str) -> int:
-    """The CRC-32C of the file at ``path``, read in ``READ_BYTES`` pieces."""
-    crc = 0
-    with open(path, "rb") as f:
-        while piece := f.read(READ_BYTES):
-            crc = checksum.crc32c(piece, crc)
-    return crc
 
 
 def _crc_or_error(item: tuple[str, str, str]) -> int | OSError:
@@ -265,12 +255,10 @@ def _against_any(
 
 
 __all__ = [
-    "READ_BYTES",
     "CheckpointComparison",
     "committed_here",
     "compare_checkpoint",
     "compare_run",
-    "file_crc32c",
     "local_checkpoints",
     "local_files",
     "store_problems",

@@ -17,9 +17,8 @@ from pathlib import Path
 from ckptd.core import checksum
 from ckptd.core.manifest import Manifest, ManifestFile
 from ckptd.repository import FileProblem
+from ckptd.runtime.file_checksum import file_crc32c
 from ckptd.store.restore.staging import is_single_file
-
-READ_BYTES = 4 * 1024 * 1024
 
 
 def local_problems(path: Path, manifest: Manifest) -> list[FileProblem]:
@@ -77,17 +76,9 @@ def is_part_of(path: Path, manifest: Manifest) -> bool:
             st = os.lstat(full)
             if entry is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
                 return False
-            if checksum.to_hex(_crc32c_of(full)) != entry.crc32c:
+            if checksum.to_hex(file_crc32c(full)) != entry.crc32c:
                 return False
     return True
-
-
-def _crc32c_of(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while piece := f.read(READ_BYTES):
-            crc = checksum.crc32c(piece, crc)
-    return crc
 
 
 __all__ = ["is_part_of", "local_problems"]
