@@ -1,9 +1,9 @@
 """``ckptd exec``'s restore before the trainer's first start, in steps: the newest
 committed checkpoint in any tier (``newest_committed``), whether a complete local one is
-as new (``local_is_as_new``), and the restore itself into the watch dir, from peers first
-when they hold it (``restore_into``; a part of that very checkpoint already in its
-place, a survivor's own files of a many-node one, is set aside and replaced by the
-whole, never written into). ``SupervisedService.restore_newest``
+as new (``local_is_as_new``, ``restore_needed``), a part of that very checkpoint already in its place (a
+survivor's own files of a many-node one) set aside to be replaced by the whole, never
+written into (``set_aside_a_part``), and the restore itself into the watch dir, from
+peers first when they hold it (``restore_into``). ``SupervisedService.restore_newest``
 (``ckptd.supervision.exec_service``) runs them in that order, once the live line says a
 restore may run at all.
 """
@@ -68,47 +68,43 @@ async def newest_committed(
     return manifest
 
 
-def local_is_as_new(local_path: Path, local_step: int | None, manifest: Manifest) -> bool:
+def local_is_as_new(local_path: Path | None, local_step: int | None, manifest: Manifest) -> bool:
     """Whether the complete local checkpoint (``local_path`` at ``local_step``) is the
-    committed one, or of as high a step: then nothing is restored. One of the committed
-    one's name that holds only part of its files (node 0's shards and DCP's ``.metadata``
-    of a many-node checkpoint, complete by the local rule) is not: the whole is restored
-    in its place. Blocking (a part's files are read)."""
+    committed one, or of as high a step: then nothing is restored. (One of the committed
+    one's name holding only part of its files is set aside first: ``set_aside_a_part``.)"""
+    if local_path is None:
+        return False
     if local_path.name == manifest.local_name:
-        return not (local_problems(local_path, manifest) and is_part_of(local_path, manifest))
+        return True
     return local_step is not None and manifest.step is not None and local_step >= manifest.step
 
 
-async def restore_into(
-    settings: Settings,
-    stores: Sequence[TierStore],
-    run_id: str,
+def restore_needed(
+    local_path: Path | None,
+    local_step: int | None,
     manifest: Manifest,
     watch_dir: Path,
     log: Any,
-) -> TierRestore:
-    """Restore ``manifest``'s checkpoint of ``run_id`` into ``watch_dir`` (a part of it
-    already there is set aside and replaced: ``set_aside_a_part``), from peers first when
-    they hold any of it, else from the first tier whose copy verifies. ExecError when
-    none does."""
-    final = watch_dir / manifest.local_name
-    aside = await asyncio.to_thread(set_aside_a_part, final, manifest, log)
-    try:
-        done = await _restore(settings, stores, run_id, manifest, watch_dir, log)
-    except BaseException:
-        if aside is not None and not os.path.lexists(final):
-            await asyncio.to_thread(os.rename, aside, final)
-        raise
-    if aside is not None:
-        await asyncio.to_thread(shutil.rmtree, aside, True)
-    return done
+) -> tuple[bool, Path | None]:
+    """Whether ``manifest``'s checkpoint must be restored into ``watch_dir``, given the
+    newest complete local one (``local_path`` at ``local_step``), and where a part of it
+    that was in its place was set aside for that (``set_aside_a_part``; its files are
+    read once). Blocking."""
+    same_name = local_path is not None and local_path.name == manifest.local_name
+    if not same_name and local_is_as_new(local_path, local_step, manifest):
+        return False, None
+    aside = set_aside_a_part(watch_dir / manifest.local_name, manifest, log)
+    # The committed one itself, whole, is as new; one set aside is restored whole.
+    return not (same_name and aside is None), aside
 
 
 def set_aside_a_part(final: Path, manifest: Manifest, log: Any) -> Path | None:
     """Move ``final`` (``DIR/NAME``) out of the way when it holds part of ``manifest``'s
-    checkpoint and nothing else (``is_part_of``), so the restore can put the whole in its
-    place; its new path, or None when there is nothing to set aside (absent, whole, or
-    holding anything else: the restore refuses that one, naming it)."""
+    checkpoint and nothing else (``is_part_of``: node 0's shards and DCP's ``.metadata``
+    of a many-node checkpoint, complete by the local rule), so the restore can put the
+    whole in its place; its new path, or None when there is nothing to set aside
+    (absent, whole, or holding anything else: the restore refuses that one, naming it).
+    Blocking (a part's files are read, once)."""
     if not os.path.lexists(final) or not local_problems(final, manifest):
         return None
     if not is_part_of(final, manifest):
@@ -121,32 +117,45 @@ def set_aside_a_part(final: Path, manifest: Manifest, log: Any) -> Path | None:
     return aside
 
 
-async def _restore(
+async def restore_into(
     settings: Settings,
     stores: Sequence[TierStore],
     run_id: str,
     manifest: Manifest,
     watch_dir: Path,
+    *,
+    aside: Path | None,
     log: Any,
 ) -> TierRestore:
+    """Restore ``manifest``'s checkpoint of ``run_id`` into ``watch_dir``, from peers first
+    when they hold any of it (replicas, and the other nodes restoring it), else from the
+    first tier whose copy verifies; then delete ``aside`` (a part of it that was in its
+    place, ``set_aside_a_part``), or put it back when the restore fails. ExecError when
+    no copy verifies."""
+    final = watch_dir / manifest.local_name
+    request = RestoreRequest(
+        run_id,
+        manifest.checkpoint,
+        watch_dir,
+        if_missing=True,
+        concurrency=settings.destination.concurrency,
+        progress=False,
+        # Authenticated checkpoints: refused before the trainer loads a byte.
+        keys=settings.authentication.key_ring(),
+    )
     try:
-        request = RestoreRequest(
-            run_id,
-            manifest.checkpoint,
-            watch_dir,
-            if_missing=True,
-            concurrency=settings.destination.concurrency,
-            progress=False,
-            # Authenticated checkpoints: refused before the trainer loads a byte.
-            keys=settings.authentication.key_ring(),
-        )
-        # Peers first (replicas, and the other nodes restoring it), then the store.
         done, _ = await asyncio.to_thread(
             functools.partial(restore_with_peers, settings, stores, request, log)
         )
-        return done
-    except (RestoreError, StorageError, ManifestError) as exc:
-        raise ExecError(f"restore of {run_id}/{manifest.checkpoint} failed: {exc}") from exc
+    except BaseException as exc:
+        if aside is not None and not os.path.lexists(final):
+            await asyncio.to_thread(os.rename, aside, final)
+        if isinstance(exc, RestoreError | StorageError | ManifestError):
+            raise ExecError(f"restore of {run_id}/{manifest.checkpoint} failed: {exc}") from exc
+        raise
+    if aside is not None:
+        await asyncio.to_thread(shutil.rmtree, aside, True)
+    return done
 
 
 def restored_status(done: TierRestore) -> dict[str, Any]:

@@ -52,9 +52,9 @@ from ckptd.supervision import leftover
 from ckptd.supervision.exec_flush import await_emergency, await_newer_saves
 from ckptd.supervision.exec_restore import ExecError as ExecError  # re-exported
 from ckptd.supervision.exec_restore import (
-    local_is_as_new,
     newest_committed,
     restore_into,
+    restore_needed,
     restored_status,
 )
 from ckptd.supervision.restarts import RestartPolicy, cause_of
@@ -286,9 +286,11 @@ class SupervisedService(Service):
         manifest = await newest_committed(stores, self.run_id, local_path, self.log)
         if manifest is None:
             return
-        if local_path is not None and await asyncio.to_thread(
-            local_is_as_new, local_path, local_step, manifest
-        ):
+        needed, aside = await asyncio.to_thread(
+            restore_needed, local_path, local_step, manifest, self.watch_dir, self.log
+        )
+        if not needed:
+            assert local_path is not None
             self.log.info(
                 "exec_restore_skipped", local=local_path.name, committed=manifest.checkpoint
             )
@@ -296,7 +298,13 @@ class SupervisedService(Service):
             return
         restore_start = self.clock.time()
         done = await restore_into(
-            self.settings, stores, self.run_id, manifest, self.watch_dir, self.log
+            self.settings,
+            stores,
+            self.run_id,
+            manifest,
+            self.watch_dir,
+            aside=aside,
+            log=self.log,
         )
         self.restored = restored_status(done)
         self.advisor.record_restore(self.run_id, manifest.checkpoint, skipped=done.result.skipped)
