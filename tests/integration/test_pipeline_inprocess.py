@@ -5,9 +5,11 @@ from its journalled parts and commits too. Also: the outcome of each kind of fai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,21 @@ async def ship_until_a_part_is_sent(pipeline: SyncPipeline, name: str) -> None:
     )
 
 
+@contextlib.asynccontextmanager
+async def running(pipeline: SyncPipeline, journal: Journal) -> AsyncIterator[asyncio.Task[None]]:
+    """The pipeline's worker through the block (yielded); then the worker stopped, the
+    pipeline and its journal closed."""
+    stop = asyncio.Event()
+    worker = asyncio.create_task(pipeline.work(stop))
+    try:
+        yield worker
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+        await pipeline.close()
+        journal.close()
+
+
 def make_pipeline(
     tmp_path: Path, *, mib_per_s: float, hooks: PipelineHooks | None = None
 ) -> tuple[SyncPipeline, Journal, Path]:
@@ -99,9 +116,7 @@ async def test_emergency_checkpoint_pauses_an_older_upload_commits_first_and_the
     # notice comes, and with a 1 s deadline both cannot finish: it must make way.
     order, hooks = record_commits()
     pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8, hooks=hooks)
-    stop = asyncio.Event()
-    worker = asyncio.create_task(pipeline.work(stop))
-    try:
+    async with running(pipeline, journal):
         older = written_well_before(write_marked(watch, "ck-1", 8 * PART))
         await ship_until_a_part_is_sent(pipeline, "ck-1")
         pipeline.emergency.enter_emergency(datetime.now(UTC) + timedelta(seconds=1))
@@ -110,11 +125,6 @@ async def test_emergency_checkpoint_pauses_an_older_upload_commits_first_and_the
         assert pipeline.queue.get("run", "ck-2").emergency  # type: ignore[union-attr]
         assert not pipeline.queue.get("run", "ck-1").emergency  # type: ignore[union-attr]
         await wait_until(lambda: len(order) == 2, timeout=60, what="both committed")
-    finally:
-        stop.set()
-        await asyncio.wait_for(worker, 30)
-        await pipeline.close()
-        journal.close()
 
     assert order == [("ck-2", True), ("ck-1", False)]
     repo = pipeline.repo
@@ -140,9 +150,7 @@ async def test_a_checkpoint_queued_just_before_the_notice_is_promoted_and_goes_f
     deadline)."""
     order, hooks = record_commits()
     pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8, hooks=hooks)
-    stop = asyncio.Event()
-    worker = asyncio.create_task(pipeline.work(stop))
-    try:
+    async with running(pipeline, journal):
         written_well_before(write_marked(watch, "ck-1", 8 * PART))
         await ship_until_a_part_is_sent(pipeline, "ck-1")
         noticed_at_origin = time.time() - 0.01
@@ -159,11 +167,6 @@ async def test_a_checkpoint_queued_just_before_the_notice_is_promoted_and_goes_f
             what="ck-2 counted as the emergency checkpoint",
         )
         await wait_until(lambda: len(order) == 2, timeout=60, what="both committed")
-    finally:
-        stop.set()
-        await asyncio.wait_for(worker, 30)
-        await pipeline.close()
-        journal.close()
     assert order == [("ck-2", True), ("ck-1", False)]
 
 
@@ -176,9 +179,7 @@ async def test_a_routine_checkpoint_queued_a_moment_before_a_local_notice_stays_
     the older one as the emergency checkpoint)."""
     order, hooks = record_commits()
     pipeline, journal, watch = make_pipeline(tmp_path, mib_per_s=8, hooks=hooks)
-    stop = asyncio.Event()
-    worker = asyncio.create_task(pipeline.work(stop))
-    try:
+    async with running(pipeline, journal):
         written_well_before(write_marked(watch, "ck-1", 8 * PART))
         await ship_until_a_part_is_sent(pipeline, "ck-1")
         routine = write_marked(watch, "ck-2", MiB)
@@ -190,11 +191,6 @@ async def test_a_routine_checkpoint_queued_a_moment_before_a_local_notice_stays_
         write_marked(watch, "ck-3", MiB)
         await pipeline.evaluate("run", "ck-3")
         await wait_until(lambda: len(order) == 3, timeout=60, what="all three committed")
-    finally:
-        stop.set()
-        await asyncio.wait_for(worker, 30)
-        await pipeline.close()
-        journal.close()
     assert order[0] == ("ck-3", True), order
     assert sorted(order[1:]) == [("ck-1", False), ("ck-2", False)], order
 
@@ -301,9 +297,7 @@ async def test_an_unforeseen_error_in_one_checkpoint_never_stops_the_worker(
         return await real_ship(request)
 
     pipeline.shipper.ship = ship  # type: ignore[method-assign]
-    stop = asyncio.Event()
-    worker = asyncio.create_task(pipeline.work(stop))
-    try:
+    async with running(pipeline, journal) as worker:
         write_marked(watch, "ck-bad", 1000)
         await pipeline.evaluate("run", "ck-bad")
         # ck-bad fails first (a loaded machine may wake the worker late: wait for it, or
@@ -325,11 +319,6 @@ async def test_an_unforeseen_error_in_one_checkpoint_never_stops_the_worker(
             "ckptd_checkpoints_failed_total", {"run": "run", "reason": "local"}
         )
         assert failed is not None and failed >= 1
-    finally:
-        stop.set()
-        await asyncio.wait_for(worker, 10)
-        await pipeline.close()
-        journal.close()
 
 
 async def test_on_a_notice_the_checkpoint_being_written_ships_its_files_first(
@@ -350,9 +339,7 @@ async def test_on_a_notice_the_checkpoint_being_written_ships_its_files_first(
     (stale / "weights.bin").write_bytes(os.urandom(MiB))
     for f in [*older.iterdir(), *stale.iterdir()]:
         os.utime(f, (long_ago, long_ago))
-    stop = asyncio.Event()
-    worker = asyncio.create_task(pipeline.work(stop))
-    try:
+    async with running(pipeline, journal):
         await ship_until_a_part_is_sent(pipeline, "ck-1")
         # No deadline: the older upload can never be known to fit beside the emergency
         # one, so it makes way however long the steps below take on a loaded machine (a
@@ -386,10 +373,5 @@ async def test_on_a_notice_the_checkpoint_being_written_ships_its_files_first(
         (being_written / "COMPLETE").write_text("")
         await pipeline.evaluate("run", "ck-2")
         await wait_until(lambda: len(order) == 2, timeout=60, what="both committed")
-    finally:
-        stop.set()
-        await asyncio.wait_for(worker, 30)
-        await pipeline.close()
-        journal.close()
     assert order == [("ck-2", True), ("ck-1", False)]
     assert not (store / "run" / "ck-0").exists()
