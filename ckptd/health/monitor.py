@@ -110,6 +110,10 @@ class HealthMonitor:
         )
         self.limit = SaveLimit()
         self.kmsg = KmsgReader(config.kmsg) if config.kmsg else None
+        if self.kmsg is not None:
+            # Its end now, as the daemon is built: a record written once it said it is
+            # ready is read, however late the first poll comes on a loaded machine.
+            self.kmsg.open()
         self.reach = Reachability(config.unreachable_seconds)
         self.peer_reach = Reachability(
             config.unreachable_seconds,
@@ -405,3 +409,5 @@ class HealthMonitor:
             self.save_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.save_task
+        if self.kmsg is not None:
+            self.kmsg.close()  # opened when built, whether or not it ran

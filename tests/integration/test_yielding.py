@@ -123,12 +123,16 @@ def test_transfers_run_on_idle_threads_except_while_urgent(tmp_path: Path) -> No
 
 
 def _thread_priorities(pid: int) -> list[tuple[int, int, int]]:
-    """(nice, I/O class, I/O level) of every thread of ``pid``."""
+    """(nice, I/O class, I/O level) of every thread of ``pid`` alive through the read (a
+    short-lived worker thread may end between the listing and its own read)."""
     out = []
     for thread in psutil.Process(pid).threads():
-        t = psutil.Process(thread.id)
-        cls, level = t.ionice()
-        out.append((t.nice(), int(cls), int(level)))
+        try:
+            t = psutil.Process(thread.id)
+            cls, level = t.ionice()
+            out.append((t.nice(), int(cls), int(level)))
+        except psutil.NoSuchProcess:
+            continue
     return out
 
 
