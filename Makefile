@@ -18,10 +18,8 @@ $(VENV)/.installed-demo: pyproject.toml | $(BIN)/activate
 	$(BIN)/pip install --quiet -e '.[demo]'
 	touch $@
 
-# --no-compile: Python compiles what is imported as it is imported; compiling every file of
-# torch, transformers and the rest up front took half of a fresh venv's install (81 s -> 48 s).
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/activate
-	$(BIN)/pip install --quiet --no-compile -e '.[dev,demo,trainers]'
+	$(BIN)/pip install --quiet -e '.[dev,demo,trainers]'
 	touch $@
 
 venv: $(VENV)/.installed-dev
