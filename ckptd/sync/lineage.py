@@ -212,15 +212,7 @@ class RunLineage:
         try:
             latest = self.repo.read_latest(self.run)
             live = self.repo.read_manifest(self.run, latest.checkpoint) if latest else None
-            resumed: Resumed | Literal["scratch"] | None
-            chosen: LocalContent | None = None
-            if name is None:
-                resumed = SCRATCH
-            elif report.by_ckptd and (chosen := self._chosen(name, live)) is not None:
-                resumed = Resumed(chosen.manifest) if chosen.manifest is not None else None
-            else:
-                manifest = self.committed_as(name)
-                resumed = Resumed(manifest) if manifest is not None else None
+            resumed, chosen = self._resumed_from(report, live)
         except (StorageError, ManifestError) as exc:
             self.log.warning("trajectory_undecided", run=self.run, error=str(exc))
             return None
@@ -286,6 +278,24 @@ class RunLineage:
         else:
             self.log.info("trainer_resumed", **fields)
         return attempt
+
+    def _resumed_from(
+        self, report: Report, live: Manifest | None
+    ) -> tuple[Resumed | Literal["scratch"] | None, LocalContent | None]:
+        """What the trainer resumed from: nothing (scratch), a committed content, or a
+        local save not committed yet, whose start's line it goes on with (the second
+        value: ckptd's own choice, or the trainer's own report of what ckptd handed it,
+        before that save's commit). StorageError, ManifestError when the store cannot
+        say."""
+        name = report.name
+        if name is None:
+            return SCRATCH, None
+        if report.by_ckptd and (chosen := self._chosen(name, live)) is not None:
+            return (Resumed(chosen.manifest) if chosen.manifest is not None else None), chosen
+        manifest = self.committed_as(name)
+        if manifest is not None:
+            return Resumed(manifest), None
+        return None, self._chosen(name, live)
 
     def _chosen(self, name: str, live: Manifest | None) -> LocalContent | None:
         """What the local checkpoint ``name`` that ckptd chose holds now (None: gone)."""

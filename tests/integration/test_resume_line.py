@@ -210,6 +210,41 @@ def test_ckptds_choice_of_an_uncommitted_rollback_save_continues_its_trajectory(
     assert not node.log.named("resume_point_behind_latest")
 
 
+def test_the_trainers_own_report_of_an_uncommitted_rollback_save_stays_on_its_line(
+    tmp_path: Path,
+) -> None:
+    """As above, and then the trainer's own report of the same 50 (its helper's, not
+    ``by: ckptd``) before the 50 commits: still T, so its next save, 60, is T's 60, not
+    the original line's (a loaded CI rehearsal took it for the original's, and the new
+    60 then conflicted with the committed one for good)."""
+    node = Node(tmp_path)
+    for step in (40, 60):
+        node.save(step)
+        node.commit(step, ORIGINAL)
+    forty = node.repo.read_manifest(RUN, "checkpoint-40")
+    sixty = node.repo.read_manifest(RUN, "checkpoint-60")
+    assert forty is not None and sixty is not None
+    rollback = fork(forty, sixty)
+    node.started(ORIGINAL, 1.0)
+    node.started(rollback, 2.0)
+    node.save(50)
+    lineage = node.lineage()
+    now = os.stat(node.watch / "checkpoint-50" / "trainer_state.json").st_mtime + 10
+    handoff.replace_json(
+        node.watch / handoff.RESUMED,
+        {"checkpoint": "checkpoint-50", "pid": 0, "at": now, "by": handoff.RESUMED_BY_CKPTD},
+    )
+    assert lineage.refresh() is not None
+    handoff.replace_json(
+        node.watch / handoff.RESUMED, {"checkpoint": "checkpoint-50", "pid": 1, "at": now + 1}
+    )
+    decided = lineage.refresh()
+    assert decided is not None and decided.trajectory == rollback
+    resumed = node.log.named("trainer_resumed")[-1]
+    assert resumed["trajectory"] == rollback.id and "by" not in resumed, resumed
+    assert not node.log.named("trainer_rolled_back")
+
+
 def test_ckptds_choice_behind_the_live_lines_newest_forks_and_says_so(tmp_path: Path) -> None:
     """LATEST names 60 and its local copy is gone: ckptd hands the trainer 40, the newest
     left on the line. Its saves from 40 cannot be the line's 50 and 60 again, so its
