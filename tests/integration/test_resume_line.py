@@ -177,13 +177,10 @@ def test_the_line_through_a_trajectory_this_node_never_ran_is_read_from_the_stor
     assert unfiltered.checkpoint is not None and unfiltered.checkpoint.path.name == "checkpoint-60"
 
 
-def test_ckptds_choice_of_an_uncommitted_rollback_save_continues_its_trajectory(
-    tmp_path: Path,
-) -> None:
-    """The trainer rolled back to 40 (its start decided on T, one generation up) and saved
-    50, not committed yet; LATEST names the original 60, whose local copy is the highest
-    step. The resume point is the 50, and ckptd's report of it (``by: ckptd``) decides T
-    for the next start: no fork of a third line, no rollback said."""
+def rolled_back_to_40_with_50_saved(tmp_path: Path) -> tuple[Node, Trajectory, RunLineage]:
+    """The original line committed to 60 (LATEST); then a start rolled back to 40 (on T,
+    one generation up) and saved 50, not committed yet. The node, T, and the run's
+    lineage as a daemon started now reads it."""
     node = Node(tmp_path)
     for step in (40, 60):
         node.save(step)
@@ -197,13 +194,29 @@ def test_ckptds_choice_of_an_uncommitted_rollback_save_continues_its_trajectory(
     node.save(50)
     lineage = node.lineage()
     assert lineage.live_head(sixty) == rollback
-    assert node.resume_point(lineage) == "checkpoint-50"
+    return node, rollback, lineage
+
+
+def ckptd_reports_50(node: Node, lineage: RunLineage) -> Attempt | None:
+    """ckptd's own report (``by: ckptd``) of the trainer started from the 50, decided."""
     now = os.stat(node.watch / "checkpoint-50" / "trainer_state.json").st_mtime + 10
     handoff.replace_json(
         node.watch / handoff.RESUMED,
         {"checkpoint": "checkpoint-50", "pid": 0, "at": now, "by": handoff.RESUMED_BY_CKPTD},
     )
-    decided = lineage.refresh()
+    return lineage.refresh()
+
+
+def test_ckptds_choice_of_an_uncommitted_rollback_save_continues_its_trajectory(
+    tmp_path: Path,
+) -> None:
+    """The trainer rolled back to 40 (its start decided on T, one generation up) and saved
+    50, not committed yet; LATEST names the original 60, whose local copy is the highest
+    step. The resume point is the 50, and ckptd's report of it (``by: ckptd``) decides T
+    for the next start: no fork of a third line, no rollback said."""
+    node, rollback, lineage = rolled_back_to_40_with_50_saved(tmp_path)
+    assert node.resume_point(lineage) == "checkpoint-50"
+    decided = ckptd_reports_50(node, lineage)
     assert decided is not None and decided.trajectory == rollback
     assert node.log.named("trainer_resumed")[-1]["by"] == "ckptd"
     assert not node.log.named("trainer_rolled_back")
@@ -217,26 +230,11 @@ def test_the_trainers_own_report_of_an_uncommitted_rollback_save_stays_on_its_li
     ``by: ckptd``) before the 50 commits: still T, so its next save, 60, is T's 60, not
     the original line's (a loaded CI rehearsal took it for the original's, and the new
     60 then conflicted with the committed one for good)."""
-    node = Node(tmp_path)
-    for step in (40, 60):
-        node.save(step)
-        node.commit(step, ORIGINAL)
-    forty = node.repo.read_manifest(RUN, "checkpoint-40")
-    sixty = node.repo.read_manifest(RUN, "checkpoint-60")
-    assert forty is not None and sixty is not None
-    rollback = fork(forty, sixty)
-    node.started(ORIGINAL, 1.0)
-    node.started(rollback, 2.0)
-    node.save(50)
-    lineage = node.lineage()
-    now = os.stat(node.watch / "checkpoint-50" / "trainer_state.json").st_mtime + 10
+    node, rollback, lineage = rolled_back_to_40_with_50_saved(tmp_path)
+    assert ckptd_reports_50(node, lineage) is not None
+    now = os.stat(node.watch / "checkpoint-50" / "trainer_state.json").st_mtime + 11
     handoff.replace_json(
-        node.watch / handoff.RESUMED,
-        {"checkpoint": "checkpoint-50", "pid": 0, "at": now, "by": handoff.RESUMED_BY_CKPTD},
-    )
-    assert lineage.refresh() is not None
-    handoff.replace_json(
-        node.watch / handoff.RESUMED, {"checkpoint": "checkpoint-50", "pid": 1, "at": now + 1}
+        node.watch / handoff.RESUMED, {"checkpoint": "checkpoint-50", "pid": 1, "at": now}
     )
     decided = lineage.refresh()
     assert decided is not None and decided.trajectory == rollback
