@@ -110,11 +110,14 @@ def test_one_ranks_notice_makes_every_rank_save_the_same_step(
             for r in range(WORLD)
         )
 
+    def whole_pid(path: Path) -> str | None:
+        """The pid a rank wrote, once its file holds all of it (a plain write: a read
+        between its open and its write finds the file empty)."""
+        text = path.read_text().strip() if path.exists() else ""
+        return text if text.isdigit() else None
+
     pids = [
-        int(
-            wait_until(lambda r=r: (work / f"rank-{r}.pid").exists(), 60, "ranks up", details=logs)
-            and (work / f"rank-{r}.pid").read_text()
-        )
+        int(wait_until(lambda r=r: whole_pid(work / f"rank-{r}.pid"), 60, "ranks up", details=logs))
         for r in range(WORLD)
     ]
     told = []

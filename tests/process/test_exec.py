@@ -365,13 +365,14 @@ def test_a_trainer_left_by_an_exec_killed_with_9_is_ended_by_the_next_exec(
     try:
         first.start()
         state = first.dir / "state" / "trainer.json"
-        wait_until(
-            lambda: state.exists() and (first.dir / "child.pid").exists(),
+        child = first.dir / "child.pid"
+        wait_until(  # the child's pid whole: a read just after its open finds it empty
+            lambda: state.exists() and child.exists() and child.read_text().strip().isdigit(),
             60,
             "the trainer and its child started",
             details=first.log_tail,
         )
-        pids = [first.trainer_pid() or 0, int((first.dir / "child.pid").read_text())]
+        pids = [first.trainer_pid() or 0, int(child.read_text())]
         assert first.proc is not None
         first.proc.kill()
         first.proc.wait()
