@@ -1,9 +1,9 @@
 """``ckptd exec``'s restore before the trainer's first start, in steps: the newest
 committed checkpoint in any tier (``newest_committed``), whether a complete local one is
-as new (``local_is_as_new``, ``restore_needed``), a part of that very checkpoint already in its place (a
-survivor's own files of a many-node one) set aside to be replaced by the whole, never
-written into (``set_aside_a_part``), and the restore itself into the watch dir, from
-peers first when they hold it (``restore_into``). ``SupervisedService.restore_newest``
+as new (``local_is_as_new``, ``restore_needed``), a part of that very checkpoint already
+in its place (a survivor's own files of a many-node one) set aside to be replaced by the
+whole, never written into (``set_aside_a_part``), and the restore itself into the watch
+dir, from peers first when they hold it (``restore_into``). ``SupervisedService.restore_newest``
 (``ckptd.supervision.exec_service``) runs them in that order, once the live line says a
 restore may run at all.
 """
