@@ -604,9 +604,14 @@ def test_if_missing_returns_at_once_when_present_with_matching_sizes(
     target = tmp_path / "out"
     first = restore(storage, RestoreRequest("run", None, target, if_missing=True))
     assert not first.skipped
+    # What a restore killed between its rename and its clean-up leaves: its staging dir.
+    leftover = target / ".ckptd-restore-checkpoint-8"
+    leftover.mkdir()
+    (leftover / "state.jsonl").write_text('{"identity": "x"}\n')
     fault_proxy.reset_counters()
     again = restore(storage, RestoreRequest("run", None, target, if_missing=True))
     assert again.skipped and again.downloaded_bytes == 0
+    assert sorted(p.name for p in target.iterdir()) == [".ckptd", "checkpoint-8"]
     # Only LATEST and the manifest were read: no object, no listing, no lease.
     assert fault_proxy.count("GET") == 2 and fault_proxy.count("PUT") == 0
     assert fault_proxy.bytes_down < 4096

@@ -26,9 +26,10 @@ says what it does leave (verified files only) and what a rerun reuses.
 ``if_missing`` (``restore --latest --to DIR --if-missing``) returns at once when
 ``DIR/NAME`` exists and every manifest file is there, a regular file (no symlink on the
 way) of the manifest's size: sizes only, no re-hash, so it costs two small GETs (LATEST,
-manifest) and some ``lstat``s; the bytes were verified when it was restored. Restores
-into one ``DIR`` take turns (``flock`` on ``DIR``): the ranks of a node that all ask for
-the same checkpoint at start-up cause one download.
+manifest) and some ``lstat``s; the bytes were verified when it was restored. It also
+removes the staging dir a restore killed between its rename and its clean-up left beside
+``DIR/NAME``. Restores into one ``DIR`` take turns (``flock`` on ``DIR``): the ranks of a
+node that all ask for the same checkpoint at start-up cause one download.
 
 A checkpoint committed by many nodes is restored whole by default (DCP and ZeRO loaders
 read shards other ranks wrote). ``part=RANK`` restores only the files of that node's part
@@ -74,6 +75,7 @@ from ckptd.store.restore.staging import (
     STAGING_PREFIX,
     StagingTree,
     StateLog,
+    discard_leftover,
     finalise,
     first_outside,
     manifest_identity,
@@ -163,6 +165,7 @@ def _restore_locked(
         if os.path.lexists(final):
             problems = local_problems(final, manifest)
             if request.if_missing and not problems:
+                discard_leftover(target_fd, name, log)
                 log.info("restore_skipped", path=str(final), reason="present, sizes match")
                 return None
             raise RestoreError(

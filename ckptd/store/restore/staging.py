@@ -284,6 +284,23 @@ def open_staging(target_fd: int, name: str, identity: str, log: Any) -> tuple[in
     return os.open(staging, _DIR_FLAGS, dir_fd=target_fd), None
 
 
+def discard_leftover(target_fd: int, name: str, log: Any) -> None:
+    """Remove ``DIR/.ckptd-restore-NAME`` once ``DIR/NAME`` is in place: a restore killed
+    between its rename and its clean-up leaves one, and no restore can use it now (none
+    replaces an existing ``DIR/NAME``). A symlink there is unlinked, never followed."""
+    staging = STAGING_PREFIX + name
+    try:
+        st = os.stat(staging, dir_fd=target_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(staging, dir_fd=target_fd)
+    else:
+        os.unlink(staging, dir_fd=target_fd)
+    os.fsync(target_fd)
+    log.info("restore_staging_discarded", reason="the checkpoint is in place")
+
+
 def still_to_fetch(
     manifest: Manifest, tree: StagingTree, records: Records | None
 ) -> tuple[list[ManifestFile], int]:
@@ -374,6 +391,7 @@ __all__ = [
     "Records",
     "StagingTree",
     "StateLog",
+    "discard_leftover",
     "finalise",
     "first_outside",
     "inside",
