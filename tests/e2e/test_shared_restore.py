@@ -384,7 +384,12 @@ def test_fresh_nodes_under_ckptd_exec_share_the_restore_before_the_trainer_start
             for line in err.splitlines()
             if line.startswith("{") and '"exec_restored"' in line
         ]
-        assert len(restored) == 2 and sum(r["store_bytes"] for r in restored) <= 1.1 * total
+        gets = [r.path for r in fault_proxy.requests if object_gets(r.method, r.path, r.query)]
+        twice = sorted({p.rsplit("/", 1)[-1] for p in gets if gets.count(p) > 1})
+        sharing = [line for err in logs for line in err.splitlines() if '"restore_share' in line]
+        why = (restored, twice, sharing[-20:])
+        assert len(restored) == 2, why
+        assert sum(r["store_bytes"] for r in restored) <= 1.1 * total, why
         assert any(r["peer_bytes"] > 0 for r in restored), restored
         assert fault_proxy.bytes_down <= 1.1 * total
     finally:

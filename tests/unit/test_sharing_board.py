@@ -10,6 +10,7 @@ from ckptd.peers.sharing.board import (
     GONE_AFTER_REFUSALS,
     SILENT_SECONDS,
     ShareBoard,
+    fetch_order,
     parse_state,
     ranges_of,
 )
@@ -175,3 +176,35 @@ def test_ranges_round_trip_through_the_document() -> None:
 def test_a_state_that_is_not_one_is_refused(doc: object) -> None:
     with pytest.raises(ValueError):
         parse_state(doc, files=5)
+
+
+# -- the order a node fetches in ------------------------------------------------------------
+
+
+def test_each_node_fetches_its_own_stretch_first_then_the_rest_from_the_far_end() -> None:
+    sizes = [100] * 10
+    assert fetch_order(sizes, 0, 2) == [0, 1, 2, 3, 4, 9, 8, 7, 6, 5]
+    assert fetch_order(sizes, 1, 2) == [5, 6, 7, 8, 9, 4, 3, 2, 1, 0]
+    # Three nodes: every stretch is stolen first from its end, each by one node.
+    orders = [fetch_order(sizes, p, 3) for p in range(3)]
+    assert orders == [
+        [0, 1, 2, 9, 8, 7, 6, 5, 4, 3],
+        [3, 4, 5, 2, 1, 0, 9, 8, 7, 6],
+        [6, 7, 8, 9, 5, 4, 3, 2, 1, 0],
+    ]
+    assert all(sorted(o) == list(range(10)) for o in orders)
+
+
+def test_the_stretches_follow_the_bytes_not_the_count_of_files() -> None:
+    # 2,000 bytes: place 1 of 2 begins at byte 1,000, inside the big file (number 3).
+    sizes = [1, 1, 1, 1000, 1, 1, 990, 1, 0, 5]
+    assert fetch_order(sizes, 0, 2) == [0, 1, 2, 9, 8, 7, 6, 5, 4, 3]
+    assert fetch_order(sizes, 1, 2) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    # Place 1 of 3 begins at byte 666 (file 3), place 2 at 1,333 (file 6).
+    assert fetch_order(sizes, 1, 3)[:3] == [3, 4, 5]
+    assert fetch_order(sizes, 2, 3)[:4] == [6, 7, 8, 9]
+    for out_of in range(1, 6):
+        for place in range(out_of):
+            assert sorted(fetch_order(sizes, place, out_of)) == list(range(len(sizes)))
+        assert fetch_order([], 0, out_of) == []
+    assert fetch_order(sizes, 0, 1) == list(range(len(sizes)))

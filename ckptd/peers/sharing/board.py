@@ -99,6 +99,30 @@ def parse_state(doc: Any, files: int) -> tuple[frozenset[int], dict[int, int], b
     return frozenset(verified), claims, done
 
 
+def fetch_order(sizes: Sequence[int], place: int, out_of: int) -> list[int]:
+    """The order a node at ``place`` (of ``out_of``) fetches files of these ``sizes`` in,
+    as their numbers: first its own stretch of their bytes, from the file holding byte
+    ``total * place // out_of`` up to the next place's first file; then the others' files
+    from the far end backward. A node done early so takes work from where the node
+    before it will come last, not from where it works: two nodes meet once, in the
+    middle of what is left, instead of racing for the same files until the end."""
+    total = sum(sizes)
+
+    def file_at(byte: int) -> int:
+        seen = 0
+        for number, size in enumerate(sizes):
+            if seen + size > byte:
+                return number
+            seen += size
+        return len(sizes)
+
+    first = file_at(total * place // out_of)
+    stop = file_at(total * (place + 1) // out_of) if place + 1 < out_of else len(sizes)
+    stop = max(stop, first)
+    numbers = list(range(len(sizes)))
+    return [*numbers[first:stop], *reversed(numbers[:first]), *reversed(numbers[stop:])]
+
+
 class ShareBoard:
     """One shared restore as this node sees it (module doc)."""
 
@@ -228,6 +252,7 @@ __all__ = [
     "Decision",
     "Seen",
     "ShareBoard",
+    "fetch_order",
     "parse_state",
     "ranges_of",
 ]

@@ -9,7 +9,9 @@
    lists the others' (``rendezvous.participants``). Its place, ``cluster.node_rank`` out
    of ``cluster.nodes`` (where no rank is set: its place among the records listed, out
    of ``max(cluster.nodes, participants)``), is where in the checkpoint's bytes it
-   starts fetching (``order``), so that nodes starting together fetch apart;
+   starts fetching (``order``), so that nodes starting together fetch apart; once its
+   own stretch is done it takes the others' files from the far end backward
+   (``board.fetch_order``);
 3. polls every participant's state every ``POLL_SECONDS`` (``POLL_TIMEOUT`` each), and
    lists the records again every ``LIST_SECONDS`` to meet the ones that came later.
 
@@ -41,7 +43,7 @@ from ckptd.config.peers import read_peer_token
 from ckptd.core.manifest import Manifest, ManifestError, ManifestFile
 from ckptd.peers.discovery import advertised_address
 from ckptd.peers.sharing import rendezvous
-from ckptd.peers.sharing.board import ShareBoard
+from ckptd.peers.sharing.board import ShareBoard, fetch_order
 from ckptd.peers.sharing.server import Served, ShareServer, open_beneath
 from ckptd.peers.sharing.storage import SharedStorage
 from ckptd.peers.source import PEERS_TIER, PeerReader, PeerReadError, PeersTier
@@ -162,15 +164,9 @@ class ShareSession:
         return replace(request, on_verified=on_verified, order=self.order)
 
     def order(self, files: Sequence[ManifestFile]) -> list[ManifestFile]:
-        """``files`` from the one at this node's place in their bytes on (module doc, 2)."""
+        """``files`` in this node's fetch order (``board.fetch_order``, module doc 2)."""
         place, out_of = self.place
-        total = sum(f.size for f in files)
-        begin, seen, first = total * place // out_of, 0, 0
-        for first, f in enumerate(files):  # noqa: B007 - first is the loop's result
-            if seen + f.size > begin:
-                break
-            seen += f.size
-        return [*files[first:], *files[:first]]
+        return [files[n] for n in fetch_order([f.size for f in files], place, out_of)]
 
     def document(self, after: int = -1, asker: str = "") -> dict[str, Any]:
         """This node's state, once its version passes ``after`` or ``HOLD_SECONDS``
