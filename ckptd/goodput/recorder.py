@@ -28,6 +28,7 @@ from ckptd.goodput.model import (
     Mark,
     Record,
     goodput,
+    is_trainer_attempt,
     lost_span,
     merge_records,
     notice_cause,
@@ -47,10 +48,18 @@ SPAN_SECONDS = 10.0
 SUMMARY_SECONDS = 5.0
 
 
-def previous_attempt(records: list[Record], host: str) -> tuple[str, str, float] | None:
+def previous_attempt(
+    records: list[Record], host: str, *, trainers_only: bool = False
+) -> tuple[str, str, float] | None:
     """The node, attempt and end of the run's last attempt in ``records`` (that of
-    ``host``'s rank, with many nodes: ``host`` is ``<name>#<rank>``)."""
-    intervals = [r for r in records if isinstance(r, Interval)]
+    ``host``'s rank, with many nodes: ``host`` is ``<name>#<rank>``); with
+    ``trainers_only``, its last trainer start (a writer killed before it started one
+    trained nothing, so the progress lost is still that trainer's)."""
+    intervals = [
+        r
+        for r in records
+        if isinstance(r, Interval) and (not trainers_only or is_trainer_attempt(r.attempt))
+    ]
     if "#" in host:
         rank = host.rsplit("#", 1)[1]
         intervals = [r for r in intervals if r.node.endswith(f"#{rank}")] or intervals
@@ -273,13 +282,13 @@ class GoodputRecorder:
         return previous_attempt(self.stored, self.host)
 
     def _lost_before(self, step: int) -> None:
-        """Progress the previous attempt (the store's ledger) made past ``step``, where
+        """Progress the previous trainer (the store's ledger) made past ``step``, where
         this writer's first trainer resumes, is lost."""
-        previous = self._previous()
+        records = self.records()  # the store's, and what load() added from this node
+        previous = previous_attempt(records, self.host, trainers_only=True)
         if previous is None:
             return
         node, attempt, ended = previous
-        records = self.records()  # the store's, and what load() added from this node
         ended = max(
             [ended, *(r.end for r in records if isinstance(r, Interval) and r.attempt == attempt)]
         )

@@ -110,6 +110,47 @@ def test_a_crash_a_restart_and_a_fresh_node_make_one_ledger(tmp_path: Path) -> N
     assert sum(1 for r in records if isinstance(r, Mark) and r.kind == "finished") == 1
 
 
+def test_a_life_killed_before_its_trainer_started_leaves_the_lost_steps_to_the_next(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of ``ckptd exec`` while training, again before its next life started a
+    trainer (restoring, slow to start), then a third life resumes: the steps the first
+    trainer did past the checkpoint are lost, whichever life says so."""
+    repo = Repository(open_storage(f"file://{tmp_path / 'store'}"))
+    clock = ManualClock()
+    state, watch = tmp_path / "state", tmp_path / "run"
+
+    def life() -> GoodputRecorder:
+        rec = GoodputRecorder("run1", watch, repo, state, "node-a", clock=clock)
+        asyncio.run(rec.load())
+        return rec
+
+    first = life()
+    first.exec_started(None)
+    clock.advance(2)
+    train(first, clock, watch, range(1, 26))  # steps 1..25; step 20 is the newest commit
+    clock.advance(3)
+    second = life()  # killed while it restores: no trainer started
+    clock.advance(2)
+    third = life()
+    clock.advance(1)
+    third.exec_started(20)
+    clock.advance(2)
+    train(third, clock, watch, range(21, 31))
+    third.trainer_ended("exit:0", interrupted=False)
+    third.finished()
+    third.stopped("exit:0")
+    asyncio.run(third.ship())
+    del second
+
+    g = goodput(read_ledger(repo, "run1"))
+    gone = [i for i in g.interruptions if i.cause == "exec-gone"]
+    assert len(gone) == 2, g.interruptions
+    # Steps 21..25 were done twice: the first trainer's, lost when the third resumed at 20.
+    assert sum(i.lost_steps or 0 for i in g.interruptions) == 5, g.interruptions
+    assert g.seconds["lost"] == pytest.approx(5)
+
+
 def test_what_the_store_refused_is_shipped_by_the_next_life(tmp_path: Path) -> None:
     store = tmp_path / "store"
     repo = Repository(open_storage(f"file://{store}", max_attempts=1))
