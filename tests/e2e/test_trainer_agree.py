@@ -18,7 +18,7 @@ import pytest
 
 from ckptd.devtools.locals3 import free_port
 from ckptd.trainer import agree_to_save
-from tests.support.daemon import wait_until
+from tests.support.daemon import read_pid, wait_until
 from tests.support.trainers.procs import script_env
 
 NODES = 2
@@ -110,14 +110,8 @@ def test_one_ranks_notice_makes_every_rank_save_the_same_step(
             for r in range(WORLD)
         )
 
-    def whole_pid(path: Path) -> str | None:
-        """The pid a rank wrote, once its file holds all of it (a plain write: a read
-        between its open and its write finds the file empty)."""
-        text = path.read_text().strip() if path.exists() else ""
-        return text if text.isdigit() else None
-
     pids = [
-        int(wait_until(lambda r=r: whole_pid(work / f"rank-{r}.pid"), 60, "ranks up", details=logs))
+        wait_until(lambda r=r: read_pid(work / f"rank-{r}.pid"), 60, "ranks up", details=logs)
         for r in range(WORLD)
     ]
     told = []

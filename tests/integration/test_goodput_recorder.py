@@ -130,7 +130,7 @@ def test_a_life_killed_before_its_trainer_started_leaves_the_lost_steps_to_the_n
     clock.advance(2)
     train(first, clock, watch, range(1, 26))  # steps 1..25; step 20 is the newest commit
     clock.advance(3)
-    second = life()  # killed while it restores: no trainer started
+    life()  # the second: killed while it restores, no trainer started
     clock.advance(2)
     third = life()
     clock.advance(1)
@@ -141,7 +141,6 @@ def test_a_life_killed_before_its_trainer_started_leaves_the_lost_steps_to_the_n
     third.finished()
     third.stopped("exit:0")
     asyncio.run(third.ship())
-    del second
 
     g = goodput(read_ledger(repo, "run1"))
     gone = [i for i in g.interruptions if i.cause == "exec-gone"]

@@ -30,7 +30,7 @@ from ckptd.core.errors import EXIT_FLUSH_FAILED, EXIT_GAVE_UP
 from ckptd.devtools.locals3 import LocalS3
 from ckptd.runtime.processes import catches_signal
 from ckptd.supervision.supervisor import process_tree, signal_targets
-from tests.support.daemon import run_cli, wait_until
+from tests.support.daemon import read_pid, run_cli, wait_until
 from tests.support.exec_harness import ExecNode, _alive, crash_repeatedly
 from tests.support.fakes.aws_imds import FakeAwsImds
 from tests.support.faultproxy import FaultProxy
@@ -366,13 +366,13 @@ def test_a_trainer_left_by_an_exec_killed_with_9_is_ended_by_the_next_exec(
         first.start()
         state = first.dir / "state" / "trainer.json"
         child = first.dir / "child.pid"
-        wait_until(  # the child's pid whole: a read just after its open finds it empty
-            lambda: state.exists() and child.exists() and child.read_text().strip().isdigit(),
+        child_pid = wait_until(
+            lambda: state.exists() and read_pid(child),
             60,
             "the trainer and its child started",
             details=first.log_tail,
         )
-        pids = [first.trainer_pid() or 0, int(child.read_text())]
+        pids = [first.trainer_pid() or 0, child_pid]
         assert first.proc is not None
         first.proc.kill()
         first.proc.wait()

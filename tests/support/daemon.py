@@ -50,6 +50,15 @@ def wait_until(
         time.sleep(interval)
 
 
+def read_pid(path: Path) -> int | None:
+    """The pid a process wrote to ``path``; None until the file holds a whole number (a
+    plain write: a read between its open and its write finds the file empty)."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def run_cli(
     *args: str, config: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:

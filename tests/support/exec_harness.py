@@ -29,7 +29,7 @@ import psutil
 
 from ckptd.devtools.locals3 import free_port
 from ckptd.runtime.processes import stat_fields
-from tests.support.daemon import wait_until
+from tests.support.daemon import read_pid, wait_until
 from tests.support.harness import RUN_ID, Env, TrainerSpec
 from tests.support.trainers.procs import script_env
 
@@ -208,10 +208,7 @@ class ExecNode:
             return str(r.read().decode())
 
     def trainer_pid(self) -> int | None:
-        try:
-            return int(self.pidfile.read_text().strip())
-        except (OSError, ValueError):
-            return None
+        return read_pid(self.pidfile)
 
     def progress_doc(self) -> dict[str, Any] | None:
         try:

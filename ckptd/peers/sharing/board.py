@@ -118,7 +118,6 @@ def fetch_order(sizes: Sequence[int], place: int, out_of: int) -> list[int]:
 
     first = file_at(total * place // out_of)
     stop = file_at(total * (place + 1) // out_of) if place + 1 < out_of else len(sizes)
-    stop = max(stop, first)
     numbers = list(range(len(sizes)))
     return [*numbers[first:stop], *reversed(numbers[:first]), *reversed(numbers[stop:])]
 
